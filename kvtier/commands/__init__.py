@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvtier`` CLI (see :mod:`kvtier.cli`)."""

@@ -1,0 +1,5 @@
+"""Test support shipped with kvtier: the tier conformance suite and test fakes.
+
+Third-party tier authors subclass :class:`kvtier.testing.conformance.TierConformance` in
+their own test suite (requires pytest and pytest-asyncio with ``asyncio_mode = "auto"``).
+"""

@@ -1,0 +1,300 @@
+"""The conformance suite every tier passes.
+
+Subclass :class:`TierConformance` in a test module (the subclass name must start with
+``Test``) and implement :meth:`TierConformance.make_tier`::
+
+    class TestDRAMConformance(TierConformance):
+        async def make_tier(self, capacity):
+            return DRAMTier(capacity=capacity)
+
+Tests that need a byte budget skip when the subclass sets ``bounded = False``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+from kvtier.errors import BlockTooLargeError, ClosedError, ShapeMismatchError
+from kvtier.tiers.base import Block, Tier
+
+__all__ = ["TierConformance", "sample_block"]
+
+BLOCK_BYTES = 1024
+
+
+def sample_block(seed: int, nbytes: int = BLOCK_BYTES, dtype: str = "<u2") -> Block:
+    """A deterministic pseudo-random block of ``nbytes`` bytes."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=nbytes, dtype=np.uint8).view(np.dtype(dtype))
+
+
+def key_of(i: int) -> bytes:
+    """A 16-byte test key."""
+    return i.to_bytes(4, "big") * 4
+
+
+class TierConformance(abc.ABC):
+    """Behaviour shared by every tier. See the module docstring for how to use it."""
+
+    #: Whether the tier enforces its byte budget by evicting (remote pools may not).
+    bounded: ClassVar[bool] = True
+    #: Whether ``get`` refreshes recency in a way visible through eviction order.
+    lru_visible: ClassVar[bool] = True
+
+    tmp_path: Path
+
+    @abc.abstractmethod
+    async def make_tier(self, capacity: int | None) -> Tier:
+        """Return a fresh, empty tier with byte budget ``capacity`` (``None``: unbounded)."""
+
+    def capacity_for(self, n_blocks: int, block_nbytes: int = BLOCK_BYTES) -> int:
+        """Budget that holds exactly ``n_blocks`` blocks of ``block_nbytes`` (override if the
+        tier accounts per-block overhead)."""
+        return n_blocks * block_nbytes
+
+    @pytest.fixture(autouse=True)
+    async def _kvtier_tiers(self, tmp_path: Path) -> AsyncIterator[None]:
+        self.tmp_path = tmp_path
+        self._created: list[Tier] = []
+        yield
+        for tier in self._created:
+            await tier.aclose()
+
+    async def tier(self, capacity: int | None = None) -> Tier:
+        """Create a tier through :meth:`make_tier` and close it after the test."""
+        made = await self.make_tier(capacity)
+        self._created.append(made)
+        return made
+
+    def _need_budget(self) -> None:
+        if not self.bounded:
+            pytest.skip("tier does not enforce a local byte budget")
+
+    # ----------------------------------------------------------------- basics
+    @pytest.mark.parametrize(("dtype", "shape"), [
+        ("|u1", (1024,)), ("<u2", (4, 16, 8)), ("<f2", (2, 2, 64)), ("<f4", (16, 16)),
+        ("<i8", (3, 5)), ("|b1", (7,)), ("<f8", ()),
+    ])
+    async def test_roundtrip_dtypes_and_shapes(self, dtype: str, shape: tuple[int, ...]) -> None:
+        tier = await self.tier()
+        rng = np.random.default_rng(1)
+        block = rng.integers(0, 2, size=shape).astype(dtype) if dtype == "|b1" else \
+            rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                         dtype=np.uint8).view(dtype).reshape(shape)
+        await tier.put(key_of(1), block)
+        got = await tier.get(key_of(1))
+        assert got is not None
+        assert got.dtype == block.dtype and got.shape == block.shape
+        assert got.tobytes() == block.tobytes()
+
+    async def test_bytes_value_stored_as_uint8(self) -> None:
+        tier = await self.tier()
+        await tier.put(key_of(1), b"hello kv")
+        got = await tier.get(key_of(1))
+        assert got is not None and got.dtype == np.uint8 and got.tobytes() == b"hello kv"
+
+    async def test_put_copies_caller_buffer(self) -> None:
+        tier = await self.tier()
+        block = sample_block(2)
+        await tier.put(key_of(1), block)
+        block[:] = 0
+        got = await tier.get(key_of(1))
+        assert got is not None and got.tobytes() == sample_block(2).tobytes()
+
+    async def test_miss_is_none(self) -> None:
+        tier = await self.tier()
+        assert await tier.get(key_of(9)) is None
+        assert await tier.contains(key_of(9)) is False
+
+    async def test_overwrite(self) -> None:
+        tier = await self.tier(self.capacity_for(4) if self.bounded else None)
+        await tier.put(key_of(1), sample_block(1))
+        used_one = tier.used
+        await tier.put(key_of(1), sample_block(2))
+        got = await tier.get(key_of(1))
+        assert got is not None and got.tobytes() == sample_block(2).tobytes()
+        if self.bounded:
+            assert tier.used == used_one
+
+    async def test_delete(self) -> None:
+        tier = await self.tier()
+        await tier.put(key_of(1), sample_block(1))
+        assert await tier.delete(key_of(1)) is True
+        assert await tier.get(key_of(1)) is None
+        assert await tier.contains(key_of(1)) is False
+        assert await tier.delete(key_of(1)) is False
+
+    async def test_batch_forms(self) -> None:
+        tier = await self.tier()
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(6)])
+        keys = [key_of(i) for i in (0, 99, 3, 5)]
+        got = await tier.get_many(keys)
+        assert [g is None for g in got] == [False, True, False, False]
+        assert got[2] is not None and got[2].tobytes() == sample_block(3).tobytes()
+        assert await tier.contains_many(keys) == [True, False, True, True]
+        assert await tier.delete_many([key_of(0), key_of(99)]) == [True, False]
+        assert await tier.contains_many([key_of(0), key_of(1)]) == [False, True]
+
+    async def test_get_into(self) -> None:
+        tier = await self.tier()
+        block = sample_block(3, dtype="<f2").reshape(8, 64)
+        await tier.put(key_of(1), block)
+        out = np.zeros((8, 64), dtype="<f2")
+        assert await tier.get_into(key_of(1), out) is True
+        assert out.tobytes() == block.tobytes()
+        raw = np.zeros(block.nbytes, dtype=np.uint8)
+        assert await tier.get_into(key_of(1), raw) is True
+        assert raw.tobytes() == block.tobytes()
+        assert await tier.get_into(key_of(2), out) is False
+
+    @pytest.mark.parametrize("out", [
+        np.zeros((8, 64), dtype="<f4"), np.zeros((64, 8), dtype="<f2"),
+        np.zeros(100, dtype=np.uint8), np.zeros((8, 128), dtype="<f2")[:, ::2],
+    ], ids=["dtype", "shape", "size", "non-contiguous"])
+    async def test_get_into_mismatch_leaves_buffer_untouched(self, out: Block) -> None:
+        tier = await self.tier()
+        await tier.put(key_of(1), sample_block(3, dtype="<f2").reshape(8, 64))
+        out = out.copy() if out.flags.c_contiguous else out
+        out[...] = 7
+        before = out.copy()
+        with pytest.raises(ShapeMismatchError):
+            await tier.get_into(key_of(1), out)
+        assert np.array_equal(out, before)
+
+    # -------------------------------------------------------------- bad input
+    @pytest.mark.parametrize("bad_key", ["str-key", bytearray(b"k"), b"", b"x" * 129, 7, None])
+    async def test_bad_keys_rejected(self, bad_key: object) -> None:
+        tier = await self.tier()
+        await tier.put(key_of(1), sample_block(1))
+        for call in (tier.get(bad_key), tier.put(bad_key, sample_block(2)),  # type: ignore[arg-type]
+                     tier.contains(bad_key), tier.delete(bad_key)):  # type: ignore[arg-type]
+            with pytest.raises((TypeError, ValueError), match="key"):
+                await call
+        with pytest.raises((TypeError, ValueError), match="keys"):
+            await tier.get_many([key_of(1), bad_key])  # type: ignore[list-item]
+        got = await tier.get(key_of(1))
+        assert got is not None and got.tobytes() == sample_block(1).tobytes()
+
+    @pytest.mark.parametrize("bad_value", [
+        np.array([object(), object()]), np.zeros((8, 8), dtype=np.uint8)[:, ::2],
+        [1, 2, 3], "text", np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")]),
+    ], ids=["object", "non-contiguous", "list", "str", "structured"])
+    async def test_bad_values_rejected(self, bad_value: object) -> None:
+        tier = await self.tier()
+        with pytest.raises((TypeError, ValueError), match="value"):
+            await tier.put(key_of(1), bad_value)
+        with pytest.raises((TypeError, ValueError), match="value"):
+            await tier.put_many([(key_of(2), sample_block(2)), (key_of(3), bad_value)])
+        assert await tier.contains_many([key_of(1), key_of(2), key_of(3)]) == [False] * 3
+
+    async def test_block_larger_than_capacity_rejected(self) -> None:
+        self._need_budget()
+        tier = await self.tier(self.capacity_for(2))
+        await tier.put(key_of(1), sample_block(1))
+        with pytest.raises(BlockTooLargeError):
+            await tier.put(key_of(2), sample_block(2, nbytes=self.capacity_for(2) * 2))
+        assert await tier.contains(key_of(2)) is False
+        got = await tier.get(key_of(1))
+        assert got is not None and got.tobytes() == sample_block(1).tobytes()
+
+    # ------------------------------------------------------- budget & eviction
+    async def test_budget_never_exceeded_and_evictions_reported(self) -> None:
+        self._need_budget()
+        capacity = self.capacity_for(5)
+        tier = await self.tier(capacity)
+        evicted: dict[bytes, bytes] = {}
+
+        async def on_evict(key: bytes, block: Block) -> None:
+            assert await tier.contains(key), "evicted block must be readable until demoted"
+            evicted[key] = block.tobytes()
+
+        tier.on_evict = on_evict
+        rng = np.random.default_rng(5)
+        sizes = {}
+        for i in range(40):
+            nbytes = int(rng.integers(1, 3)) * BLOCK_BYTES // 2
+            sizes[i] = nbytes
+            await tier.put(key_of(i), sample_block(i, nbytes=nbytes, dtype="|u1"))
+            assert tier.used <= capacity
+        for i in range(40):
+            got = await tier.get(key_of(i))
+            expected = sample_block(i, nbytes=sizes[i], dtype="|u1").tobytes()
+            if got is not None:
+                assert got.tobytes() == expected
+            else:
+                assert evicted.get(key_of(i)) == expected, f"block {i} lost without demotion"
+        assert tier.stats()["evictions"] >= 40 - 10
+
+    async def test_contains_does_not_refresh_recency(self) -> None:
+        self._need_budget()
+        tier = await self.tier(self.capacity_for(3))
+        for i in range(3):
+            await tier.put(key_of(i), sample_block(i))
+        assert await tier.contains(key_of(0))
+        assert await tier.contains_many([key_of(0)]) == [True]
+        await tier.put(key_of(3), sample_block(3))
+        assert await tier.contains_many([key_of(i) for i in range(4)]) == [False, True, True, True]
+
+    async def test_get_refreshes_recency(self) -> None:
+        self._need_budget()
+        if not self.lru_visible:
+            pytest.skip("tier's eviction order is not LRU-observable")
+        tier = await self.tier(self.capacity_for(3))
+        for i in range(3):
+            await tier.put(key_of(i), sample_block(i))
+        assert await tier.get(key_of(0)) is not None
+        await tier.put(key_of(3), sample_block(3))
+        assert await tier.contains_many([key_of(i) for i in range(4)]) == [True, False, True, True]
+
+    async def test_touch_chain_evicts_tail_first(self) -> None:
+        self._need_budget()
+        if not self.lru_visible:
+            pytest.skip("tier's eviction order is not LRU-observable")
+        tier = await self.tier(self.capacity_for(4))
+        chain = [key_of(i) for i in range(4)]
+        for i, key in enumerate(chain):
+            await tier.put(key, sample_block(i))
+        await tier.touch_chain(chain)
+        await tier.put(key_of(10), sample_block(10))
+        assert await tier.contains_many(chain) == [True, True, True, False]
+
+    async def test_pinned_blocks_not_evicted(self) -> None:
+        self._need_budget()
+        tier = await self.tier(self.capacity_for(3))
+        await tier.put(key_of(0), sample_block(0))
+        await tier.pin([key_of(0)])
+        for i in range(1, 8):
+            await tier.put(key_of(i), sample_block(i))
+        assert await tier.contains(key_of(0))
+        await tier.unpin([key_of(0)])
+        for i in range(8, 12):
+            await tier.put(key_of(i), sample_block(i))
+        assert not await tier.contains(key_of(0))
+
+    async def test_concurrent_puts_hold_budget(self) -> None:
+        self._need_budget()
+        capacity = self.capacity_for(8)
+        tier = await self.tier(capacity)
+        await asyncio.gather(*(tier.put(key_of(i), sample_block(i)) for i in range(64)))
+        assert tier.used <= capacity
+        present = await tier.contains_many([key_of(i) for i in range(64)])
+        assert 1 <= sum(present) <= 8
+
+    # ------------------------------------------------------------------ close
+    async def test_close_is_idempotent_and_final(self) -> None:
+        tier = await self.make_tier(None)
+        await tier.put(key_of(1), sample_block(1))
+        await tier.aclose()
+        await tier.aclose()
+        assert tier.closed
+        with pytest.raises(ClosedError):
+            await tier.get(key_of(1))
+        with pytest.raises(ClosedError):
+            await tier.put(key_of(2), sample_block(2))

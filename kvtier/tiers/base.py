@@ -1,0 +1,299 @@
+"""The tier contract: what every storage backend in a kvtier chain implements.
+
+A tier implements four coroutines (:meth:`Tier._get`, :meth:`Tier._put`,
+:meth:`Tier._delete`, :meth:`Tier._contains`) plus :attr:`Tier.capacity`,
+:attr:`Tier.used` and :meth:`Tier.from_url`. The public methods validate arguments once,
+here, and the batch forms have correct defaults with bounded concurrency that a tier
+overrides when it can do better (one transaction, one request per peer).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, ClassVar, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.codec import as_block
+from kvtier.errors import ClosedError, ShapeMismatchError
+from kvtier.keys import validate_key
+
+__all__ = ["Block", "EvictionCallback", "Tier", "check_output_buffer", "copy_into"]
+
+Block = npt.NDArray[np.generic]
+EvictionCallback = Callable[[bytes, Block], Awaitable[None]]
+log = logging.getLogger("kvtier.tiers")
+
+
+def check_output_buffer(block: Block, out: Block, name: str = "out") -> npt.NDArray[np.generic]:
+    """Return the view of ``out`` that ``block`` is copied into, or raise without writing.
+
+    ``out`` must be a writeable C-contiguous numpy array that either has the block's dtype
+    and shape, or is ``uint8`` with exactly ``block.nbytes`` elements (a raw slot).
+
+    Raises
+    ------
+    TypeError
+        If ``out`` is not a numpy array.
+    ShapeMismatchError
+        On a dtype, shape or size mismatch, or a read-only/non-contiguous ``out``.
+    """
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name}: expected numpy.ndarray, got {type(out).__name__}")
+    if not out.flags.writeable or not out.flags.c_contiguous:
+        raise ShapeMismatchError(f"{name}: must be writeable and C-contiguous")
+    if out.dtype == block.dtype and out.shape == block.shape:
+        return out
+    if out.dtype == np.uint8 and out.size == block.nbytes:
+        return out.reshape(-1)
+    raise ShapeMismatchError(
+        f"{name}: block is {block.dtype}{list(block.shape)} ({block.nbytes} bytes), "
+        f"buffer is {out.dtype}{list(out.shape)} ({out.nbytes} bytes)")
+
+
+def copy_into(block: Block, out: Block, name: str = "out") -> None:
+    """Copy ``block`` into ``out`` after :func:`check_output_buffer` accepted it."""
+    target = check_output_buffer(block, out, name)
+    if target.dtype == block.dtype and target.shape == block.shape:
+        np.copyto(target, block, casting="no")
+    else:
+        np.copyto(target, block.reshape(-1).view(np.uint8), casting="no")
+
+
+class Tier(abc.ABC):
+    """Base class of every tier.
+
+    Subclasses set :attr:`scheme`, implement the ``_get``/``_put``/``_delete``/``_contains``
+    hooks, :attr:`capacity`, :attr:`used` and :meth:`from_url`, and may override the batch
+    hooks, ``_touch_chain``, ``_pin``/``_unpin``, ``_get_into`` and ``_aclose``.
+
+    A tier with a byte budget calls :meth:`_evict` for every block it drops by its budget,
+    *before* the block stops being readable, so the store can demote it.
+
+    Parameters
+    ----------
+    name
+        Label used in stats and logs (defaults to the scheme).
+    max_concurrency
+        Bound on concurrent operations in the default batch implementations.
+    """
+
+    scheme: ClassVar[str] = ""
+
+    def __init__(self, *, name: str | None = None, max_concurrency: int = 16) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency: expected >= 1, got {max_concurrency}")
+        self.name = name or self.scheme
+        self.on_evict: EvictionCallback | None = None
+        self.evictions = 0
+        self.eviction_errors = 0
+        self._max_concurrency = max_concurrency
+        self._closed = False
+
+    # ----------------------------------------------------------------- contract
+    @property
+    @abc.abstractmethod
+    def capacity(self) -> int | None:
+        """Byte budget, or ``None`` when unbounded."""
+
+    @property
+    @abc.abstractmethod
+    def used(self) -> int:
+        """Bytes of blocks currently held."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        """Build the tier from its URL; keyword options override URL query options."""
+
+    @abc.abstractmethod
+    async def _get(self, key: bytes) -> Block | None:
+        """Return the block or ``None``; refreshes recency."""
+
+    @abc.abstractmethod
+    async def _put(self, key: bytes, block: Block) -> None:
+        """Store a copy of ``block`` (the caller may reuse its buffer afterwards)."""
+
+    @abc.abstractmethod
+    async def _delete(self, key: bytes) -> bool:
+        """Remove ``key``; return whether it was present."""
+
+    @abc.abstractmethod
+    async def _contains(self, key: bytes) -> bool:
+        """Whether ``key`` is present; never refreshes recency and never pins."""
+
+    # ---------------------------------------------------------- batch defaults
+    async def _bounded(self, coros: Iterable[Awaitable[Any]]) -> list[Any]:
+        sem = asyncio.Semaphore(self._max_concurrency)
+
+        async def run(coro: Awaitable[Any]) -> Any:
+            async with sem:
+                return await coro
+
+        return list(await asyncio.gather(*(run(c) for c in coros)))
+
+    async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        return await self._bounded(self._get(k) for k in keys)
+
+    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+        # In order, so that for a repeated key the last value wins.
+        for key, block in items:
+            await self._put(key, block)
+
+    async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self._bounded(self._contains(k) for k in keys)
+
+    async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self._bounded(self._delete(k) for k in keys)
+
+    async def _get_into(self, key: bytes, out: Block) -> bool:
+        block = await self._get(key)
+        if block is None:
+            return False
+        copy_into(block, out)
+        return True
+
+    async def _touch_chain(self, keys: Sequence[bytes]) -> None:
+        """Refresh recency from the chain's tail to its head (no-op for unbounded tiers)."""
+
+    async def _pin(self, keys: Sequence[bytes]) -> None:
+        """Keep ``keys`` from eviction (no-op for tiers that never evict)."""
+
+    async def _unpin(self, keys: Sequence[bytes]) -> None:
+        """Release pins taken by :meth:`_pin`."""
+
+    async def _aclose(self) -> None:
+        """Release resources; called once."""
+
+    # ------------------------------------------------------------- public API
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"tier {self.name!r} is closed")
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` has been called."""
+        return self._closed
+
+    async def get(self, key: bytes) -> Block | None:
+        """Return the block stored under ``key``, or ``None`` on a miss."""
+        self._check_open()
+        return await self._get(validate_key(key))
+
+    async def put(self, key: bytes, value: object) -> None:
+        """Store ``value`` (a C-contiguous array or bytes-like) under ``key``."""
+        self._check_open()
+        await self._put(validate_key(key), as_block(value))
+
+    async def delete(self, key: bytes) -> bool:
+        """Remove ``key``; returns whether it was present."""
+        self._check_open()
+        return await self._delete(validate_key(key))
+
+    async def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is present (does not refresh recency)."""
+        self._check_open()
+        return await self._contains(validate_key(key))
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        """Batch :meth:`get`; results are in the order of ``keys``."""
+        self._check_open()
+        return await self._get_many(_validate_keys(keys))
+
+    async def put_many(self, items: Iterable[tuple[bytes, object]]) -> None:
+        """Batch :meth:`put` of ``(key, value)`` pairs; all are validated before any write."""
+        self._check_open()
+        checked = [(validate_key(k, f"items[{i}] key"), as_block(v, f"items[{i}] value"))
+                   for i, (k, v) in enumerate(items)]
+        await self._put_many(checked)
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Batch :meth:`contains`."""
+        self._check_open()
+        return await self._contains_many(_validate_keys(keys))
+
+    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Batch :meth:`delete`."""
+        self._check_open()
+        return await self._delete_many(_validate_keys(keys))
+
+    async def get_into(self, key: bytes, out: Block) -> bool:
+        """Copy the block into caller-owned ``out``; returns ``False`` on a miss.
+
+        Raises
+        ------
+        ShapeMismatchError
+            If ``out`` does not fit the block; ``out`` is then left untouched.
+        """
+        self._check_open()
+        return await self._get_into(validate_key(key), out)
+
+    async def touch_chain(self, keys: Sequence[bytes]) -> None:
+        """Refresh a prefix chain's recency from its tail to its head."""
+        self._check_open()
+        await self._touch_chain(_validate_keys(keys))
+
+    async def pin(self, keys: Sequence[bytes]) -> None:
+        """Protect ``keys`` from eviction in this tier until :meth:`unpin`."""
+        self._check_open()
+        await self._pin(_validate_keys(keys))
+
+    async def unpin(self, keys: Sequence[bytes]) -> None:
+        """Release one pin of each key."""
+        self._check_open()
+        await self._unpin(_validate_keys(keys))
+
+    async def aclose(self) -> None:
+        """Close the tier; calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        """Tier-side figures: scheme, name, capacity, used, evictions (subclasses add more)."""
+        return {
+            "scheme": self.scheme,
+            "name": self.name,
+            "capacity": self.capacity,
+            "used": self.used,
+            "evictions": self.evictions,
+            "eviction_errors": self.eviction_errors,
+        }
+
+    # ------------------------------------------------------------ for subclasses
+    async def _evict(self, key: bytes, block: Block) -> None:
+        """Hand an evicted block to the demotion callback before the tier drops it.
+
+        A failing callback is logged and counted; the block is dropped anyway so a broken
+        lower tier cannot wedge this one.
+        """
+        self.evictions += 1
+        if self.on_evict is None:
+            return
+        try:
+            await self.on_evict(key, block)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.eviction_errors += 1
+            log.exception("tier %s: demotion of evicted block %s failed", self.name, key.hex())
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} used={self.used} capacity={self.capacity}>"
+
+
+def _validate_keys(keys: Sequence[bytes]) -> list[bytes]:
+    if isinstance(keys, bytes | str) or not isinstance(keys, Iterable):
+        raise TypeError(f"keys: expected a sequence of bytes keys, got {type(keys).__name__}")
+    return [validate_key(k, f"keys[{i}]") for i, k in enumerate(keys)]

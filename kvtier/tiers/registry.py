@@ -1,0 +1,91 @@
+"""Tier URL schemes -> tier classes: built-ins (imported lazily), the ``kvtier.tiers``
+entry-point group for third-party tiers, and fsspec protocols as a fallback."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from kvtier.errors import ConfigError, UnknownSchemeError
+from kvtier.tiers.base import Tier
+from kvtier.urls import parse_tier_url
+
+__all__ = ["ENTRY_POINT_GROUP", "known_schemes", "register_tier", "tier_class", "tier_from_url"]
+
+ENTRY_POINT_GROUP = "kvtier.tiers"
+_FSSPEC_TIER = "kvtier.tiers.fsspec:FsspecTier"
+_BUILTIN: dict[str, str] = {
+    "dram": "kvtier.tiers.dram:DRAMTier",
+    "hbm": "kvtier.tiers.hbm:HBMTier",
+    "lmdb": "kvtier.tiers.lmdb:LMDBTier",
+    "peers": "kvtier.peer.tier:PeerTier",
+    "peers+dns": "kvtier.peer.tier:PeerTier",
+}
+_registered: dict[str, type[Tier] | str] = {}
+
+
+def register_tier(scheme: str, target: type[Tier] | str) -> None:
+    """Register a tier class (or a lazy ``"module:Class"`` path) for ``scheme``."""
+    if not scheme or scheme != scheme.lower():
+        raise ValueError(f"scheme: expected a non-empty lowercase scheme, got {scheme!r}")
+    _registered[scheme] = target
+
+
+def _fsspec_protocols() -> set[str]:
+    from fsspec.registry import known_implementations, registry
+
+    return set(known_implementations) | set(registry)
+
+
+def _entry_point_schemes() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_schemes() -> list[str]:
+    """Every scheme :func:`tier_from_url` accepts (fsspec protocols included)."""
+    return sorted(set(_BUILTIN) | set(_registered) | set(_entry_point_schemes())
+                  | _fsspec_protocols())
+
+
+def _load(target: type[Tier] | str, scheme: str) -> type[Tier]:
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"scheme {scheme!r}: cannot load {target}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Tier)):
+        raise ConfigError(f"scheme {scheme!r}: {target} is not a Tier subclass")
+    return cls
+
+
+def tier_class(scheme: str) -> type[Tier]:
+    """Return the tier class that handles ``scheme``.
+
+    Raises
+    ------
+    UnknownSchemeError
+        Listing the known schemes.
+    """
+    scheme = scheme.lower()
+    if scheme in _registered:
+        return _load(_registered[scheme], scheme)
+    if scheme in _BUILTIN:
+        return _load(_BUILTIN[scheme], scheme)
+    eps = _entry_point_schemes()
+    if scheme in eps:
+        return _load(eps[scheme].value, scheme)
+    if scheme in _fsspec_protocols():
+        return _load(_FSSPEC_TIER, scheme)
+    builtin = ", ".join(sorted(set(_BUILTIN) | set(_registered) | set(eps)))
+    raise UnknownSchemeError(
+        f"url: unknown tier scheme {scheme!r}; known: {builtin}, or any fsspec protocol "
+        "(file, memory, s3, gs, ...)")
+
+
+def tier_from_url(url: str, **options: Any) -> Tier:
+    """Build a tier from its URL, e.g. ``tier_from_url("dram://?capacity=8GiB")``."""
+    parsed = parse_tier_url(url)
+    return tier_class(parsed.scheme).from_url(url, **options)
