@@ -1,0 +1,1 @@
+"""kvtier benchmarks (run with ``kvtier bench`` or ``python -m benchmarks.<name>``)."""
