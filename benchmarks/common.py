@@ -54,7 +54,9 @@ class Result:
         return out
 
 
-def time_sync(fn: Callable[[], object], *, min_ops: int, min_time: float) -> tuple[list[float], float]:
+def time_sync(
+    fn: Callable[[], object], *, min_ops: int, min_time: float
+) -> tuple[list[float], float]:
     """Run ``fn`` until both ``min_ops`` and ``min_time`` are reached; per-op latencies + wall."""
     lat: list[float] = []
     start = time.perf_counter()
