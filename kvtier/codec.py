@@ -64,6 +64,12 @@ _FIXED = struct.Struct("<4sBBBBQQ")
 MIN_HEADER_BYTES = _FIXED.size + 1 + 8
 MAX_HEADER_BYTES = _FIXED.size + 8 * _MAX_NDIM + _MAX_DTYPE_LEN + 8
 _COMPRESS_KEEP_RATIO = 0.97
+# numpy refuses arrays whose byte extent (zero dimensions counted as 1) exceeds intp.
+_MAX_EXTENT = 2**63 - 1
+# A zstd block yields at most 128 KiB and costs at least 4 bytes (3-byte header + 1 RLE
+# byte), so no genuine payload inflates more than 32768x; a frame declaring more is forged
+# and would only make the decoder allocate raw_size bytes for nothing.
+_MAX_ZSTD_RATIO = 32768
 _DTYPE_STR_RE = re.compile(r"^[<>|][?biufcmMSU]\d{1,6}(\[\w{1,8}\])?$")
 _DTYPE_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{1,31}$")
 _local = threading.local()
@@ -284,13 +290,19 @@ def parse_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
     except UnicodeDecodeError:
         raise CorruptBlockError("frame: dtype descriptor is not ASCII") from None
     dtype = _resolve_dtype(descriptor)
-    count = 1
+    count, extent = 1, dtype.itemsize
     for dim in shape:
         count *= dim
+        extent *= max(dim, 1)
+    if extent > _MAX_EXTENT:
+        raise CorruptBlockError(f"frame: shape {shape} x {dtype} is too large for numpy")
     if count * dtype.itemsize != raw_size:
         raise CorruptBlockError(f"frame: shape {shape} x {dtype} != raw_size {raw_size}")
     if not flags & FLAG_ZSTD and stored_size != raw_size:
         raise CorruptBlockError("frame: uncompressed frame with stored_size != raw_size")
+    if flags & FLAG_ZSTD and not 0 < raw_size <= stored_size * _MAX_ZSTD_RATIO:
+        raise CorruptBlockError(f"frame: zstd raw_size {raw_size} impossible for "
+                                f"stored_size {stored_size}")
     (checksum,) = struct.unpack_from("<Q", view, header_len - 8)
     return FrameHeader(flags, dtype, tuple(shape), raw_size, stored_size, header_len, checksum)
 
@@ -324,6 +336,10 @@ def decode_frame(buf: bytes | bytearray | memoryview) -> npt.NDArray[np.generic]
         return np.frombuffer(view, dtype=head.dtype, count=head.raw_size // head.dtype.itemsize,
                              offset=head.header_len).reshape(head.shape)
     try:
+        # python-zstandard allocates the content size the zstd frame declares; that must be
+        # the raw_size bounded above (our encoder always writes it).
+        if zstandard.frame_content_size(payload) != head.raw_size:
+            raise CorruptBlockError("frame: zstd content size != raw_size")
         raw = _decompressor().decompress(payload, max_output_size=head.raw_size)
     except zstandard.ZstdError as exc:
         raise CorruptBlockError(f"frame: zstd: {exc}") from None
