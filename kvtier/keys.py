@@ -98,9 +98,15 @@ class KeyNamespace:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model: expected a non-empty str")
-        for name in ("dtype", "layout"):
-            if not isinstance(getattr(self, name), str):
+        for name in ("model", "dtype", "layout", "salt"):
+            value = getattr(self, name)
+            if name != "salt" and not isinstance(value, str):
                 raise TypeError(f"{name}: expected str")
+            if isinstance(value, str) and not value.isascii():
+                try:  # root_key() hashes UTF-8; fail here, not at the first prefix_keys().
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"{name}: not encodable as UTF-8: {value!r}") from None
         for name in ("tp_rank", "tp_size", "schema_version"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
@@ -127,7 +133,10 @@ def _as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDAr
         if isinstance(tokens, str | bytes):
             raise TypeError("tokens: expected a sequence of ints or an int array, got "
                             f"{type(tokens).__name__}")
-        arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
+        try:
+            arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
+        except (TypeError, ValueError) as exc:  # no len(), ragged nesting
+            raise TypeError(f"tokens: expected a sequence of ints or an int array: {exc}") from None
     if arr.ndim != 1:
         raise ValueError(f"tokens: expected a 1-d sequence, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":

@@ -30,7 +30,8 @@ _UNITS: dict[str, int] = {
     "pb": 1000**5,
     "pib": 1 << 50,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# Digit counts are bounded so float()/int() can neither overflow nor hit int's digit limit.
+_SIZE_RE = re.compile(r"^\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: str | int, name: str = "capacity") -> int:
@@ -127,7 +128,12 @@ def parse_tier_url(url: str) -> TierURL:
         raise ConfigError(f"url: expected str, got {type(url).__name__}")
     if "://" not in url:
         raise ConfigError(f"url: {url!r} has no scheme (expected e.g. 'dram://?capacity=8GiB')")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unterminated IPv6 literal
+        raise ConfigError(f"url: cannot parse {url!r}: {exc}") from None
+    if not parts.scheme:
+        raise ConfigError(f"url: {url!r} has no scheme (expected e.g. 'dram://?capacity=8GiB')")
     params: dict[str, str] = {}
     for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
         if key in params:
