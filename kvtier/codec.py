@@ -111,8 +111,9 @@ def dtype_descriptor(dtype: np.dtype[np.generic], name: str = "value") -> str:
         raise TypeError(f"{name}: structured/subarray dtypes are not supported, got {dtype}")
     if dtype.itemsize == 0:
         raise TypeError(f"{name}: dtype {dtype} has no fixed size")
-    if dtype.kind == "V":
-        # Extension float types (ml_dtypes.bfloat16, float8_*) are kind 'V' with a name.
+    if dtype.kind == "V" or dtype.isbuiltin == 2:
+        # Extension types (ml_dtypes.bfloat16, float8_*) are kind 'V' or user-defined (e.g.
+        # float8_e5m2 is '<f1', which numpy cannot parse back): they travel by name.
         if not _DTYPE_NAME_RE.match(dtype.name) or dtype.name.startswith("void"):
             raise TypeError(f"{name}: raw void dtype {dtype} is not supported")
         return dtype.name
