@@ -1,0 +1,517 @@
+"""``lmdb://``: blocks on local NVMe in one LMDB environment, byte budget, LRU, warm restart.
+
+URL form: ``lmdb:///nvme/kvtier?capacity=500GiB&compress=zstd:1&shuffle=1&sync=0``.
+
+- Every LMDB transaction runs start to commit inside one ``asyncio.to_thread`` call
+  (:mod:`kvtier.tiers.lmdb_env`); reads copy out before their transaction ends.
+- The budget accounts stored frame bytes. ``data.mdb`` can never grow past ``map_size =
+  capacity + overhead`` (LMDB refuses with ``MapFullError``, which this tier catches: it
+  evicts more and retries), so the directory stays under ``capacity + overhead + 64 KiB``
+  on disk however many blocks are put. See ``docs/tiers-persistent.md``.
+- Recency lives in memory (:class:`~kvtier.policy.RecencyPolicy`) and is persisted lazily in
+  the ``recency`` database (with every write transaction, every ``touch_flush`` hits, and at
+  close), so a reopen restores contents, usage and LRU order without reading any value.
+- One process owns a directory (``flock`` on ``kvtier.lock``); a second opener gets
+  :class:`DirectoryLockedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Self, TypeVar
+from urllib.parse import unquote
+
+import lmdb
+
+from kvtier.codec import dtype_descriptor, encode_frame
+from kvtier.errors import ConfigError, CorruptBlockError, TierError, TierFullError
+from kvtier.policy import Clock, RecencyPolicy
+from kvtier.tiers.base import Block, Tier
+from kvtier.tiers.lmdb_env import BlockEnv, Durability, PendingPut
+from kvtier.tiers.persist_options import parse_compress
+from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
+
+__all__ = ["DEFAULT_OVERHEAD_FIXED", "DirectoryLockedError", "LMDBTier", "default_overhead"]
+
+log = logging.getLogger("kvtier.tiers.lmdb")
+T = TypeVar("T")
+
+DEFAULT_OVERHEAD_FIXED = 8 << 20
+_UNBOUNDED_MAP_SIZE = 1 << 40
+_STEP_BLOCKS = 64
+_STEP_BYTES = 64 << 20
+_MAX_ROOM_ATTEMPTS = 64
+_LOCK_NAME = "kvtier.lock"
+_SYNC_VALUES = {"0": "0", "false": "0", "off": "0", "no": "0", "meta": "meta",
+                "1": "1", "true": "1", "on": "1", "yes": "1"}
+
+
+class DirectoryLockedError(TierError):
+    """Another process (or another tier object) already owns this LMDB directory."""
+
+
+def default_overhead(capacity: int) -> int:
+    """Room ``data.mdb`` gets on top of the budget: 1/8 of it plus 8 MiB.
+
+    It pays for page rounding (a value takes whole 4 KiB pages plus a 16-byte page header:
+    a 64 KiB block uses 17 pages), B-tree and free-list pages, and pages freed by the last two
+    commits, which LMDB cannot reuse yet.
+    """
+    return capacity // 8 + DEFAULT_OVERHEAD_FIXED
+
+
+def _frame_bound(block: Block) -> int:
+    # Exact frame size when uncompressed; an upper bound when compressed (zstd output is
+    # only kept when smaller than the raw payload).
+    descriptor = dtype_descriptor(block.dtype, "value")
+    return 24 + 8 * block.ndim + len(descriptor) + 8 + block.nbytes
+
+
+def _lock_directory(path: Path) -> int:
+    fd = os.open(path / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise DirectoryLockedError(
+                f"path: LMDB directory {str(path)!r} is already open (holder pid {holder}); "
+                "one process owns a directory - give each process its own path") from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class LMDBTier(Tier):
+    """Local-NVMe tier on one LMDB environment.
+
+    Parameters
+    ----------
+    path
+        Directory of the environment (created if missing). One process owns it.
+    capacity
+        Byte budget of stored frames (``None``: unbounded, ``map_size`` 1 TiB).
+    compress_level
+        zstd level for stored frames, or ``None``.
+    shuffle
+        Byte-shuffle before zstd (pays for fp16/bf16 KV).
+    sync
+        ``"0"`` (default): no fsync at commit; a process crash loses nothing committed, an OS
+        crash or power loss may lose or corrupt the cache (delete the directory after one).
+        ``"meta"``: fsync data but not the meta page; ``"1"``: fsync every commit.
+    writemap
+        Let LMDB write through its shared memory map (faster large puts).
+    overhead
+        Bytes of ``data.mdb`` on top of ``capacity`` (default :func:`default_overhead`).
+    clock
+        Wall-clock time source for recency (persisted, so it must survive restarts).
+    touch_flush
+        Persist recency after this many hits without a write transaction.
+    name
+        Label in stats.
+
+    Raises
+    ------
+    DirectoryLockedError
+        If the directory is already open.
+    """
+
+    scheme = "lmdb"
+
+    def __init__(self, path: str | os.PathLike[str], *, capacity: int | None = None,
+                 compress_level: int | None = None, shuffle: bool = False,
+                 sync: Durability = "0", writemap: bool = False, overhead: int | None = None,
+                 clock: Clock = time.time, touch_flush: int = 1024,
+                 name: str | None = None) -> None:
+        super().__init__(name=name)
+        if sync not in ("0", "meta", "1"):
+            raise ConfigError(f"sync: expected '0', 'meta' or '1', got {sync!r}")
+        if overhead is not None and overhead < 0:
+            raise ConfigError(f"overhead: expected >= 0, got {overhead}")
+        if touch_flush < 1:
+            raise ValueError(f"touch_flush: expected >= 1, got {touch_flush}")
+        self._policy = RecencyPolicy(capacity, clock)
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = _lock_directory(self.path)
+        page = os.sysconf("SC_PAGE_SIZE")
+        if capacity is None:
+            map_size = _UNBOUNDED_MAP_SIZE
+        else:
+            map_size = capacity + (default_overhead(capacity) if overhead is None else overhead)
+        self.map_size = -(-map_size // page) * page
+        self.compress_level = compress_level
+        self.shuffle = shuffle
+        self.sync = sync
+        self.writemap = writemap
+        self._clock = clock
+        self._touch_flush = touch_flush
+        self._env: BlockEnv | None = None
+        self._opening = asyncio.Lock()
+        # Serialises writers (LMDB has one writer anyway) and eviction+admission: a victim
+        # must reach the next tier before it leaves this one.
+        self._lock = asyncio.Lock()
+        self._touched: set[bytes] = set()
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self.hits = self.misses = self.corrupt = self.errors = self.map_full = 0
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        """``lmdb:///DIR?capacity=SIZE&compress=zstd:1&shuffle=1&sync=0|meta|1&writemap=0
+        &overhead=SIZE&name=LABEL``."""
+        parsed = parse_tier_url(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"url: lmdb:// takes an absolute path (lmdb:///dir), got {url!r}")
+        path = unquote(parsed.path)
+        if path in ("", "/"):
+            raise ConfigError(f"url: lmdb:// needs a directory, e.g. lmdb:///nvme/kvtier, got "
+                              f"{url!r}")
+        opts = merge_options(parsed, options, {"capacity", "compress", "shuffle", "sync",
+                                               "writemap", "overhead", "name", "clock",
+                                               "touch_flush"})
+        capacity = opts.get("capacity")
+        overhead = opts.get("overhead")
+        sync_text = str(opts.get("sync", "0")).strip().lower()
+        if sync_text not in _SYNC_VALUES:
+            raise ConfigError(f"sync: expected 0, meta or 1, got {opts['sync']!r}")
+        extra: dict[str, Any] = {}
+        if "clock" in opts:
+            extra["clock"] = opts["clock"]
+        if "touch_flush" in opts:
+            extra["touch_flush"] = int(str(opts["touch_flush"]))
+        return cls(
+            path,
+            capacity=None if capacity in (None, "") else parse_size(capacity),  # type: ignore[arg-type]
+            compress_level=parse_compress(opts.get("compress")),
+            shuffle=parse_bool(opts.get("shuffle", False), "shuffle"),  # type: ignore[arg-type]
+            sync=_SYNC_VALUES[sync_text],
+            writemap=parse_bool(opts.get("writemap", False), "writemap"),  # type: ignore[arg-type]
+            overhead=None if overhead in (None, "") else parse_size(overhead, "overhead"),  # type: ignore[arg-type]
+            name=str(opts["name"]) if "name" in opts else None,
+            **extra,
+        )
+
+    async def _ready(self) -> BlockEnv:
+        if self._env is not None:
+            return self._env
+        async with self._opening:
+            if self._env is None:
+                env, entries = await asyncio.to_thread(self._open_env)
+                for key, size, last in entries:
+                    self._policy.admit(key, size, last_access=last)
+                self._env = env
+        return self._env
+
+    def _open_env(self) -> tuple[BlockEnv, list[tuple[bytes, int, float]]]:
+        env = BlockEnv(self.path, map_size=self.map_size, durability=self.sync,
+                       writemap=self.writemap)
+        return env, env.load_index()
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        # Shielded and tracked: a cancelled caller never leaves a transaction half-applied
+        # in the policy, and aclose() waits for every thread still inside the environment.
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return await asyncio.shield(task)
+
+    async def _locked(self, coro: Awaitable[T]) -> T:
+        """Run ``coro`` under the writer lock as a shielded, tracked task (see above)."""
+        async def run() -> T:
+            async with self._lock:
+                return await coro
+
+        task = asyncio.ensure_future(run())
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return await asyncio.shield(task)
+
+    # ---------------------------------------------------------------- contract
+    @property
+    def capacity(self) -> int | None:
+        return self._policy.capacity
+
+    @property
+    def used(self) -> int:
+        return self._policy.used
+
+    def __len__(self) -> int:
+        return len(self._policy)
+
+    async def _get(self, key: bytes) -> Block | None:
+        return (await self._get_many([key]))[0]
+
+    async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        env = await self._ready()
+        wanted = [k for k in dict.fromkeys(keys) if k in self._policy]
+        found: dict[bytes, Block] = {}
+        if wanted:
+            try:
+                results = await self._in_thread(env.read, wanted)
+            except lmdb.Error as exc:
+                self.errors += 1
+                log.warning("lmdb tier %s: read failed: %s", self.name, exc)
+                results = [None] * len(wanted)
+            bad: list[bytes] = []
+            for key, res in zip(wanted, results, strict=True):
+                if isinstance(res, CorruptBlockError):
+                    self.corrupt += 1
+                    log.warning("lmdb tier %s: corrupt block %s dropped: %s", self.name,
+                                key.hex(), res)
+                    bad.append(key)
+                elif res is not None:
+                    found[key] = res
+            if bad:
+                await self._locked(self._delete_locked(bad))
+        out: list[Block | None] = []
+        for key in keys:
+            block = found.get(key)
+            if block is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._policy.touch(key)
+                self._touched.add(key)
+            out.append(block)
+        if len(self._touched) >= self._touch_flush:
+            await self._locked(self._flush_touches_locked())
+        return out
+
+    async def _contains(self, key: bytes) -> bool:
+        await self._ready()
+        return key in self._policy
+
+    async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        await self._ready()
+        return [k in self._policy for k in keys]
+
+    async def _put(self, key: bytes, block: Block) -> None:
+        await self._put_many([(key, block)])
+
+    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+        await self._ready()
+        batch = dict(items)  # a repeated key: the last value wins
+        bounds = {k: _frame_bound(b) for k, b in batch.items()}
+        for key, bound in bounds.items():
+            self._policy.check_fits(bound, f"value for key {key.hex()}")
+        capacity = self._policy.capacity
+        if capacity is not None and sum(bounds.values()) > capacity and len(batch) > 1:
+            # The batch cannot fit at once: store it block by block (later ones evict
+            # earlier ones, as a sequence of puts would).
+            for key, block in batch.items():
+                await self._put_many([(key, block)])
+            return
+        await self._locked(self._put_locked(batch, bounds))
+
+    async def _delete(self, key: bytes) -> bool:
+        return (await self._delete_many([key]))[0]
+
+    async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        await self._ready()
+        present = await self._locked(self._delete_locked(list(dict.fromkeys(keys))))
+        return [present.pop(k, False) for k in keys]
+
+    async def _touch_chain(self, keys: Sequence[bytes]) -> None:
+        await self._ready()
+        self._policy.touch_chain(keys)
+        self._touched.update(k for k in keys if k in self._policy)
+
+    async def _pin(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._policy.pin(key)
+
+    async def _unpin(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._policy.unpin(key)
+
+    async def _aclose(self) -> None:
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        try:
+            if self._env is not None:
+                async with self._lock:
+                    await self._flush_touches_locked()
+                    await asyncio.to_thread(self._env.close)
+                self._env = None
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    # ------------------------------------------------------------ write path
+    def _touch_records(self) -> list[tuple[bytes, int, float]]:
+        records = []
+        for key in self._touched:
+            size, last = self._policy.size_of(key), self._policy.last_access(key)
+            if size is not None and last is not None:
+                records.append((key, size, last))
+        self._touched.clear()
+        return records
+
+    async def _flush_touches_locked(self) -> None:
+        records = self._touch_records()
+        if records and self._env is not None:
+            await asyncio.to_thread(self._env.write, [], [], records)
+
+    async def _delete_locked(self, keys: list[bytes]) -> dict[bytes, bool]:
+        env = self._env
+        assert env is not None
+        try:
+            present = await asyncio.to_thread(env.write, [], keys, [])
+        except lmdb.Error as exc:
+            self.errors += 1
+            raise TierError(f"lmdb tier {self.name}: delete failed: {exc}") from exc
+        for key in keys:
+            self._policy.remove(key)
+            self._touched.discard(key)
+        return dict(zip(keys, present, strict=True))
+
+    def _victims(self, need: int, exclude: set[bytes]) -> list[bytes]:
+        """LRU keys (not pinned, not in ``exclude``) adding up to at least ``need`` bytes."""
+        chosen: list[bytes] = []
+        for key in self._policy.lru_order():
+            if need <= 0:
+                break
+            if key in exclude or self._policy.is_pinned(key):
+                continue
+            chosen.append(key)
+            need -= self._policy.size_of(key) or 0
+        return chosen
+
+    async def _demote(self, keys: list[bytes]) -> None:
+        """Read ``keys`` (one transaction) and hand each block to the demotion callback."""
+        env = self._env
+        assert env is not None
+        results = await asyncio.to_thread(env.read, keys)
+        for key, res in zip(keys, results, strict=True):
+            if isinstance(res, CorruptBlockError):
+                self.corrupt += 1
+                log.warning("lmdb tier %s: corrupt victim %s dropped", self.name, key.hex())
+            elif res is not None:
+                await self._evict(key, res)
+
+    @staticmethod
+    def _steps(keys: list[bytes], sizes: Callable[[bytes], int]) -> list[list[bytes]]:
+        steps: list[list[bytes]] = []
+        current: list[bytes] = []
+        nbytes = 0
+        for key in keys:
+            if current and (len(current) >= _STEP_BLOCKS or nbytes >= _STEP_BYTES):
+                steps.append(current)
+                current, nbytes = [], 0
+            current.append(key)
+            nbytes += sizes(key)
+        if current:
+            steps.append(current)
+        return steps
+
+    async def _evict_keys(self, keys: list[bytes]) -> list[bytes]:
+        """Demote ``keys`` step by step; delete every step but the last, which is returned
+        so the caller can delete it in the same transaction as its put."""
+        steps = self._steps(keys, lambda k: self._policy.size_of(k) or 0)
+        for i, step in enumerate(steps):
+            await self._demote(step)
+            if i < len(steps) - 1:
+                await self._delete_locked(step)
+        return steps[-1] if steps else []
+
+    async def _put_locked(self, batch: dict[bytes, Block], bounds: dict[bytes, int]) -> None:
+        env = self._env
+        assert env is not None
+        capacity = self._policy.capacity
+        deletes: list[bytes] = []
+        if capacity is not None:
+            freed = sum(self._policy.size_of(k) or 0 for k in batch)
+            need = self._policy.used - freed + sum(bounds.values()) - capacity
+            if need > 0:
+                victims = self._victims(need, set(batch))
+                if sum(self._policy.size_of(k) or 0 for k in victims) < need:
+                    raise TierFullError(
+                        f"lmdb tier {self.name}: cannot fit {sum(bounds.values())} bytes: "
+                        f"{self._policy.pinned_bytes} of {capacity} bytes pinned")
+                deletes = await self._evict_keys(victims)
+        now = self._clock()
+        pending: list[PendingPut] | None = None
+        stuck = 0
+        written = False
+        for _ in range(_MAX_ROOM_ATTEMPTS):
+            touches = self._touch_records()
+            try:
+                pending = await asyncio.to_thread(
+                    self._encode_and_write, env, batch, pending, now, deletes, touches)
+                written = True
+                break
+            except lmdb.MapFullError as exc:
+                self.map_full += 1
+                self._touched.update(k for k, _, _ in touches)
+                pending = getattr(exc, "kvtier_pending", pending)
+                freed = await self._make_map_room(deletes, sum(bounds.values()), set(batch))
+                deletes = []
+                # Nothing left to evict: one retry after the ticks, then give up.
+                stuck = 0 if freed else stuck + 1
+                if stuck > 1:
+                    break
+            except lmdb.Error as exc:
+                self.errors += 1
+                raise TierError(f"lmdb tier {self.name}: put failed: {exc}") from exc
+        if not written or pending is None:
+            raise TierFullError(f"lmdb tier {self.name}: map of {self.map_size} bytes stays "
+                                "full after evicting every unpinned block")
+        for key in deletes:
+            self._policy.remove(key)
+            self._touched.discard(key)
+        for put in pending:
+            self._policy.admit(put.key, put.nbytes, last_access=put.last_access)
+
+    async def _make_map_room(self, deletes: list[bytes], incoming: int,
+                             exclude: set[bytes]) -> bool:
+        """LMDB ran out of pages before the budget did (page rounding, fragmentation, pages
+        the last commits freed): delete pending victims, evict ``incoming`` more bytes, and
+        commit twice so the freed pages become reusable."""
+        if deletes:
+            await self._delete_locked(deletes)
+        extra = self._victims(incoming, exclude)
+        if extra:
+            log.info("lmdb tier %s: map full, evicting %d more blocks", self.name, len(extra))
+            await self._delete_locked(await self._evict_keys(extra))
+        env = self._env
+        assert env is not None
+        await asyncio.to_thread(env.tick)
+        await asyncio.to_thread(env.tick)
+        return bool(deletes or extra)
+
+    def _encode_and_write(self, env: BlockEnv, batch: dict[bytes, Block],
+                          pending: list[PendingPut] | None, now: float,
+                          deletes: list[bytes],
+                          touches: list[tuple[bytes, int, float]]) -> list[PendingPut]:
+        if pending is None:
+            pending = []
+            for key, block in batch.items():
+                frame = encode_frame(block, compress_level=self.compress_level,
+                                     shuffle=self.shuffle)
+                pending.append(PendingPut(key, frame.header, frame.payload, now))
+        try:
+            env.write(pending, deletes, touches)
+        except lmdb.MapFullError as exc:
+            exc.kvtier_pending = pending  # type: ignore[attr-defined]  # reuse the encoding
+            raise
+        return pending
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        disk = self._env.disk_bytes() if self._env is not None else 0
+        return {**super().stats(), "hits": self.hits, "misses": self.misses,
+                "errors": self.errors, "corrupt": self.corrupt, "map_full": self.map_full,
+                "blocks": len(self._policy), "pinned_bytes": self._policy.pinned_bytes,
+                "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
+                "sync": self.sync, "compress_level": self.compress_level}

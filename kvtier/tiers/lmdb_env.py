@@ -1,0 +1,198 @@
+"""Synchronous LMDB side of :class:`kvtier.tiers.lmdb.LMDBTier`.
+
+Every method runs one whole transaction, start to commit, and is meant to be called inside
+one ``asyncio.to_thread`` call. Values never outlive their read transaction: reads copy
+out of the memory map (or decompress out of it) before the transaction ends.
+
+A block's frame (see :mod:`kvtier.codec`) is stored split in two named databases, so a put
+hands the caller's buffer straight to ``txn.put`` without first joining header and payload:
+
+``header``   key -> frame header (magic .. checksum, ~50 bytes)
+``payload``  key -> stored payload
+``recency``  key -> ``<Qd``: frame bytes, last access (wall-clock seconds)
+
+The checksum in the header covers header and payload, so a torn or mismatched pair fails
+verification exactly like a corrupt single-buffer frame. ``recency`` is all a warm restart
+reads: sizes and last-access times, never the values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import xxhash
+
+from kvtier.codec import FLAG_ZSTD, decode_frame, parse_header
+from kvtier.errors import CorruptBlockError
+from kvtier.tiers.base import Block
+
+__all__ = ["BlockEnv", "Durability", "PendingPut"]
+
+_RECENCY = struct.Struct("<Qd")
+_TICK_KEY = b"tick"
+
+Durability = str  # "0" | "meta" | "1"
+_DURABILITY = {"0": (False, False), "meta": (True, False), "1": (True, True)}
+
+
+@dataclass(frozen=True)
+class PendingPut:
+    """One encoded block waiting for its write transaction."""
+
+    key: bytes
+    header: bytes
+    payload: memoryview
+    last_access: float
+
+    @property
+    def nbytes(self) -> int:
+        """Frame bytes (what the tier's budget accounts)."""
+        return len(self.header) + self.payload.nbytes
+
+
+def decode_split(header: memoryview | bytes, payload: memoryview | bytes) -> Block:
+    """Verify and decode a frame stored as separate header and payload buffers.
+
+    The result never references ``header`` or ``payload`` (they may point into the map).
+
+    Raises
+    ------
+    CorruptBlockError
+        On any header error, size mismatch or checksum failure.
+    """
+    head = parse_header(header)
+    if head.header_len != len(header) or head.stored_size != len(payload):
+        raise CorruptBlockError("frame: header and payload lengths disagree")
+    if head.flags & FLAG_ZSTD:
+        # Compressed payloads are small next to the block; one join keeps decode in codec.
+        return decode_frame(b"".join((header, payload)))
+    out = np.empty(head.raw_size, dtype=np.uint8)
+    out[:] = np.frombuffer(payload, dtype=np.uint8)
+    # Checksum the copy we return, not the map, so what was verified is what is served.
+    digest = xxhash.xxh3_64(memoryview(header)[:-8])
+    digest.update(out.data)
+    if digest.intdigest() != head.checksum:
+        raise CorruptBlockError("frame: checksum mismatch")
+    return out.view(head.dtype).reshape(head.shape)
+
+
+class BlockEnv:
+    """An open LMDB environment holding blocks (one per directory, one process).
+
+    Parameters
+    ----------
+    path
+        Directory of ``data.mdb``/``lock.mdb``.
+    map_size
+        Hard upper bound of ``data.mdb`` in bytes.
+    durability
+        ``"0"``: no fsync at commit (``sync=False, metasync=False``); ``"meta"``: fsync data,
+        not the meta page (the last transaction may roll back after an OS crash); ``"1"``:
+        full fsync per commit.
+    writemap
+        Write through the shared memory map instead of ``pwrite`` (faster puts).
+    """
+
+    def __init__(self, path: Path, *, map_size: int, durability: Durability = "0",
+                 writemap: bool = False, max_readers: int = 126) -> None:
+        sync, metasync = _DURABILITY[durability]
+        self.path = path
+        self.env = lmdb.open(
+            str(path), map_size=map_size, subdir=True, max_dbs=4, sync=sync,
+            metasync=metasync, writemap=writemap, readahead=False, meminit=False,
+            max_readers=max_readers, lock=True)
+        with self.env.begin(write=True) as txn:
+            self.header = self.env.open_db(b"header", txn=txn)
+            self.payload = self.env.open_db(b"payload", txn=txn)
+            self.recency = self.env.open_db(b"recency", txn=txn)
+            self.meta = self.env.open_db(b"meta", txn=txn)
+
+    def load_index(self) -> list[tuple[bytes, int, float]]:
+        """``(key, frame bytes, last access)`` of every block, oldest access first."""
+        entries: list[tuple[bytes, int, float]] = []
+        with self.env.begin(db=self.recency) as txn:
+            for key, value in txn.cursor():
+                if len(value) != _RECENCY.size:
+                    continue
+                size, last = _RECENCY.unpack(value)
+                entries.append((bytes(key), size, last))
+        entries.sort(key=lambda e: e[2])
+        return entries
+
+    def read(self, keys: Sequence[bytes]) -> list[Block | CorruptBlockError | None]:
+        """Read and verify ``keys`` in one read transaction; a corrupt frame is returned as
+        its :class:`CorruptBlockError` (the caller counts and deletes it)."""
+        out: list[Block | CorruptBlockError | None] = []
+        with self.env.begin(buffers=True) as txn:
+            for key in keys:
+                header = txn.get(key, db=self.header)
+                payload = txn.get(key, db=self.payload)
+                if header is None and payload is None:
+                    out.append(None)
+                elif header is None or payload is None:
+                    out.append(CorruptBlockError("frame: header or payload missing"))
+                else:
+                    try:
+                        out.append(decode_split(header, payload))
+                    except CorruptBlockError as exc:
+                        out.append(exc)
+        return out
+
+    def write(self, puts: Sequence[PendingPut], deletes: Sequence[bytes],
+              touches: Sequence[tuple[bytes, int, float]]) -> list[bool]:
+        """Delete, put and refresh recency in one write transaction.
+
+        Returns whether each of ``deletes`` was present. Raises ``lmdb.MapFullError`` (and
+        writes nothing) when the map has no room; the caller evicts and retries.
+        """
+        present: list[bool] = []
+        with self.env.begin(write=True) as txn:
+            for key in deletes:
+                found = txn.delete(key, db=self.header)
+                found = txn.delete(key, db=self.payload) or found
+                present.append(txn.delete(key, db=self.recency) or found)
+            for key, size, last in touches:
+                # A touch never resurrects a block deleted since it was recorded.
+                if txn.get(key, db=self.header) is not None:
+                    txn.put(key, _RECENCY.pack(size, last), db=self.recency)
+            for put in puts:
+                txn.put(put.key, put.payload, db=self.payload)
+                txn.put(put.key, put.header, db=self.header)
+                txn.put(put.key, _RECENCY.pack(put.nbytes, put.last_access), db=self.recency)
+        return present
+
+    def tick(self) -> None:
+        """Commit a tiny transaction so pages freed by earlier commits become reusable
+        (LMDB reuses a page only once no live snapshot, including the previous meta page,
+        can still reference it)."""
+        with self.env.begin(write=True, db=self.meta) as txn:
+            old = txn.get(_TICK_KEY)
+            count = int.from_bytes(old, "little") + 1 if old is not None else 1
+            txn.put(_TICK_KEY, count.to_bytes(8, "little"))
+
+    def disk_bytes(self) -> int:
+        """Bytes allocated on disk by the environment's files."""
+        total = 0
+        for name in ("data.mdb", "lock.mdb"):
+            with contextlib.suppress(FileNotFoundError):
+                total += (self.path / name).stat().st_blocks * 512
+        return total
+
+    def info(self) -> dict[str, int]:
+        """Map size and pages in use (from LMDB itself)."""
+        info = self.env.info()
+        stat = self.env.stat()
+        return {"map_size": int(info["map_size"]),
+                "last_page": int(info["last_pgno"]),
+                "page_size": int(stat["psize"])}
+
+    def close(self) -> None:
+        """Flush (whatever the durability setting) and close."""
+        self.env.sync(True)
+        self.env.close()
