@@ -16,6 +16,7 @@ from kvtier.errors import (
     UnknownSchemeError,
 )
 from kvtier.keys import KeyNamespace, prefix_keys
+from kvtier.store import TieredStore, open_store
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.registry import register_tier, tier_from_url
@@ -37,10 +38,12 @@ __all__ = [
     "Tier",
     "TierError",
     "TierFullError",
+    "TieredStore",
     "UnknownSchemeError",
     "__version__",
     "decode_frame",
     "encode_frame",
+    "open_store",
     "prefix_keys",
     "register_tier",
     "tier_from_url",

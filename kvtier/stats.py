@@ -1,0 +1,132 @@
+"""Counters the store keeps per tier and for itself, and a fixed-size latency histogram.
+
+Everything here is plain integer arithmetic on the event-loop thread (no locks): recording a
+sample costs one ``int.bit_length`` and one list increment, so the store can time every tier
+call on its hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LatencyHistogram", "StoreCounters", "TierCounters"]
+
+# Four sub-buckets per power of two: a percentile is exact to within ~19% of its value, which is
+# plenty to tell 3 us from 30 us, and the histogram never grows (64 * 4 ints).
+_SUB_BITS = 2
+_SUB = 1 << _SUB_BITS
+_BUCKETS = 64 * _SUB
+
+
+def _bucket(ns: int) -> int:
+    if ns < _SUB:
+        return max(ns, 0)
+    top = ns.bit_length() - 1
+    return (top - _SUB_BITS + 1) * _SUB + ((ns >> (top - _SUB_BITS)) & (_SUB - 1))
+
+
+def _bucket_mid_ns(index: int) -> float:
+    if index < _SUB:
+        return float(index)
+    octave, sub = divmod(index, _SUB)
+    top = octave + _SUB_BITS - 1
+    low = (1 << top) + (sub << (top - _SUB_BITS))
+    width = 1 << (top - _SUB_BITS)
+    return low + width / 2
+
+
+class LatencyHistogram:
+    """Log-bucketed latency histogram with constant memory.
+
+    Samples are nanoseconds; :meth:`percentile` returns microseconds (bucket midpoint).
+    """
+
+    __slots__ = ("_counts", "count", "total_ns")
+
+    def __init__(self) -> None:
+        self._counts = [0] * _BUCKETS
+        self.count = 0
+        self.total_ns = 0
+
+    def record(self, ns: int) -> None:
+        """Add one sample of ``ns`` nanoseconds."""
+        self._counts[_bucket(ns)] += 1
+        self.count += 1
+        self.total_ns += ns
+
+    def percentile(self, q: float) -> float | None:
+        """The ``q``-quantile (0..1) in microseconds, or ``None`` without samples."""
+        if not self.count:
+            return None
+        rank = q * (self.count - 1)
+        seen = 0
+        for index, n in enumerate(self._counts):
+            seen += n
+            if seen > rank:
+                return round(_bucket_mid_ns(index) / 1000.0, 2)
+        return round(_bucket_mid_ns(_BUCKETS - 1) / 1000.0, 2)  # pragma: no cover
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What the store observed of one tier.
+
+    ``promotions`` and ``demotions`` count blocks written *into* this tier from below and
+    from above; ``bytes_in``/``bytes_out`` count block bytes written to / returned by it.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    get_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain figures for :meth:`kvtier.store.TieredStore.stats`."""
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "errors": self.errors,
+            "timeouts": self.timeouts,
+            "promotions": self.promotions,
+            "demotions": self.demotions,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "get_p50_us": self.get_latency.percentile(0.5),
+            "get_p99_us": self.get_latency.percentile(0.99),
+        }
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """Store-wide figures: one ``get`` is one hit or one miss whatever the tier count."""
+
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    deletes: int = 0
+    single_flight_joins: int = 0
+    dropped: int = 0
+    write_through_writes: int = 0
+    write_through_superseded: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain figures, plus ``hit_rate`` (``None`` before the first get)."""
+        return {
+            "gets": self.gets,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hits / self.gets, 4) if self.gets else None,
+            "puts": self.puts,
+            "deletes": self.deletes,
+            "single_flight_joins": self.single_flight_joins,
+            "dropped": self.dropped,
+            "write_through_writes": self.write_through_writes,
+            "write_through_superseded": self.write_through_superseded,
+        }
