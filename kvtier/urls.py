@@ -89,6 +89,8 @@ def parse_bool(value: str | bool | int, name: str) -> bool:
 
 def parse_secret(value: str, name: str) -> str:
     """Resolve ``env:VAR`` and ``file:PATH`` references; other values are literal secrets."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a str secret, got {type(value).__name__}")
     if value.startswith("env:"):
         var = value[4:]
         secret = os.environ.get(var)
