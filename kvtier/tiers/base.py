@@ -13,7 +13,7 @@ import abc
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -22,43 +22,74 @@ from kvtier.codec import as_block
 from kvtier.errors import ClosedError, ShapeMismatchError
 from kvtier.keys import validate_key
 
-__all__ = ["Block", "EvictionCallback", "Tier", "check_output_buffer", "copy_into"]
+if TYPE_CHECKING:
+    from kvtier.backends import DeviceOutput
+
+__all__ = [
+    "Block", "EvictionCallback", "Tier", "check_output_buffer", "check_output_spec", "copy_into",
+]
 
 Block = npt.NDArray[np.generic]
 EvictionCallback = Callable[[bytes, Block], Awaitable[None]]
 log = logging.getLogger("kvtier.tiers")
 
 
-def check_output_buffer(block: Block, out: Block, name: str = "out") -> npt.NDArray[np.generic]:
+@overload
+def check_output_buffer(block: Block, out: npt.NDArray[Any],
+                        name: str = "out") -> npt.NDArray[np.generic]: ...
+@overload
+def check_output_buffer(block: Block, out: object,
+                        name: str = "out") -> npt.NDArray[np.generic] | DeviceOutput: ...
+def check_output_buffer(block: Block, out: object,
+                        name: str = "out") -> npt.NDArray[np.generic] | DeviceOutput:
     """Return the view of ``out`` that ``block`` is copied into, or raise without writing.
 
     ``out`` must be a writeable C-contiguous numpy array that either has the block's dtype
-    and shape, or is ``uint8`` with exactly ``block.nbytes`` elements (a raw slot).
+    and shape, or is ``uint8`` with exactly ``block.nbytes`` elements (a raw slot). Other
+    buffers (torch tensors, CuPy arrays, ``__cuda_array_interface__`` or DLPack objects)
+    follow the same rule through a device backend and come back as a
+    :class:`~kvtier.backends.DeviceOutput`; see :func:`check_output_spec`.
 
     Raises
     ------
     TypeError
-        If ``out`` is not a numpy array.
+        If ``out`` is no buffer kvtier can write into.
     ShapeMismatchError
         On a dtype, shape or size mismatch, or a read-only/non-contiguous ``out``.
     """
+    return check_output_spec(block.dtype, block.shape, out, name)
+
+
+def check_output_spec(dtype: np.dtype[Any], shape: tuple[int, ...], out: object,
+                      name: str = "out") -> npt.NDArray[np.generic] | DeviceOutput:
+    """:func:`check_output_buffer` for a block known only by its ``dtype`` and ``shape``
+    (a tier that holds it outside host memory checks ``out`` before copying)."""
     if not isinstance(out, np.ndarray):
-        raise TypeError(f"{name}: expected numpy.ndarray, got {type(out).__name__}")
+        # Lazy: torch/cupy are optional and only needed for non-numpy outputs.
+        from kvtier.backends import import_output
+
+        imported = import_output(out, dtype, shape, name)
+        if not isinstance(imported, np.ndarray):
+            return imported
+        out = imported
     if not out.flags.writeable or not out.flags.c_contiguous:
         raise ShapeMismatchError(f"{name}: must be writeable and C-contiguous")
-    if out.dtype == block.dtype and out.shape == block.shape:
+    if out.dtype == dtype and out.shape == shape:
         return out
-    if out.dtype == np.uint8 and out.size == block.nbytes:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if out.dtype == np.uint8 and out.size == nbytes:
         return out.reshape(-1)
     raise ShapeMismatchError(
-        f"{name}: block is {block.dtype}{list(block.shape)} ({block.nbytes} bytes), "
+        f"{name}: block is {dtype}{list(shape)} ({nbytes} bytes), "
         f"buffer is {out.dtype}{list(out.shape)} ({out.nbytes} bytes)")
 
 
-def copy_into(block: Block, out: Block, name: str = "out") -> None:
+def copy_into(block: Block, out: object, name: str = "out") -> None:
     """Copy ``block`` into ``out`` after :func:`check_output_buffer` accepted it."""
     target = check_output_buffer(block, out, name)
-    if target.dtype == block.dtype and target.shape == block.shape:
+    if not isinstance(target, np.ndarray):
+        target.write(block)
+    elif target.dtype == block.dtype and target.shape == block.shape:
         np.copyto(target, block, casting="no")
     else:
         np.copyto(target, block.reshape(-1).view(np.uint8), casting="no")

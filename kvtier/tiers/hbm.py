@@ -1,0 +1,396 @@
+"""``hbm://``: device memory as the top tier, a pool of fixed-size slots.
+
+Inference engines keep their paged KV cache as one device tensor of ``num_slots`` blocks of
+``block_bytes`` each; this tier works the same way, either over a pool it allocates
+(``hbm://?capacity=8GiB&block_bytes=2MiB``) or over the engine's own buffer
+(:meth:`HBMTier.attach`). One block occupies one slot whatever its size (up to
+``block_bytes``); the tier remembers each block's dtype and shape. Bytes move through a
+:class:`~kvtier.backends.DeviceBackend` (numpy, torch, cupy, or the engine's own).
+
+Slots the engine uses are never written: slots it allocated itself are declared with
+:meth:`HBMTier.reserve_slots` (and given back with :meth:`HBMTier.release_slots`), and blocks
+kvtier placed that the engine reads in place are protected with :meth:`~Tier.pin`. A put
+that finds no free slot evicts the least recently used unpinned block (demoting it through
+the eviction callback first) or, when every slot is reserved or pinned, raises
+:class:`~kvtier.errors.TierFullError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import numpy as np
+
+from kvtier.backends import DeviceBackend, backend_for, get_backend
+from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
+from kvtier.policy import Clock, RecencyPolicy
+from kvtier.tiers.base import Block, Tier, check_output_spec
+from kvtier.urls import merge_options, parse_size, parse_tier_url
+
+__all__ = ["HBMTier"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    slot: int
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class HBMTier(Tier):
+    """Device-memory tier over a slot pool.
+
+    Parameters
+    ----------
+    capacity
+        Pool size in bytes (own pool); rounded down to whole slots.
+    block_bytes
+        Slot size in bytes: the largest block the tier holds. Required for an own pool; in
+        attach mode it defaults to ``buffer.nbytes // buffer.shape[0]``.
+    backend
+        Backend name (``"torch"``, ``"numpy"``, ``"cupy"``) or a :class:`DeviceBackend`
+        object. Own pool default ``"torch"``; attach mode infers it from ``buffer``.
+    device
+        Device string for the backend (``"cuda:0"``); ``None`` picks the backend's default.
+    buffer
+        An engine-owned buffer to attach to instead of allocating (see :meth:`attach`).
+    clock
+        Time source of the recency policy.
+    name
+        Label in stats.
+
+    Examples
+    --------
+    URL form: ``hbm://?capacity=8GiB&block_bytes=2MiB&backend=torch&device=cuda:0``.
+    """
+
+    scheme = "hbm"
+
+    def __init__(self, capacity: int | None = None, *, block_bytes: int | None = None,
+                 backend: str | DeviceBackend | None = None, device: str | None = None,
+                 buffer: object | None = None, clock: Clock = time.monotonic,
+                 name: str | None = None) -> None:
+        super().__init__(name=name)
+        if block_bytes is not None and (type(block_bytes) is not int or block_bytes < 1):
+            raise ConfigError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
+        if buffer is None:
+            if capacity is None or type(capacity) is not int or capacity < 0:
+                raise ConfigError(f"capacity: an hbm pool needs a byte size, got {capacity!r}")
+            if block_bytes is None:
+                raise ConfigError("block_bytes: required for an hbm pool (the size of one KV "
+                                  "block, e.g. block_bytes=2MiB)")
+            num_slots = capacity // block_bytes
+            if num_slots < 1:
+                raise ConfigError(f"capacity: {capacity} bytes hold no slot of {block_bytes}")
+            self._backend = get_backend("torch" if backend is None else backend, device)
+            self._buffer: Any = self._backend.allocate(num_slots * block_bytes)
+        else:
+            if capacity is not None:
+                raise ConfigError("capacity: attach mode takes its size from buffer")
+            self._backend = backend_for(buffer) if backend is None else \
+                get_backend(backend, device)
+            try:
+                self._buffer = self._backend.from_dlpack(buffer)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+            total = int(self._buffer.shape[0])
+            if block_bytes is None:
+                shape: tuple[int, ...] = tuple(getattr(buffer, "shape", ()))
+                if len(shape) < 2 or int(shape[0]) < 1:
+                    raise ConfigError("block_bytes: required unless buffer is shaped "
+                                      "[num_slots, ...]")
+                block_bytes = total // int(shape[0])
+            if total % block_bytes or total == 0:
+                raise ConfigError(f"block_bytes: buffer of {total} bytes is not a whole number "
+                                  f"of {block_bytes}-byte slots")
+            num_slots = total // block_bytes
+        self.attached = buffer is not None
+        self._slot_bytes = block_bytes
+        self._num_slots = num_slots
+        # Insertion-ordered set: the lowest slots are handed out first.
+        self._free: dict[int, None] = dict.fromkeys(range(num_slots))
+        self._reserved: set[int] = set()
+        self._entries: dict[bytes, _Entry] = {}
+        self._owner: dict[int, bytes] = {}
+        # LRU order and pins over keys; every block is charged a whole slot.
+        self._policy = RecencyPolicy(None, clock)
+        # Serialises slot allocation with eviction: a victim must reach the next tier first.
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def attach(cls, buffer: object, *, block_bytes: int | None = None,
+               backend: str | DeviceBackend | None = None, clock: Clock = time.monotonic,
+               name: str | None = None) -> Self:
+        """Adapt an engine-owned paged KV buffer: ``[num_slots, ...]`` C-contiguous memory.
+
+        kvtier writes blocks only into slots that are neither reserved by the engine
+        (:meth:`reserve_slots`) nor hold a pinned block. The buffer is shared, not copied.
+
+        Parameters
+        ----------
+        buffer
+            numpy array, torch tensor, CuPy array or DLPack object.
+        block_bytes
+            Slot size; default ``nbytes // buffer.shape[0]``.
+        backend
+            Backend name or object; default inferred from the buffer's type.
+        """
+        return cls(block_bytes=block_bytes, backend=backend, buffer=buffer, clock=clock,
+                   name=name)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> Self:
+        """``hbm://?capacity=SIZE&block_bytes=SIZE[&backend=torch][&device=cuda:0][&name=]``."""
+        parsed = parse_tier_url(url)
+        if parsed.netloc or parsed.path not in ("", "/"):
+            raise ConfigError(f"url: hbm:// takes no host or path, got {url!r}")
+        opts = merge_options(parsed, options,
+                             {"capacity", "block_bytes", "backend", "device", "name", "clock"})
+        if "capacity" not in opts:
+            raise ConfigError(f"url: hbm:// needs capacity= (e.g. capacity=8GiB), got {url!r}")
+        if "block_bytes" not in opts:
+            raise ConfigError(f"url: hbm:// needs block_bytes= (one KV block), got {url!r}")
+        device = opts.get("device")
+        return cls(
+            capacity=parse_size(opts["capacity"]),  # type: ignore[arg-type]
+            block_bytes=parse_size(opts["block_bytes"], "block_bytes"),  # type: ignore[arg-type]
+            backend=opts.get("backend", "torch"),  # type: ignore[arg-type]
+            device=None if device in (None, "") else str(device),
+            name=str(opts["name"]) if "name" in opts else None,
+            **({"clock": opts["clock"]} if "clock" in opts else {}),  # type: ignore[arg-type]
+        )
+
+    # ------------------------------------------------------------- properties
+    @property
+    def capacity(self) -> int:
+        return self._num_slots * self._slot_bytes
+
+    @property
+    def used(self) -> int:
+        return self._policy.used
+
+    @property
+    def block_bytes(self) -> int:
+        """Slot size in bytes."""
+        return self._slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        """Number of slots in the buffer."""
+        return self._num_slots
+
+    @property
+    def free_slots(self) -> int:
+        """Slots neither holding a block nor reserved by the engine."""
+        return len(self._free)
+
+    @property
+    def reserved_slots(self) -> frozenset[int]:
+        """Slots the engine reserved with :meth:`reserve_slots`."""
+        return frozenset(self._reserved)
+
+    @property
+    def backend(self) -> DeviceBackend:
+        """The device backend that moves this tier's bytes."""
+        return self._backend
+
+    @property
+    def buffer(self) -> Any:
+        """The flat ``uint8`` device buffer (shares memory with an attached engine buffer)."""
+        return self._buffer
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot holding ``key``, or ``None``; does not refresh recency."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.slot
+
+    # ---------------------------------------------------------------- copies
+    def _read(self, entry: _Entry) -> Block:
+        host = self._backend.empty_host(entry.nbytes)
+        self._backend.to_host(self._buffer, entry.slot * self._slot_bytes, host)
+        self._backend.synchronize()
+        return host.view(entry.dtype).reshape(entry.shape)
+
+    def _write(self, slot: int, block: Block) -> None:
+        self._backend.to_device(block.reshape(-1).view(np.uint8), self._buffer,
+                                slot * self._slot_bytes)
+        self._backend.synchronize()
+
+    # ------------------------------------------------------------- slot state
+    def _drop(self, key: bytes) -> _Entry | None:
+        entry = self._entries.pop(key, None)
+        self._policy.remove(key)
+        if entry is not None:
+            del self._owner[entry.slot]
+            self._free[entry.slot] = None
+        return entry
+
+    async def _take_slot(self) -> int:
+        """A free slot, evicting (and demoting) the least recently used unpinned block if
+        there is none. Call with the lock held."""
+        if not self._free:
+            for victim in self._policy.lru_order():
+                if self._policy.is_pinned(victim):
+                    continue
+                await self._evict(victim, self._read(self._entries[victim]))
+                if self._policy.is_pinned(victim):
+                    continue  # pinned while it was being demoted: the engine uses it now
+                self._drop(victim)
+                break
+            else:
+                raise TierFullError(
+                    f"tier {self.name!r}: no free slot (of {self._num_slots}: "
+                    f"{len(self._reserved)} reserved by the engine, {len(self._entries)} "
+                    f"holding blocks, all of them pinned)")
+        slot = next(iter(self._free))
+        del self._free[slot]
+        return slot
+
+    # --------------------------------------------------------------- contract
+    async def _get(self, key: bytes) -> Block | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._policy.touch(key)
+        return self._read(entry)
+
+    async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        return [await self._get(k) for k in keys]
+
+    async def _get_into(self, key: bytes, out: Block) -> bool:
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        target = check_output_spec(entry.dtype, entry.shape, out)
+        offset = entry.slot * self._slot_bytes
+        if isinstance(target, np.ndarray):
+            self._backend.to_host(self._buffer, offset, target.reshape(-1).view(np.uint8))
+        elif (target.backend.name, target.backend.device) == \
+                (self._backend.name, self._backend.device):
+            self._backend.copy(self._buffer, offset, target.flat, 0, entry.nbytes)
+        else:
+            # Across backends (a numpy pool into a torch tensor, say): through host memory.
+            target.write(self._read(entry))
+        self._backend.synchronize()
+        self._policy.touch(key)
+        return True
+
+    async def _contains(self, key: bytes) -> bool:
+        return key in self._entries
+
+    async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self._entries for k in keys]
+
+    async def _put(self, key: bytes, block: Block) -> None:
+        if block.nbytes > self._slot_bytes:
+            raise BlockTooLargeError(
+                f"block: {block.nbytes} bytes exceed the {self._slot_bytes}-byte slot of tier "
+                f"{self.name!r}")
+        async with self._lock:
+            old = self._entries.get(key)
+            # A key is a content digest, so rewriting its own slot in place is safe.
+            slot = old.slot if old is not None else await self._take_slot()
+            try:
+                self._write(slot, block)
+            except BaseException:
+                if old is not None:
+                    self._drop(key)
+                else:
+                    self._free[slot] = None
+                raise
+            self._entries[key] = _Entry(slot, block.dtype, tuple(block.shape), block.nbytes)
+            self._owner[slot] = key
+            self._policy.admit(key, self._slot_bytes)
+
+    async def _delete(self, key: bytes) -> bool:
+        # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
+        async with self._lock:
+            return self._drop(key) is not None
+
+    async def _touch_chain(self, keys: Sequence[bytes]) -> None:
+        self._policy.touch_chain(keys)
+
+    async def _pin(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._policy.pin(key)
+
+    async def _unpin(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._policy.unpin(key)
+
+    async def _aclose(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)
+        self._reserved.clear()
+        self._buffer = None  # an own pool's device memory goes back to its allocator
+
+    # ----------------------------------------------------- engine-owned slots
+    def _slot_ids(self, slot_ids: Iterable[int]) -> list[int]:
+        if isinstance(slot_ids, int | str | bytes) or not isinstance(slot_ids, Iterable):
+            raise TypeError(f"slot_ids: expected an iterable of ints, got "
+                            f"{type(slot_ids).__name__}")
+        ids = list(slot_ids)
+        for i, slot in enumerate(ids):
+            if type(slot) is not int and not isinstance(slot, np.integer):
+                raise TypeError(f"slot_ids[{i}]: expected int, got {type(slot).__name__}")
+            if not 0 <= int(slot) < self._num_slots:
+                raise ValueError(f"slot_ids[{i}]: {slot} out of range 0..{self._num_slots - 1}")
+        return [int(s) for s in ids]
+
+    async def reserve_slots(self, slot_ids: Iterable[int]) -> None:
+        """Hand slots to the engine: kvtier will not write them until :meth:`release_slots`.
+
+        A slot holding a kvtier block is emptied first (the block is demoted through the
+        eviction callback). Reserving an already reserved slot does nothing.
+
+        Raises
+        ------
+        TierFullError
+            If one of the slots holds a pinned block; then nothing is reserved.
+        """
+        self._check_open()
+        ids = self._slot_ids(slot_ids)
+        async with self._lock:
+            for slot in ids:
+                key = self._owner.get(slot)
+                if key is not None and self._policy.is_pinned(key):
+                    raise TierFullError(f"slot_ids: slot {slot} holds pinned block {key.hex()}")
+            for slot in ids:
+                key = self._owner.get(slot)
+                if key is not None:
+                    await self._evict(key, self._read(self._entries[key]))
+                    self._drop(key)
+                self._free.pop(slot, None)
+                self._reserved.add(slot)
+
+    def release_slots(self, slot_ids: Iterable[int]) -> None:
+        """Return engine-reserved slots to kvtier's free pool.
+
+        Raises
+        ------
+        ValueError
+            If a slot is not reserved; then nothing is released.
+        """
+        self._check_open()
+        ids = self._slot_ids(slot_ids)
+        for i, slot in enumerate(ids):
+            if slot not in self._reserved:
+                raise ValueError(f"slot_ids[{i}]: slot {slot} is not reserved")
+        for slot in ids:
+            self._reserved.discard(slot)
+            self._free[slot] = None
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "backend": self._backend.name,
+                "device": self._backend.device, "attached": self.attached,
+                "block_bytes": self._slot_bytes, "slots": self._num_slots,
+                "free_slots": len(self._free), "reserved_slots": len(self._reserved),
+                "blocks": len(self._entries), "pinned_bytes": self._policy.pinned_bytes}
