@@ -1,0 +1,96 @@
+"""``kvtier serve``: expose this node's segment (a TieredStore) to the peer pool."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+__all__ = ["HELP", "NAME", "add_arguments", "run"]
+
+NAME = "serve"
+HELP = "serve this node's segment (a tiered store) to the peer pool over HTTP"
+log = logging.getLogger("kvtier.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``kvtier serve`` options."""
+    parser.add_argument("--listen", default="127.0.0.1:7070", metavar="HOST:PORT",
+                        help="bind address (default 127.0.0.1:7070; port 0 picks a free port "
+                             "and prints it)")
+    parser.add_argument("--tier", action="append", required=True, metavar="URL",
+                        help="tier URL of the segment, top first; repeat for more tiers")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="file holding the pool's bearer token (required unless "
+                             "--insecure-no-auth)")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="accept requests without a token (trusted test networks only)")
+    parser.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM)")
+    parser.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
+    parser.add_argument("--tls-client-ca", metavar="FILE",
+                        help="require client certificates signed by this CA (mutual TLS)")
+    parser.add_argument("--node-id", help="member id reported by /v1/health (default host:port)")
+    parser.add_argument("--max-block-bytes", default="64MiB", metavar="SIZE",
+                        help="largest block accepted (default 64MiB)")
+    parser.add_argument("--max-batch", type=int, default=1024, metavar="N",
+                        help="most blocks per batch request (default 1024)")
+    parser.add_argument("--max-body", default="256MiB", metavar="SIZE",
+                        help="largest request body (default 256MiB)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the exit status."""
+    from kvtier.errors import ConfigError
+
+    try:
+        return asyncio.run(_serve(args))
+    except ConfigError as exc:
+        print(f"kvtier serve: {exc}", flush=True)
+        return 2
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from kvtier.errors import ConfigError
+    from kvtier.peer.membership import split_member
+    from kvtier.peer.protocol import Limits
+    from kvtier.peer.server import PeerServer
+    from kvtier.peer.tls import server_context
+    from kvtier.store import open_store
+    from kvtier.urls import parse_secret, parse_size
+
+    host, port = split_member(args.listen, "--listen")
+    if args.token_file is None and not args.insecure_no_auth:
+        raise ConfigError("--token-file: required (or pass --insecure-no-auth explicitly)")
+    token = parse_secret(f"file:{args.token_file}", "--token-file") if args.token_file else None
+    if args.tls_key and not args.tls_cert:
+        raise ConfigError("--tls-key: given without --tls-cert")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ConfigError("--tls-client-ca: mutual TLS needs --tls-cert and --tls-key")
+    ctx = server_context(args.tls_cert, args.tls_key, args.tls_client_ca) \
+        if args.tls_cert else None
+    limits = Limits(max_block_bytes=parse_size(args.max_block_bytes, "--max-block-bytes"),
+                    max_batch=args.max_batch,
+                    max_body_bytes=parse_size(args.max_body, "--max-body"))
+    store = await open_store(args.tier)
+    server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,
+                        limits=limits, ssl_context=ctx, insecure_no_auth=args.insecure_no_auth,
+                        close_segment=True)
+    try:
+        bound_host, bound_port = await server.start()
+    except BaseException:
+        await store.aclose()
+        raise
+    if token is None:
+        log.warning("serving WITHOUT authentication (--insecure-no-auth)")
+    print(f"kvtier serve listening on {server.member_id}"
+          f" ({'https' if ctx else 'http'}, node {server.node_id})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # In-flight requests finish, then the store flushes its write-back queues and closes.
+    await server.stop()
+    print(f"kvtier serve on {bound_host}:{bound_port} stopped", flush=True)
+    return 0

@@ -1,0 +1,185 @@
+"""``PeerClient``: the HTTP client of one peer (one aiohttp session, a bounded connection pool).
+
+Every call is bounded by the client's timeout; any failure to get an answer (refused, reset,
+timeout, 5xx, 401) is raised as :class:`kvtier.errors.PeerError` so the tier can treat that
+peer as a miss and take it out of the read path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+from aiohttp import payload as aio_payload
+from aiohttp.abc import AbstractStreamWriter
+
+from kvtier.codec import EncodedFrame
+from kvtier.errors import PeerError
+from kvtier.peer import protocol as proto
+
+__all__ = ["BuffersPayload", "PeerClient"]
+
+
+class BuffersPayload(aio_payload.Payload):
+    """A request body sent as several buffers in order, without joining them."""
+
+    def __init__(self, buffers: Sequence[bytes | memoryview]) -> None:
+        super().__init__(tuple(buffers), content_type=proto.CONTENT_TYPE)
+        self._buffers = tuple(buffers)
+        self._size = sum(memoryview(b).nbytes for b in self._buffers)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._buffers).decode(encoding, errors)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        for buf in self._buffers:
+            await writer.write(buf)
+
+    async def write_with_length(self, writer: AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        await self.write(writer)
+
+
+class PeerClient:
+    """Client of one peer.
+
+    Parameters
+    ----------
+    member
+        The peer's member id, ``host:port`` (``[v6addr]:port`` for IPv6).
+    token
+        Bearer token, or ``None`` for a server run with ``--insecure-no-auth``.
+    timeout
+        Seconds allowed for one request, connection included.
+    ssl_context
+        Client TLS context (``None``: plain HTTP).
+    pool_limit
+        Most concurrent connections to this peer.
+    limits
+        The server's limits, used to split batches.
+    """
+
+    def __init__(self, member: str, *, token: str | None, timeout: float,
+                 ssl_context: ssl.SSLContext | None = None, pool_limit: int = 64,
+                 limits: proto.Limits | None = None) -> None:
+        self.member = member
+        self.base_url = f"{'https' if ssl_context else 'http'}://{member}"
+        self.timeout = timeout
+        self.limits = limits or proto.Limits()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=pool_limit, ssl=ssl_context or False,
+                                           enable_cleanup_closed=False),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout),
+            headers=self._headers,
+            auto_decompress=False,
+            raise_for_status=False,
+        )
+
+    async def close(self) -> None:
+        """Close the session and its connections."""
+        await self._session.close()
+
+    async def _request(self, method: str, path: str, *, body: Any = None,
+                       ok: tuple[int, ...] = (200, 204), missing: int | None = None,
+                       limit_s: float | None = None) -> bytes | None:
+        """One request; returns the body, ``None`` for the ``missing`` status, else raises."""
+        try:
+            async with asyncio.timeout(self.timeout if limit_s is None else limit_s):
+                async with self._session.request(method, self.base_url + path,
+                                                 data=body) as resp:
+                    if resp.status == missing:
+                        return None
+                    if resp.status not in ok:
+                        text = (await resp.content.read(200)).decode("utf-8", "replace")
+                        raise PeerError(f"peer {self.member}: {method} {path[:60]} -> "
+                                        f"{resp.status} {text.strip()}")
+                    return await resp.read()
+        except TimeoutError:
+            raise PeerError(f"peer {self.member}: {method} timed out after "
+                            f"{self.timeout if limit_s is None else limit_s}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise PeerError(f"peer {self.member}: {method} failed: {exc!r}") from None
+
+    # ------------------------------------------------------------------ blocks
+    async def get(self, key: bytes) -> bytes | None:
+        """The block's frame (unverified), or ``None`` when the peer does not hold it."""
+        return await self._request("GET", proto.block_path(key), ok=(200,), missing=404)
+
+    async def put(self, key: bytes, frame: EncodedFrame) -> None:
+        """Store one frame."""
+        await self._request("PUT", proto.block_path(key), body=BuffersPayload(frame.buffers))
+
+    async def delete(self, key: bytes) -> bool:
+        """Delete one block; whether it was present."""
+        return await self._request("DELETE", proto.block_path(key), missing=404) is not None
+
+    def _chunks(self, n: int) -> list[slice]:
+        step = self.limits.max_batch
+        return [slice(i, i + step) for i in range(0, n, step)]
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """Frames (unverified views) in the order of ``keys``; ``None`` for missing ones."""
+        out: list[memoryview | None] = []
+        for part in self._chunks(len(keys)):
+            chunk = keys[part]
+            body = await self._request("POST", proto.BATCH_GET_PATH,
+                                       body=proto.encode_keys(chunk), ok=(200,))
+            entries = proto.decode_blocks(body or b"", len(chunk), self.limits.max_frame_bytes)
+            if [k for k, _ in entries] != list(chunk):
+                raise PeerError(f"peer {self.member}: batch get answered other keys")
+            out += [frame for _, frame in entries]
+        return out
+
+    async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]]) -> None:
+        """Store frames, split into requests that respect the batch and body limits."""
+        start, size = 0, 4
+        for i, (key, frame) in enumerate(items):
+            entry = 2 + len(key) + 8 + frame.nbytes
+            if i > start and (i - start >= self.limits.max_batch
+                              or size + entry > self.limits.max_body_bytes):
+                await self._put_batch(items[start:i])
+                start, size = i, 4
+            size += entry
+        if start < len(items):
+            await self._put_batch(items[start:])
+
+    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]]) -> None:
+        body = BuffersPayload(proto.encode_blocks(list(items)))
+        await self._request("POST", proto.BATCH_PUT_PATH, body=body)
+
+    async def _flags(self, path: str, keys: Sequence[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for part in self._chunks(len(keys)):
+            chunk = keys[part]
+            body = await self._request("POST", path, body=proto.encode_keys(chunk), ok=(200,))
+            out += proto.decode_flags(body or b"", len(chunk))
+        return out
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` the peer holds."""
+        return await self._flags(proto.BATCH_EXISTS_PATH, keys)
+
+    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Delete ``keys``; which were present."""
+        return await self._flags(proto.BATCH_DELETE_PATH, keys)
+
+    async def health(self, limit_s: float | None = None) -> dict[str, Any]:
+        """The peer's ``/v1/health`` document (``limit_s`` overrides the timeout)."""
+        body = await self._request("GET", proto.HEALTH_PATH, ok=(200,), limit_s=limit_s)
+        try:
+            doc = json.loads(body or b"")
+        except ValueError as exc:
+            raise PeerError(f"peer {self.member}: bad health document: {exc}") from None
+        if not isinstance(doc, dict):
+            raise PeerError(f"peer {self.member}: health document is not an object")
+        return doc
+
+    async def metrics(self) -> str:
+        """The peer's ``/metrics`` text."""
+        body = await self._request("GET", proto.METRICS_PATH, ok=(200,))
+        return (body or b"").decode("utf-8", "replace")

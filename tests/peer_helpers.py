@@ -1,0 +1,77 @@
+"""Helpers shared by the peer tests: in-process servers and `kvtier serve` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = "pool-secret-token"
+_LISTEN_RE = re.compile(r"kvtier serve listening on (\S+)")
+
+
+@dataclass
+class ServeProcess:
+    """A `kvtier serve` child process on loopback."""
+
+    args: list[str]
+    token_file: Path
+    proc: subprocess.Popen[str] | None = None
+    member: str = ""
+    log: list[str] = field(default_factory=list)
+
+    def start(self, listen: str = "127.0.0.1:0", timeout: float = 20.0) -> str:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "serve", "--listen", listen,
+             "--token-file", str(self.token_file), *self.args],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.log.append(line)
+            match = _LISTEN_RE.search(line)
+            if match:
+                self.member = match.group(1)
+                return self.member
+        self.stop()
+        raise RuntimeError("kvtier serve did not start:\n" + "".join(self.log))
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+
+
+def token_file(tmp: Path, token: str = TOKEN) -> Path:
+    path = tmp / f"token-{abs(hash(token))}"
+    path.write_text(token + "\n")
+    return path

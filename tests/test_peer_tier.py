@@ -1,0 +1,161 @@
+"""PeerTier against real in-process PeerServers on loopback: conformance, pooling, batching."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from peer_helpers import TOKEN
+
+from kvtier.errors import ConfigError
+from kvtier.peer.server import PeerServer
+from kvtier.peer.tier import PeerTier
+from kvtier.testing.conformance import TierConformance, key_of, sample_block
+from kvtier.tiers.base import Tier
+from kvtier.tiers.dram import DRAMTier
+from kvtier.tiers.registry import tier_from_url
+
+
+class TestPeerConformance(TierConformance):
+    bounded = False
+
+    @pytest.fixture(autouse=True)
+    async def _servers(self) -> AsyncIterator[None]:
+        self.servers: list[PeerServer] = []
+        yield
+        for server in self.servers:
+            await server.stop()
+
+    async def make_tier(self, capacity: int | None) -> Tier:
+        server = PeerServer(DRAMTier(capacity), token=TOKEN, close_segment=True)
+        await server.start()
+        self.servers.append(server)
+        return tier_from_url(f"peers://{server.member_id}?token={TOKEN}&timeout=2")
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[list[PeerServer]]:
+    servers = [PeerServer(DRAMTier(), token=TOKEN, close_segment=True) for _ in range(3)]
+    for s in servers:
+        await s.start()
+    yield servers
+    for s in servers:
+        await s.stop()
+
+
+def _url(servers: list[PeerServer], **opts: object) -> str:
+    query = "&".join(f"{k}={v}" for k, v in {"token": TOKEN, "timeout": 2, **opts}.items())
+    return f"peers://{','.join(s.member_id for s in servers)}?{query}"
+
+
+def _held(server: PeerServer) -> int:
+    return len(server.segment)  # type: ignore[arg-type]
+
+
+async def test_replicas_land_on_distinct_owners(pool: list[PeerServer]) -> None:
+    tier = tier_from_url(_url(pool, replicas=2))
+    assert isinstance(tier, PeerTier)
+    async with tier:
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(60)])
+        await tier.put(key_of(1000), sample_block(1000))
+        assert sum(_held(s) for s in pool) == 61 * 2
+        assert all(_held(s) > 0 for s in pool)
+        for i in (0, 17, 59):
+            owners = tier.members.ring.owners(key_of(i), 2)
+            holders = [s.member_id for s in pool if await s.segment.get(key_of(i)) is not None]
+            assert sorted(holders) == sorted(owners)
+
+
+async def test_two_nodes_read_each_others_blocks(pool: list[PeerServer]) -> None:
+    """The P2P pooling claim: node A's blocks are readable by node B and vice versa."""
+    a_server, b_server = pool[0], pool[1]
+    url = _url(pool, replicas=1)
+    node_a = PeerTier.from_url(url, self=a_server.member_id, local=a_server.segment)
+    node_b = PeerTier.from_url(url, self=b_server.member_id, local=b_server.segment)
+    async with node_a, node_b:
+        await node_a.put_many([(key_of(i), sample_block(i)) for i in range(40)])
+        await node_a.put(key_of(40), sample_block(40))
+        # Node A's own keys went straight into its segment: its server saw no request.
+        assert sum(a_server.requests.values()) == 0
+        owned_by_a = [i for i in range(41)
+                      if node_a.members.ring.primary(key_of(i)) == a_server.member_id]
+        assert owned_by_a
+        assert all([await a_server.segment.contains(key_of(i)) for i in owned_by_a])
+        await node_b.put_many([(key_of(100 + i), sample_block(100 + i)) for i in range(40)])
+        got_b = await node_b.get_many([key_of(i) for i in range(40)])
+        got_a = await node_a.get_many([key_of(100 + i) for i in range(40)])
+        assert all(g is not None and g.tobytes() == sample_block(i).tobytes()
+                   for i, g in enumerate(got_b))
+        assert all(g is not None and g.tobytes() == sample_block(100 + i).tobytes()
+                   for i, g in enumerate(got_a))
+        one = await node_b.get(key_of(3))
+        assert one is not None and one.tobytes() == sample_block(3).tobytes()
+        assert await node_a.contains_many([key_of(5), key_of(105), key_of(999)]) == \
+            [True, True, False]
+
+
+async def test_batch_is_one_request_per_owner(pool: list[PeerServer]) -> None:
+    tier = PeerTier.from_url(_url(pool))
+    async with tier:
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(30)])
+        before = {s.member_id: sum(s.requests.values()) for s in pool}
+        got = await tier.get_many([key_of(i) for i in range(30)])
+        assert all(g is not None for g in got)
+        assert await tier.contains_many([key_of(i) for i in range(30)]) == [True] * 30
+        for s in pool:
+            assert sum(s.requests.values()) - before[s.member_id] == 2
+
+
+async def test_compressed_puts_roundtrip(pool: list[PeerServer]) -> None:
+    tier = PeerTier.from_url(_url(pool, compress="zstd:3"))
+    block = np.zeros((64, 128), dtype="<f2")
+    block[::3] = 1.5
+    async with tier:
+        await tier.put(key_of(1), block)
+        await tier.put_many([(key_of(2), block), (key_of(3), block)])
+        for k in (1, 2, 3):
+            got = await tier.get(key_of(k))
+            assert got is not None and got.dtype == block.dtype and np.array_equal(got, block)
+    assert sum(s.bytes_in for s in pool) < 3 * block.nbytes // 4
+
+
+async def test_ack_one_returns_and_copies_complete(pool: list[PeerServer]) -> None:
+    tier = PeerTier.from_url(_url(pool, replicas=3, ack="one"))
+    block = sample_block(7)
+    async with tier:
+        await tier.put(key_of(7), block)
+        block[:] = 0  # the caller reuses its buffer at once
+        await tier.flush()
+    for s in pool:
+        got = await s.segment.get(key_of(7))
+        assert got is not None and got.tobytes() == sample_block(7).tobytes()
+
+
+async def test_delete_reaches_every_copy(pool: list[PeerServer]) -> None:
+    tier = PeerTier.from_url(_url(pool, replicas=2))
+    async with tier:
+        await tier.put(key_of(1), sample_block(1))
+        assert await tier.delete(key_of(1)) is True
+        assert [await s.segment.contains(key_of(1)) for s in pool] == [False] * 3
+        assert await tier.delete(key_of(1)) is False
+
+
+@pytest.mark.parametrize("url", [
+    "peers://", "peers://h1", "peers://h1:7070?replicas=0", "peers://h1:7070?ack=some",
+    "peers://h1:7070?timeout=-1", "peers://h1:7070?compress=lz4", "peers://h1:7070?bogus=1",
+    "peers://h1:7070?self=h9:7070", "peers+dns://a:1,b:2", "peers://::1:7070",
+    "peers://h1:7070/path", "peers://h1:7070?token=env:KVTIER_NO_SUCH_VAR",
+])
+def test_bad_urls_rejected(url: str) -> None:
+    with pytest.raises(ConfigError):
+        tier_from_url(url)
+
+
+def test_url_options_parsed() -> None:
+    tier = tier_from_url("peers://h1:7070,[::1]:7071?replicas=2&self=h1:7070&timeout=0.25"
+                         "&ack=one&compress=zstd:5&vnodes=64&health_interval=1")
+    assert isinstance(tier, PeerTier)
+    assert tier.members.members == ("[::1]:7071", "h1:7070")
+    assert (tier.replicas, tier.timeout, tier.ack, tier.compress_level) == (2, 0.25, "one", 5)
+    assert tier.members.ring.vnodes == 64 and tier.capacity is None
