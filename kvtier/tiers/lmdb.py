@@ -162,7 +162,7 @@ class LMDBTier(Tier):
         self._lock = asyncio.Lock()
         self._touched: set[bytes] = set()
         self._inflight: set[asyncio.Future[Any]] = set()
-        self.hits = self.misses = self.corrupt = self.errors = self.map_full = 0
+        self.hits = self.misses = self.corrupt = self.io_errors = self.map_full = 0
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -259,9 +259,8 @@ class LMDBTier(Tier):
             try:
                 results = await self._in_thread(env.read, wanted)
             except lmdb.Error as exc:
-                self.errors += 1
-                log.warning("lmdb tier %s: read failed: %s", self.name, exc)
-                results = [None] * len(wanted)
+                self.io_errors += 1
+                raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
             bad: list[bytes] = []
             for key, res in zip(wanted, results, strict=True):
                 if isinstance(res, CorruptBlockError):
@@ -369,7 +368,7 @@ class LMDBTier(Tier):
         try:
             present = await asyncio.to_thread(env.write, [], keys, [])
         except lmdb.Error as exc:
-            self.errors += 1
+            self.io_errors += 1
             raise TierError(f"lmdb tier {self.name}: delete failed: {exc}") from exc
         for key in keys:
             self._policy.remove(key)
@@ -462,7 +461,7 @@ class LMDBTier(Tier):
                 if stuck > 1:
                     break
             except lmdb.Error as exc:
-                self.errors += 1
+                self.io_errors += 1
                 raise TierError(f"lmdb tier {self.name}: put failed: {exc}") from exc
         if not written or pending is None:
             raise TierFullError(f"lmdb tier {self.name}: map of {self.map_size} bytes stays "
@@ -511,7 +510,7 @@ class LMDBTier(Tier):
     def stats(self) -> dict[str, Any]:
         disk = self._env.disk_bytes() if self._env is not None else 0
         return {**super().stats(), "hits": self.hits, "misses": self.misses,
-                "errors": self.errors, "corrupt": self.corrupt, "map_full": self.map_full,
+                "io_errors": self.io_errors, "corrupt": self.corrupt, "map_full": self.map_full,
                 "blocks": len(self._policy), "pinned_bytes": self._policy.pinned_bytes,
                 "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
                 "sync": self.sync, "compress_level": self.compress_level}
