@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -205,6 +206,21 @@ def _check(dtype: np.dtype[Any], shape: tuple[int, ...], out_dtype: str, out_sha
         f"buffer is {out_dtype}{list(out_shape)} ({out_nbytes} bytes)")
 
 
+def _import_cuda(out: object, name: str, convert: Callable[[Any], Any]) -> Any:
+    """Wrap a foreign CUDA buffer as a CuPy array or torch tensor, whichever is usable."""
+    for module, backend in (("cupy", "cupy"), ("torch", "torch")):
+        try:
+            lib = require_module(module, backend)
+        except BackendUnavailableError:
+            continue
+        if module == "torch" and not lib.cuda.is_available():
+            continue
+        return convert(lib)
+    raise BackendUnavailableError(
+        f"{name}: a CUDA buffer needs CuPy or PyTorch with CUDA: "
+        f"pip install 'kvtier[cupy]' or 'kvtier[torch]'")
+
+
 def import_output(out: object, dtype: np.dtype[Any], shape: tuple[int, ...],
                   name: str = "out") -> npt.NDArray[np.generic] | DeviceOutput:
     """Resolve a non-numpy ``get_into`` target and check it against a block's dtype/shape.
@@ -227,17 +243,13 @@ def import_output(out: object, dtype: np.dtype[Any], shape: tuple[int, ...],
     module = type(out).__module__.split(".")[0]
     if module not in ("torch", "cupy"):
         if hasattr(out, "__cuda_array_interface__"):
-            try:
-                cupy = require_module("cupy", "cupy")
-                out = cupy.asarray(out)
-            except BackendUnavailableError:
-                torch = require_module("torch", "torch")
-                out = torch.as_tensor(out, device="cuda")
+            out = _import_cuda(out, name, lambda m: m.asarray(out) if m.__name__ == "cupy"
+                               else m.as_tensor(out, device="cuda"))
         elif hasattr(out, "__dlpack__") and hasattr(out, "__dlpack_device__"):
             device_type = int(out.__dlpack_device__()[0])
             if device_type in (1, 3):  # kDLCPU, kDLCUDAHost: host memory numpy can view
                 return np.from_dlpack(out)
-            out = require_module("torch", "torch").from_dlpack(out)
+            out = _import_cuda(out, name, lambda m: m.from_dlpack(out))
         else:
             raise TypeError(f"{name}: expected numpy.ndarray, a torch/cupy array or a DLPack "
                             f"object, got {type(out).__name__}")
