@@ -183,8 +183,12 @@ class FsspecTier(Tier):
         return self._root
 
     def path_of(self, key: bytes) -> str:
-        """Where ``key`` is (or would be) stored."""
+        """Where ``key`` is (or would be) stored (async filesystems: after first use)."""
         return key_path(self._root, key, self.fanout)
+
+    async def _path(self, key: bytes) -> str:
+        await self._ready()
+        return self.path_of(key)
 
     # ---------------------------------------------------------------- contract
     @property
@@ -203,7 +207,7 @@ class FsspecTier(Tier):
     async def _read(self, key: bytes) -> Block | None:
         """Read ``key``. A corrupt copy is a miss: deleted and counted. An I/O error is
         counted and raised as :class:`TierError` (the store turns it into a miss)."""
-        path = self.path_of(key)
+        path = await self._path(key)
         try:
             return await self._io(lambda b: b.read(path, decode_frame))
         except CorruptBlockError as exc:
@@ -231,7 +235,7 @@ class FsspecTier(Tier):
     async def _contains(self, key: bytes) -> bool:
         if key in self._policy:
             return True
-        path = self.path_of(key)
+        path = await self._path(key)
         try:
             return await self._io(lambda b: b.exists(path))
         except (OSError, TimeoutError) as exc:
@@ -252,7 +256,7 @@ class FsspecTier(Tier):
                 if old is not None:
                     await self._evict(victim, old)
                 await self._remove(victim)
-            path = self.path_of(key)
+            path = await self._path(key)
             frames: list[EncodedFrame] = []
 
             def encode() -> EncodedFrame:
@@ -267,7 +271,7 @@ class FsspecTier(Tier):
             self._policy.admit(key, frames[-1].nbytes if frames else bound)
 
     async def _remove(self, key: bytes) -> bool:
-        path = self.path_of(key)
+        path = await self._path(key)
         try:
             found = await self._io(lambda b: b.delete(path))
         except (OSError, TimeoutError) as exc:
