@@ -167,11 +167,27 @@ def test_register_bad_lazy_path(isolated: None, target: str, match: str) -> None
         tier_class("broken")
 
 
-@pytest.mark.parametrize("scheme", ["", "DRAM", "Lmdb"])
-def test_register_bad_scheme(isolated: None, scheme: str) -> None:
+@pytest.mark.parametrize("scheme", ["", "DRAM", "Lmdb", None, 5])
+def test_register_bad_scheme(isolated: None, scheme: object) -> None:
     with pytest.raises(ValueError, match="scheme"):
-        register_tier(scheme, DRAMTier)
+        register_tier(scheme, DRAMTier)  # type: ignore[arg-type]
     assert registry._registered == {}
+
+
+@pytest.mark.parametrize(("target", "exc"), [
+    (5, TypeError), (None, TypeError), (object, TypeError), (DRAMTier(), TypeError),
+    ("kvtier.tiers.dram", ValueError), (":DRAMTier", ValueError),
+    ("kvtier.tiers.dram:", ValueError),
+])
+def test_register_bad_target(isolated: None, target: object, exc: type[Exception]) -> None:
+    with pytest.raises(exc, match="target"):
+        register_tier("x", target)  # type: ignore[arg-type]
+    assert registry._registered == {}
+
+
+def test_tier_class_needs_a_str() -> None:
+    with pytest.raises(TypeError, match="scheme"):
+        tier_class(b"dram")  # type: ignore[arg-type]
 
 
 async def test_third_party_tier_via_entry_point(tmp_path: Path,

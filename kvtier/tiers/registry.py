@@ -27,8 +27,13 @@ _registered: dict[str, type[Tier] | str] = {}
 
 def register_tier(scheme: str, target: type[Tier] | str) -> None:
     """Register a tier class (or a lazy ``"module:Class"`` path) for ``scheme``."""
-    if not scheme or scheme != scheme.lower():
+    if not isinstance(scheme, str) or not scheme or scheme != scheme.lower():
         raise ValueError(f"scheme: expected a non-empty lowercase scheme, got {scheme!r}")
+    if isinstance(target, str):
+        if not all(target.partition(":")[::2]):
+            raise ValueError(f"target: expected 'module:Class', got {target!r}")
+    elif not (isinstance(target, type) and issubclass(target, Tier)):
+        raise TypeError(f"target: expected a Tier subclass or 'module:Class', got {target!r}")
     _registered[scheme] = target
 
 
@@ -69,6 +74,8 @@ def tier_class(scheme: str) -> type[Tier]:
     UnknownSchemeError
         Listing the known schemes.
     """
+    if not isinstance(scheme, str):
+        raise TypeError(f"scheme: expected str, got {type(scheme).__name__}")
     scheme = scheme.lower()
     if scheme in _registered:
         return _load(_registered[scheme], scheme)
