@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from kvtier.errors import BlockTooLargeError, TierFullError
 
-__all__ = ["Clock", "RecencyPolicy"]
+__all__ = ["Clock", "RecencyPolicy", "S3FIFOPolicy"]
 
 Clock = Callable[[], float]
 
@@ -169,3 +169,213 @@ class RecencyPolicy:
                 return chosen
         raise TierFullError(
             f"cannot fit {incoming} bytes: {self.pinned_bytes} of {self._capacity} bytes pinned")
+
+
+class S3FIFOPolicy:
+    """S3-FIFO (Yang et al., SOSP '23): a scan-resistant alternative to LRU, same interface as
+    :class:`RecencyPolicy` (byte budget, pins, ``victims`` then ``remove``).
+
+    New keys enter a small FIFO (``small_fraction`` of the budget). A key evicted from it
+    that was touched at least ``promote_after`` times since admission moves to the main FIFO;
+    others leave and are remembered in a ghost list, so a key that returns soon after goes
+    straight to main. The main FIFO gives each key up to 3 second chances (one per touch).
+    One-hit blocks (a long prompt read once) therefore never flush the blocks that are
+    reused, which is where a plain LRU thrashes when the working set exceeds the budget.
+    A touch is a counter increment: no reordering.
+
+    Parameters
+    ----------
+    capacity
+        Byte budget, or ``None`` for unbounded (never evicts).
+    clock
+        Accepted for interface parity with :class:`RecencyPolicy`; S3-FIFO keeps no times.
+    small_fraction
+        Share of the budget for the probationary FIFO (0 < f < 1).
+    promote_after
+        Touches needed in the small FIFO to move to main.
+    """
+
+    def __init__(self, capacity: int | None, clock: Clock = time.monotonic, *,
+                 small_fraction: float = 0.1, promote_after: int = 1) -> None:
+        if capacity is not None and (type(capacity) is not int or capacity < 0):
+            raise ValueError(f"capacity: expected an int >= 0 or None, got {capacity!r}")
+        if not 0.0 < small_fraction < 1.0:
+            raise ValueError(f"small_fraction: expected 0 < f < 1, got {small_fraction!r}")
+        if type(promote_after) is not int or promote_after < 1:
+            raise ValueError(f"promote_after: expected an int >= 1, got {promote_after!r}")
+        self._capacity = capacity
+        self._small_target = 0 if capacity is None else max(1, int(capacity * small_fraction))
+        self._promote_after = promote_after
+        self._sizes: dict[bytes, int] = {}
+        self._freq: dict[bytes, int] = {}
+        self._small: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self._main: OrderedDict[bytes, None] = OrderedDict()
+        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._pending: set[bytes] = set()  # chosen by victims(), awaiting remove()
+        self._pins: dict[bytes, int] = {}
+        self._used = 0
+        self._small_used = 0
+
+    @property
+    def capacity(self) -> int | None:
+        """Byte budget, or ``None`` when unbounded."""
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes currently accounted."""
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes
+
+    def size_of(self, key: bytes) -> int | None:
+        """Size of ``key`` in bytes, or ``None`` if absent."""
+        return self._sizes.get(key)
+
+    def lru_order(self) -> Iterator[bytes]:
+        """Keys in eviction-candidate order: small FIFO first, then main FIFO."""
+        return iter([*self._small, *self._main])
+
+    def admit(self, key: bytes, size: int) -> None:
+        """Insert ``key`` (into main if it is a recent ghost, else small), or replace its size.
+        Does not evict: call :meth:`victims` first and remove them."""
+        if size < 0:
+            raise ValueError(f"size: expected >= 0, got {size}")
+        old = self._sizes.get(key)
+        if old is not None:
+            self._used += size - old
+            if key in self._small:
+                self._small_used += size - old
+            self._sizes[key] = size
+            return
+        self._sizes[key] = size
+        self._freq[key] = 0
+        self._used += size
+        if self._ghost.pop(key, 0) is None:
+            self._main[key] = None
+        else:
+            self._small[key] = None
+            self._small_used += size
+
+    def touch(self, key: bytes) -> bool:
+        """Count an access of ``key`` (capped at 3). Returns ``False`` if absent."""
+        freq = self._freq.get(key)
+        if freq is None:
+            return False
+        if freq < 3:
+            self._freq[key] = freq + 1
+        return True
+
+    def touch_chain(self, keys: Iterable[bytes]) -> None:
+        """Count an access of every key of a prefix chain, tail first."""
+        for key in reversed(list(keys)):
+            self.touch(key)
+
+    def remove(self, key: bytes) -> int | None:
+        """Forget ``key``; returns its size or ``None`` if absent. Pins are kept."""
+        size = self._sizes.pop(key, None)
+        if size is None:
+            return None
+        del self._freq[key]
+        self._used -= size
+        self._pending.discard(key)
+        self._main.pop(key, 0)
+        if self._small.pop(key, 0) is None:
+            self._small_used -= size
+        return size
+
+    def pin(self, key: bytes) -> None:
+        """Protect ``key`` from eviction (counted: each pin needs one unpin)."""
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: bytes) -> None:
+        """Release one pin of ``key``; unpinning an unpinned key does nothing."""
+        count = self._pins.get(key, 0)
+        if count <= 1:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] = count - 1
+
+    def is_pinned(self, key: bytes) -> bool:
+        """Whether ``key`` holds at least one pin."""
+        return key in self._pins
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of present blocks that are pinned."""
+        return sum(size for key, size in self._sizes.items() if key in self._pins)
+
+    def check_fits(self, size: int, name: str = "block") -> None:
+        """Raise :class:`BlockTooLargeError` if ``size`` exceeds the whole budget."""
+        if self._capacity is not None and size > self._capacity:
+            raise BlockTooLargeError(
+                f"{name}: {size} bytes exceed the tier's whole capacity of {self._capacity} bytes")
+
+    def _remember_ghost(self, key: bytes) -> None:
+        self._ghost[key] = None
+        # The ghost list remembers about as many keys as the cache holds.
+        while len(self._ghost) > max(1, len(self._sizes)):
+            self._ghost.popitem(last=False)
+
+    def victims(self, incoming: int, replacing: bytes | None = None) -> list[bytes]:
+        """Keys to evict so that ``incoming`` more bytes fit (queue moves happen here).
+
+        Raises
+        ------
+        BlockTooLargeError
+            If ``incoming`` exceeds the whole capacity.
+        TierFullError
+            If pinned blocks leave no room.
+        """
+        self.check_fits(incoming)
+        if self._capacity is None:
+            return []
+        freed = (self.size_of(replacing) or 0) if replacing is not None else 0
+        excess = self._used - freed + incoming - self._capacity
+        excess -= sum(self._sizes[k] for k in self._pending)
+        chosen: list[bytes] = []
+        # Each key is looked at a bounded number of times (3 chances in main, one move out
+        # of small, one pass over pinned keys) so the loop ends even when all are pinned.
+        budget = 5 * (len(self._small) + len(self._main)) + 1
+        while excess > 0 and budget > 0:
+            budget -= 1
+            from_small = bool(self._small) and (self._small_used > self._small_target
+                                                or not self._main)
+            queue = self._small if from_small else self._main
+            if not queue:
+                break
+            key, _ = queue.popitem(last=False)
+            size = self._sizes[key]
+            if from_small:
+                self._small_used -= size
+            if key == replacing or key in self._pins:
+                queue[key] = None
+                if from_small:
+                    self._small_used += size
+                continue
+            freq = self._freq[key]
+            if from_small and freq >= self._promote_after:
+                self._freq[key] = 0
+                self._main[key] = None
+                continue
+            if not from_small and freq > 0:
+                self._freq[key] = freq - 1
+                self._main[key] = None
+                continue
+            if from_small:
+                self._remember_ghost(key)
+            self._pending.add(key)
+            chosen.append(key)
+            excess -= size
+        if excess > 0:
+            for key in chosen:  # put them back: nothing changes on failure
+                self._pending.discard(key)
+                self._main[key] = None
+            raise TierFullError(
+                f"cannot fit {incoming} bytes: {self.pinned_bytes} of {self._capacity} bytes "
+                "pinned")
+        return chosen

@@ -1,0 +1,156 @@
+"""``kvtier replay TRACE``: replay a request trace through per-node, pooled and ideal caches."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+NAME = "replay"
+HELP = ("replay a Mooncake-format trace (or builtin:agentic) through N simulated nodes: "
+        "per-node vs pooled vs ideal prefix hit rates")
+
+BUILTIN = "builtin:agentic"
+
+
+def _csv(kind: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            items = [kind(part.strip()) for part in text.split(",") if part.strip()]
+        except ValueError:
+            kind_name = getattr(kind, "__name__", "value")
+            raise argparse.ArgumentTypeError(
+                f"{name}: expected a comma-separated list of {kind_name}s, got {text!r}") from None
+        if not items:
+            raise argparse.ArgumentTypeError(f"{name}: empty list")
+        return items
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvtier replay``."""
+    parser.add_argument("trace", metavar="TRACE",
+                        help=f"trace file (.jsonl or .jsonl.gz), or {BUILTIN} for the built-in "
+                             "synthetic agentic workload")
+    parser.add_argument("--nodes", type=int, default=4, help="serving nodes (default 4)")
+    parser.add_argument("--capacity-blocks", type=_csv(int, "--capacity-blocks"),
+                        default=[1000], metavar="C[,C...]",
+                        help="blocks per node in the top tier; a list sweeps capacities")
+    parser.add_argument("--lower-blocks", type=int, default=0, metavar="D",
+                        help="blocks per node in a second, slower tier (0: none)")
+    parser.add_argument("--mode", type=_csv(str, "--mode"),
+                        default=["per-node", "pooled", "ideal"], help="per-node,pooled,ideal")
+    parser.add_argument("--routing", type=_csv(str, "--routing"), default=["rr", "session"],
+                        help="rr,random,session,prefix-affinity (default rr,session)")
+    parser.add_argument("--policy", type=_csv(str, "--policy"), default=["lru"],
+                        help="lru,s3fifo,s3fifo2 (default lru)")
+    parser.add_argument("--vnodes", type=int, default=None,
+                        help="virtual nodes per member on the pool's ring (default: the "
+                             "replay's balanced default, see docs/replay.md)")
+    parser.add_argument("--dry", action="store_true", help="metadata only (the default)")
+    parser.add_argument("--block-bytes", type=int, default=64 << 10,
+                        help="bytes per block (--real payloads; --dry bytes-moved figures)")
+    parser.add_argument("--limit", type=int, default=None, help="replay only N requests")
+    parser.add_argument("--time-limit", type=float, default=20.0,
+                        help="--real: stop each configuration after this many seconds")
+    parser.add_argument("--json", metavar="FILE", help="write results as JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="plot hit rate vs capacity (needs matplotlib: kvtier[plot])")
+    parser.add_argument("--seed", type=int, default=0, help="seed for random routing/workload")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _check(args: argparse.Namespace) -> None:
+    from kvtier.replay.sim import MODES, POLICIES, ROUTINGS
+
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes: expected >= 1, got {args.nodes}")
+    for cap in args.capacity_blocks:
+        if cap < 1:
+            raise ConfigError(f"--capacity-blocks: expected >= 1, got {cap}")
+    if args.lower_blocks < 0:
+        raise ConfigError(f"--lower-blocks: expected >= 0, got {args.lower_blocks}")
+    if args.block_bytes < 1:
+        raise ConfigError(f"--block-bytes: expected >= 1, got {args.block_bytes}")
+    if args.vnodes is not None and args.vnodes < 1:
+        raise ConfigError(f"--vnodes: expected >= 1, got {args.vnodes}")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit: expected >= 1, got {args.limit}")
+    for flag, values, known in (("--mode", args.mode, MODES), ("--routing", args.routing,
+                                ROUTINGS), ("--policy", args.policy, tuple(POLICIES))):
+        for value in values:
+            if value not in known:
+                raise ConfigError(f"{flag}: unknown {value!r}; known: {', '.join(known)}")
+
+
+def open_requests(trace: str, *, limit: int | None, seed: int,
+                  on_progress: object = None) -> Iterator[object]:
+    """The request stream of ``trace`` (a file or :data:`BUILTIN`)."""
+    from kvtier.replay.trace import iter_trace
+    from kvtier.workload import WorkloadConfig, generate
+
+    if trace == BUILTIN:
+        stream: Iterable[object] = generate(WorkloadConfig(seed=seed))
+        return iter(stream if limit is None else itertools.islice(stream, limit))
+    return iter_trace(trace, limit=limit, on_progress=on_progress)  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the replay and print the table."""
+    try:
+        _check(args)
+        report = _run_dry(args)
+    except ConfigError as exc:
+        print(f"kvtier replay: {exc}", file=sys.stderr)
+        return 2
+    from kvtier.replay.report import format_table, write_json, write_plot
+
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            write_plot(report, args.plot)
+        except ConfigError as exc:
+            print(f"kvtier replay: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_dry(args: argparse.Namespace) -> dict[str, object]:
+    from kvtier.peer.ring import HashRing
+    from kvtier.progress import Progress
+    from kvtier.replay.dry import run_dry
+    from kvtier.replay.report import make_report
+    from kvtier.replay.sim import DEFAULT_POOL_VNODES, Simulation
+    from kvtier.replay.trace import trace_size
+
+    members = [f"node{i}" for i in range(args.nodes)]
+    ring = HashRing(members, vnodes=args.vnodes or DEFAULT_POOL_VNODES)
+    sims = []
+    for cap in args.capacity_blocks:
+        caps = [cap] + ([args.lower_blocks] if args.lower_blocks else [])
+        for mode, policy in itertools.product(args.mode, args.policy):
+            routings = ["none"] if mode == "ideal" else args.routing
+            for routing in routings:
+                sims.append(Simulation(mode, routing, policy, args.nodes, caps, ring=ring,
+                                       seed=args.seed))
+    builtin = args.trace == BUILTIN
+    total = 0 if builtin else trace_size(args.trace)
+    progress = Progress(total, f"replay {len(sims)} configs", enabled=False
+                        if args.no_progress else None)
+    with progress:
+        requests = open_requests(args.trace, limit=args.limit, seed=args.seed,
+                                 on_progress=lambda pos: progress.update(to=pos))
+        out = run_dry(requests, sims, block_bytes=args.block_bytes,  # type: ignore[arg-type]
+                      progress=progress)
+    return make_report(args.trace, out["requests"], out["block_refs"], args.nodes,
+                       args.capacity_blocks, out["results"], engine="dry",
+                       unique_blocks=out["unique_blocks"], elapsed_s=round(out["elapsed_s"], 2),
+                       vnodes=ring.vnodes, lower_blocks=args.lower_blocks)
