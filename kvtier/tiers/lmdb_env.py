@@ -107,6 +107,8 @@ class BlockEnv:
             str(path), map_size=map_size, subdir=True, max_dbs=4, sync=sync,
             metasync=metasync, writemap=writemap, readahead=False, meminit=False,
             max_readers=max_readers, lock=True)
+        # Free reader slots of processes that died holding them (after a crash/SIGKILL).
+        self.env.reader_check()
         with self.env.begin(write=True) as txn:
             self.header = self.env.open_db(b"header", txn=txn)
             self.payload = self.env.open_db(b"payload", txn=txn)
