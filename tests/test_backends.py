@@ -4,6 +4,7 @@ backend selection and the import of foreign output buffers."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -240,3 +241,18 @@ def test_cuda_array_interface_without_cuda_is_a_clear_error() -> None:
 
     with pytest.raises(BackendUnavailableError, match="out: a CUDA buffer"):
         import_output(FakeCuda(), np.dtype("u1"), (4,))
+
+
+def test_gpu_check_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/gpu_check.py exits 0 without CUDA, and its CPU smoke run checks bytes."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import gpu_check
+
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 0
+        assert "no CUDA device" in capsys.readouterr().out
+    out = tmp_path / "rows.json"
+    assert gpu_check.main(["--allow-cpu", "--min-time", "0.01", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "byte-identical: copies yes, chain yes" in printed
+    assert "0 mismatches" in printed and out.stat().st_size > 0
