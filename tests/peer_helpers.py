@@ -24,27 +24,30 @@ class ServeProcess:
     token_file: Path
     proc: subprocess.Popen[str] | None = None
     member: str = ""
-    log: list[str] = field(default_factory=list)
+    log_path: Path = field(default=Path("/dev/null"))
 
     def start(self, listen: str = "127.0.0.1:0", timeout: float = 20.0) -> str:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "serve", "--listen", listen,
-             "--token-file", str(self.token_file), *self.args],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # Output goes to a file, not a pipe: a full pipe would block the server's logging.
+        self.log_path = self.token_file.parent / f"serve-{id(self)}-{time.monotonic_ns()}.log"
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.cli", "serve", "--listen", listen,
+                 "--token-file", str(self.token_file), *self.args],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.log.append(line)
-            match = _LISTEN_RE.search(line)
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            match = _LISTEN_RE.search(self.output())
             if match:
                 self.member = match.group(1)
                 return self.member
+            time.sleep(0.02)
+        text = self.output()
         self.stop()
-        raise RuntimeError("kvtier serve did not start:\n" + "".join(self.log))
+        raise RuntimeError("kvtier serve did not start:\n" + text)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     @property
     def pid(self) -> int:
@@ -66,8 +69,6 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
         self.proc = None
 
 

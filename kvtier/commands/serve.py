@@ -59,7 +59,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from kvtier.store import open_store
     from kvtier.urls import parse_secret, parse_size
 
-    host, port = split_member(args.listen, "--listen")
+    host, port = split_member(args.listen, "--listen", allow_zero=True)
     if args.token_file is None and not args.insecure_no_auth:
         raise ConfigError("--token-file: required (or pass --insecure-no-auth explicitly)")
     token = parse_secret(f"file:{args.token_file}", "--token-file") if args.token_file else None

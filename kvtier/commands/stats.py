@@ -89,5 +89,6 @@ async def _stats(args: argparse.Namespace) -> int:
         print(f"  tier {i}: {tier.get('scheme')} used={tier.get('used')} "
               f"capacity={tier.get('capacity')} blocks={tier.get('blocks')}")
     for name in sorted(metrics):
-        print(f"{name} {metrics[name]:g}")
+        value = metrics[name]
+        print(f"{name} {int(value) if value.is_integer() else value}")
     return 0

@@ -24,10 +24,12 @@ __all__ = ["Membership", "member_id", "split_member"]
 log = logging.getLogger("kvtier.peer.membership")
 
 
-def split_member(member: str, name: str = "members") -> tuple[str, int]:
-    """Split ``host:port`` / ``[v6]:port`` into host and port."""
+def split_member(member: str, name: str = "members", *, allow_zero: bool = False
+                 ) -> tuple[str, int]:
+    """Split ``host:port`` / ``[v6]:port`` into host and port (port 0 only if allowed)."""
     host, sep, port = member.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    low = 0 if allow_zero else 1
+    if not sep or not host or not port.isdigit() or not low <= int(port) < 65536:
         raise ConfigError(f"{name}: expected host:port, got {member!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -105,6 +105,7 @@ class PeerServer:
         self.bytes_in = 0
         self.bytes_out = 0
         self.corrupt_frames = 0
+        self.client_gone = 0
         self.app = self._build_app()
 
     # ----------------------------------------------------------------- lifecycle
@@ -252,12 +253,16 @@ class PeerServer:
         total = sum(memoryview(b).nbytes for b in buffers)
         response = web.StreamResponse(status=status, headers={"Content-Type": proto.CONTENT_TYPE})
         response.content_length = total
-        await response.prepare(request)
-        if request.method != "HEAD":
-            for buf in buffers:
-                await response.write(buf)
-            self.bytes_out += total
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            if request.method != "HEAD":
+                for buf in buffers:
+                    await response.write(buf)
+                self.bytes_out += total
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client gave up (its deadline passed): nothing to answer, nothing to log.
+            self.client_gone += 1
         return response
 
     # -------------------------------------------------------------------- routes
@@ -359,6 +364,8 @@ class PeerServer:
             ("kvtier_peer_sent_bytes_total", self.bytes_out, "counter", "Body bytes sent."),
             ("kvtier_peer_corrupt_frames_total", self.corrupt_frames, "counter",
              "Frames refused for a bad header or checksum."),
+            ("kvtier_peer_client_gone_total", self.client_gone, "counter",
+             "Responses not delivered because the client had disconnected."),
             ("kvtier_peer_uptime_seconds", round(time.monotonic() - self._started, 3), "gauge",
              "Seconds since start."),
         ):

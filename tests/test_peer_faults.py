@@ -1,0 +1,178 @@
+"""Faults with real `kvtier serve` processes: killed, hung (SIGSTOP) and slow peers are
+misses within the deadline, never exceptions or hangs; a restarted peer is used again."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from peer_helpers import TOKEN, ServeProcess, token_file
+
+from kvtier.peer.server import PeerServer
+from kvtier.peer.tier import PeerTier
+from kvtier.store import open_store
+from kvtier.testing.conformance import key_of, sample_block
+from kvtier.testing.fakes import LatencyTier
+from kvtier.tiers.dram import DRAMTier
+
+TIMEOUT = 0.5
+SLACK = 0.5
+
+
+@pytest.fixture
+def three(tmp_path: Path) -> Iterator[list[ServeProcess]]:
+    procs = [ServeProcess(["--tier", "dram://?capacity=64MiB"], token_file(tmp_path))
+             for _ in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _url(members: list[str], **opts: object) -> str:
+    query = {"token": TOKEN, "timeout": TIMEOUT, "replicas": 2, "health_interval": 0.2, **opts}
+    return f"peers://{','.join(members)}?" + "&".join(f"{k}={v}" for k, v in query.items())
+
+
+async def _wait(cond: object, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_killed_peer_then_restarted(three: list[ServeProcess]) -> None:
+    members = [p.member for p in three]
+    store = await open_store([_url(members)])
+    tier = store.tiers[0]
+    assert isinstance(tier, PeerTier)
+    async with store:
+        await store.put_many([(key_of(i), sample_block(i)) for i in range(500)])
+        victim = three[0]
+        victim.signal(signal.SIGKILL)
+        victim.proc.wait(5)  # type: ignore[union-attr]
+        worst = 0.0
+        for i in range(500):
+            t0 = time.monotonic()
+            got = await store.get(key_of(i))
+            worst = max(worst, time.monotonic() - t0)
+            assert got is not None and got.tobytes() == sample_block(i).tobytes(), i
+        assert worst < TIMEOUT + SLACK
+        assert not tier.members.alive(victim.member)
+        t0 = time.monotonic()
+        got_all = await store.get_many([key_of(i) for i in range(500)])
+        assert time.monotonic() - t0 < TIMEOUT + SLACK
+        assert all(g is not None for g in got_all)
+        assert await store.lookup_prefix([key_of(i) for i in range(500)]) == 500
+
+        victim.start(listen=victim.member)  # same port
+        await _wait(lambda: tier.members.alive(victim.member))
+        await store.put_many([(key_of(1000 + i), sample_block(i)) for i in range(100)])
+        health = await tier.members.client(victim.member).health()
+        assert health["blocks"] > 0  # the restarted peer holds new copies again
+        got_new = await store.get_many([key_of(1000 + i) for i in range(100)])
+        assert all(g is not None for g in got_new)
+
+
+async def test_hung_peer_costs_at_most_the_timeout(three: list[ServeProcess]) -> None:
+    tier = PeerTier.from_url(_url([p.member for p in three]))
+    async with tier:
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(60)])
+        hung = three[1]
+        hung.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            results = await asyncio.gather(*(tier.get(key_of(i)) for i in range(60)))
+            assert time.monotonic() - t0 < TIMEOUT + SLACK
+            assert all(r is not None and r.tobytes() == sample_block(i).tobytes()
+                       for i, r in enumerate(results))
+            for i in range(60):  # the hung peer is now out of the read path: fast
+                t0 = time.monotonic()
+                assert await tier.get(key_of(i)) is not None
+                assert time.monotonic() - t0 < TIMEOUT
+            await tier.put(key_of(999), sample_block(999))  # written to live owners
+        finally:
+            hung.signal(signal.SIGCONT)
+        await _wait(lambda: tier.members.alive(hung.member))
+
+
+@pytest.fixture
+async def slow_pool() -> AsyncIterator[tuple[PeerServer, list[PeerServer]]]:
+    slow = PeerServer(LatencyTier(DRAMTier(), delay=3.0), token=TOKEN, close_segment=True)
+    fast = [PeerServer(DRAMTier(), token=TOKEN, close_segment=True) for _ in range(2)]
+    for s in (slow, *fast):
+        await s.start()
+    yield slow, fast
+    for s in (slow, *fast):
+        await s.stop()
+
+
+async def test_slow_peer_is_a_miss_within_the_deadline(
+        slow_pool: tuple[PeerServer, list[PeerServer]]) -> None:
+    slow, fast = slow_pool
+    servers = {s.member_id: s for s in (slow, *fast)}
+    tier = PeerTier.from_url(_url(list(servers), timeout=0.3, health_interval=30))
+    async with tier:
+        keys = [key_of(i) for i in range(40)]
+        for i, key in enumerate(keys):  # seed every owner's segment directly
+            for owner in tier.members.ring.owners(key, 2):
+                inner = servers[owner].segment
+                await getattr(inner, "inner", inner).put(key, sample_block(i))
+        slow_first = [k for k in keys if tier.members.ring.primary(k) == slow.member_id]
+        assert slow_first
+        t0 = time.monotonic()
+        got = await tier.get(slow_first[0])
+        assert time.monotonic() - t0 < 0.3 + SLACK
+        assert got is not None  # answered by the replica after the slow primary timed out
+        assert not tier.members.alive(slow.member_id)
+        single = PeerTier.from_url(_url([slow.member_id], timeout=0.3, replicas=1))
+        async with single:
+            t0 = time.monotonic()
+            assert await single.get(slow_first[0]) is None
+            assert await single.contains_many(slow_first) == [False] * len(slow_first)
+            assert time.monotonic() - t0 < 2 * 0.3 + SLACK
+
+
+async def test_dns_membership_with_localhost() -> None:
+    server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True)
+    await server.start()
+    try:
+        tier = PeerTier.from_url(f"peers+dns://localhost:{server.port}?token={TOKEN}"
+                                 "&timeout=0.5&health_interval=0.1&dns_interval=0.2")
+        async with tier:
+            await tier.put_many([(key_of(i), sample_block(i)) for i in range(20)])
+            assert f"127.0.0.1:{server.port}" in tier.members.members
+            got = await tier.get_many([key_of(i) for i in range(20)])
+            assert all(g is not None for g in got)
+            assert len(server.segment) == 20  # type: ignore[arg-type]
+    finally:
+        await server.stop()
+
+
+def test_serve_sigterm_shuts_down_cleanly(tmp_path: Path) -> None:
+    proc = ServeProcess(["--tier", "dram://?capacity=1MiB"], token_file(tmp_path))
+    proc.start()
+    assert proc.proc is not None
+    proc.signal(signal.SIGTERM)
+    assert proc.proc.wait(10) == 0
+    assert "stopped" in proc.output()
+    proc.stop()
+
+
+def test_serve_refuses_to_start_without_token(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from peer_helpers import REPO
+
+    run = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--listen",
+                          "127.0.0.1:0", "--tier", "dram://"], cwd=REPO, capture_output=True,
+                         text=True, timeout=30, env={"PYTHONPATH": str(REPO)})
+    assert run.returncode == 2 and "--token-file" in run.stdout
