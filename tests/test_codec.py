@@ -75,7 +75,8 @@ _dtypes = st.one_of(
     hnp.integer_dtypes(endianness="?"), hnp.unsigned_integer_dtypes(endianness="?"),
     hnp.floating_dtypes(endianness="?"), hnp.complex_number_dtypes(endianness="?"),
     hnp.boolean_dtypes(), hnp.datetime64_dtypes(endianness="?"),
-    hnp.byte_string_dtypes(min_len=1, max_len=4),
+    hnp.timedelta64_dtypes(endianness="?"), hnp.byte_string_dtypes(min_len=1, max_len=4),
+    hnp.unicode_string_dtypes(endianness="?", min_len=1, max_len=3),
 )
 _arrays = hnp.arrays(_dtypes, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6))
 
