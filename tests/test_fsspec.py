@@ -220,3 +220,44 @@ async def test_compressed_roundtrip_on_disk(tmp_path: Path) -> None:
     got = await tier.get(key_of(1))
     assert got is not None and np.array_equal(got, kv)
     await tier.aclose()
+
+
+# ------------------------------------------------------------------------------ kvtier gc
+async def test_gc_trims_shared_directory_by_last_use(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from kvtier.cli import main
+
+    url = f"file://{tmp_path}/shared"
+    node_a, node_b = FsspecTier(url), FsspecTier(url)
+    for i in range(10):
+        await (node_a if i % 2 else node_b).put(key_of(i), sample_block(i, nbytes=4096))
+    paths = [Path(node_a.path_of(key_of(i))) for i in range(10)]
+    frame = paths[0].stat().st_size
+    for i, path in enumerate(paths):  # block i last used at t0 + i
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
+    stale_tmp = paths[0].parent / f".{paths[0].name}.{uuid.uuid4().hex}.tmp"
+    stale_tmp.write_bytes(b"partial")
+    os.utime(stale_tmp, (1_000_000, 1_000_000))
+    (tmp_path / "shared" / "README").write_text("not ours")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "kvtier.cli", "gc", url, "--capacity", str(4 * frame)]
+
+    assert main([*cmd[3:], "--dry-run"]) == 0
+    assert "would delete 7 files" in capsys.readouterr().out and all(p.exists() for p in paths)
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True)
+    assert "deleted 7 files" in done.stdout, done.stdout
+    assert [p.exists() for p in paths] == [False] * 6 + [True] * 4
+    assert not stale_tmp.exists() and (tmp_path / "shared" / "README").exists()
+    got = await node_b.get(key_of(9))
+    assert got is not None and await node_b.get(key_of(0)) is None
+    await node_a.aclose()
+    await node_b.aclose()
+
+
+def test_gc_refuses_bad_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    assert main(["gc", f"file://{tmp_path}", "--capacity", "lots"]) == 2
+    assert "--capacity" in capsys.readouterr().out
