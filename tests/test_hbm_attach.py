@@ -229,3 +229,28 @@ async def test_attach_torch_tensor() -> None:
     await tier.reserve_slots([7])
     assert await tier.get_into(key_of(3), buf[7]) is True  # slot -> slot, on the device
     assert buf[7].numpy().tobytes() == block.tobytes()
+
+
+async def test_acquire_slots_prefers_free_then_demotes_lru() -> None:
+    buf = engine_buffer()
+    hbm = HBMTier.attach(buf)
+    dram = DRAMTier(capacity=1 << 20)
+    async with TieredStore([hbm, dram]) as store:
+        for i in range(6):
+            await store.put(key_of(i), kv(i))
+        await hbm.pin([key_of(0)])
+        pages = await hbm.acquire_slots(4)  # 2 free slots, then the LRU unpinned: 1 and 2
+        assert len(set(pages)) == 4 and hbm.reserved_slots == set(pages)
+        assert [hbm.slot_of(key_of(i)) is None for i in range(6)] == \
+            [False, True, True, False, False, False]
+        for i in (1, 2):
+            got = await dram.get(key_of(i))
+            assert got is not None and got.tobytes() == kv(i).tobytes()
+        before = dict(hbm.stats())
+        with pytest.raises(TierFullError, match="count"):
+            await hbm.acquire_slots(4)  # 3 unpinned blocks left, no free slot
+        assert hbm.stats() == before
+        with pytest.raises(ValueError, match="count"):
+            await hbm.acquire_slots(-1)
+        hbm.release_slots(pages)
+        assert hbm.free_slots == 4

@@ -345,6 +345,36 @@ class HBMTier(Tier):
                 raise ValueError(f"slot_ids[{i}]: {slot} out of range 0..{self._num_slots - 1}")
         return [int(s) for s in ids]
 
+    async def acquire_slots(self, count: int) -> list[int]:
+        """Pick ``count`` slots and reserve them for the engine (an engine page allocator).
+
+        Free slots come first; then the slots of the least recently used unpinned blocks,
+        each demoted through the eviction callback before its slot is handed over.
+
+        Raises
+        ------
+        TierFullError
+            If fewer than ``count`` slots are free or hold unpinned blocks; nothing changes.
+        """
+        self._check_open()
+        if type(count) is not int or count < 0:
+            raise ValueError(f"count: expected an int >= 0, got {count!r}")
+        async with self._lock:
+            unpinned = sum(1 for k in self._entries if not self._policy.is_pinned(k))
+            if count > len(self._free) + unpinned:
+                raise TierFullError(
+                    f"count: {count} slots wanted, {len(self._free)} free and {unpinned} "
+                    f"holding unpinned blocks")
+            taken: list[int] = []
+            try:
+                while len(taken) < count:
+                    taken.append(await self._take_slot())
+            except BaseException:
+                self._free.update(dict.fromkeys(taken))
+                raise
+            self._reserved.update(taken)
+            return taken
+
     async def reserve_slots(self, slot_ids: Iterable[int]) -> None:
         """Hand slots to the engine: kvtier will not write them until :meth:`release_slots`.
 
