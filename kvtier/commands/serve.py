@@ -59,6 +59,10 @@ async def _serve(args: argparse.Namespace) -> int:
     from kvtier.store import open_store
     from kvtier.urls import parse_secret, parse_size
 
+    if args.verbose < 2:
+        # aiohttp logs every malformed request line or chunk a client sends as an ERROR with a
+        # traceback; that is client noise (the client got its 400), not a server fault.
+        logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     host, port = split_member(args.listen, "--listen", allow_zero=True)
     if args.token_file is None and not args.insecure_no_auth:
         raise ConfigError("--token-file: required (or pass --insecure-no-auth explicitly)")

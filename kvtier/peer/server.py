@@ -200,8 +200,10 @@ class PeerServer:
             raise _error(web.HTTPBadRequest, str(exc)) from None
         except TierFullError as exc:
             raise _error(web.HTTPInsufficientStorage, str(exc)) from None
-        except (asyncio.CancelledError, ConnectionError):
-            raise
+        except ConnectionError:
+            # The client went away mid-request (e.g. a truncated body): nobody to answer.
+            self.client_gone += 1
+            return web.Response(status=499, text="client closed request")
         except Exception:
             # A bug or a failing segment, never a client error: log it and stay up.
             log.exception("peer server: %s %s failed", request.method, request.path)
