@@ -256,3 +256,20 @@ def test_gpu_check_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[st
     printed = capsys.readouterr().out
     assert "byte-identical: copies yes, chain yes" in printed
     assert "0 mismatches" in printed and out.stat().st_size > 0
+
+
+async def test_dram_get_into_torch_tensor_through_base_copy_into() -> None:
+    """Tier.get_into's default path (base.copy_into) writes host blocks into tensors."""
+    torch = pytest.importorskip("torch")
+    from kvtier.tiers.dram import DRAMTier
+
+    tier = DRAMTier(capacity=1 << 20)
+    block = sample_block(8, dtype="<f4").reshape(16, 16)
+    await tier.put(key_of(1), block)
+    out = torch.zeros((16, 16), dtype=torch.float32)
+    assert await tier.get_into(key_of(1), out) is True
+    assert out.numpy().tobytes() == block.tobytes()
+    wrong = torch.full((16, 8), 5.0, dtype=torch.float32)
+    with pytest.raises(ShapeMismatchError):
+        await tier.get_into(key_of(1), wrong)
+    assert bool((wrong == 5.0).all())

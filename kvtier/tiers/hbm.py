@@ -92,8 +92,7 @@ class HBMTier(Tier):
         else:
             if capacity is not None:
                 raise ConfigError("capacity: attach mode takes its size from buffer")
-            self._backend = backend_for(buffer) if backend is None else \
-                get_backend(backend, device)
+            self._backend = self._attach_backend(buffer, backend, device)
             try:
                 self._buffer = self._backend.from_dlpack(buffer)
             except ValueError as exc:
@@ -121,6 +120,20 @@ class HBMTier(Tier):
         self._policy = RecencyPolicy(None, clock)
         # Serialises slot allocation with eviction: a victim must reach the next tier first.
         self._lock = asyncio.Lock()
+
+    @staticmethod
+    def _attach_backend(buffer: object, backend: str | DeviceBackend | None,
+                        device: str | None) -> DeviceBackend:
+        try:
+            native = backend_for(buffer)
+        except TypeError:  # a foreign DLPack object: the named backend imports it
+            native = None
+        if native is not None and device is None and backend in (None, native.name):
+            return native  # the buffer's own device (cuda:1 stays cuda:1)
+        if backend is None:
+            raise ConfigError(f"backend: cannot infer one for {type(buffer).__name__}; pass "
+                              f"backend=")
+        return get_backend(backend, device)
 
     @classmethod
     def attach(cls, buffer: object, *, block_bytes: int | None = None,
