@@ -51,7 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vnodes", type=int, default=None,
                         help="virtual nodes per member on the pool's ring (default: the "
                              "replay's balanced default, see docs/replay.md)")
-    parser.add_argument("--dry", action="store_true", help="metadata only (the default)")
+    engine = parser.add_mutually_exclusive_group()
+    engine.add_argument("--dry", action="store_true", help="metadata only (the default)")
+    engine.add_argument("--real", action="store_true",
+                        help="real bytes through real DRAM(+LMDB) tiers and real peer servers "
+                             "on loopback, for a time-bounded prefix of the trace")
     parser.add_argument("--block-bytes", type=int, default=64 << 10,
                         help="bytes per block (--real payloads; --dry bytes-moved figures)")
     parser.add_argument("--limit", type=int, default=None, help="replay only N requests")
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the replay and print the table."""
     try:
         _check(args)
-        report = _run_dry(args)
+        report = _run_real(args) if args.real else _run_dry(args)
     except ConfigError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
@@ -154,3 +158,40 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
                        args.capacity_blocks, out["results"], engine="dry",
                        unique_blocks=out["unique_blocks"], elapsed_s=round(out["elapsed_s"], 2),
                        vnodes=ring.vnodes, lower_blocks=args.lower_blocks)
+
+
+def _run_real(args: argparse.Namespace) -> dict[str, object]:
+    import asyncio
+
+    from kvtier.progress import Progress
+    from kvtier.replay.real import RealConfig, replay_real
+    from kvtier.replay.report import make_report
+    from kvtier.replay.sim import DEFAULT_POOL_VNODES
+
+    if args.policy != ["lru"]:
+        raise ConfigError("--policy: --real runs the tiers' own LRU; use --dry for other policies")
+    requests = list(open_requests(args.trace, limit=args.limit or 20000, seed=args.seed))
+    rows = []
+    # The first (pooled: slowest) configuration runs until --time-limit; the others replay
+    # exactly as many requests, so their hit rates compare like for like.
+    modes = sorted(args.mode, key=lambda m: m != "pooled")
+    count: int | None = None
+    for cap in args.capacity_blocks:
+        for mode in modes:
+            for routing in (["none"] if mode == "ideal" else args.routing):
+                config = RealConfig(mode=mode, routing="rr" if routing == "none" else routing,
+                                    nodes=args.nodes, block_bytes=args.block_bytes,
+                                    dram_blocks=cap, lmdb_blocks=args.lower_blocks,
+                                    vnodes=args.vnodes or DEFAULT_POOL_VNODES,
+                                    time_limit=args.time_limit if count is None else 1e9)
+                todo = requests if count is None else requests[:count]
+                progress = Progress(len(todo), f"real {mode}/{routing}/C={cap}",
+                                    enabled=False if args.no_progress else None)
+                with progress:
+                    rows.append(asyncio.run(replay_real(todo, config,  # type: ignore[arg-type]
+                                                        progress=progress)))
+                count = int(rows[-1]["requests"]) if count is None else count
+    done = min(int(r["requests"]) for r in rows)
+    return make_report(args.trace, done, min(int(r["block_refs"]) for r in rows), args.nodes,
+                       args.capacity_blocks, rows, engine="real",
+                       block_bytes=args.block_bytes, time_limit_s=args.time_limit)
