@@ -142,11 +142,16 @@ async def test_corrupt_value_is_miss_deleted_and_counted(tmp_path: Path) -> None
         raw = bytearray(txn.get(key_of(1), db=env.payload))
         raw[100] ^= 0xFF
         txn.put(key_of(1), bytes(raw), db=env.payload)
+        txn.put(key_of(2), bytes(raw[:50]), db=env.payload)  # torn: shorter than declared
+    out = np.full(block.shape, 7, dtype=block.dtype)
+    assert await tier.get_into(key_of(2), out) is False
+    assert (out == 7).all(), "a corrupt block must not reach the caller's buffer"
     assert await tier.get(key_of(1)) is None
-    assert tier.stats()["corrupt"] == 1
+    assert tier.stats()["corrupt"] == 2
     assert not await tier.contains(key_of(1))
     with env.env.begin() as txn:
         assert txn.get(key_of(1), db=env.payload) is None
+    await tier.put(key_of(2), sample_block(2))
     assert await tier.get(key_of(2)) is not None
     await tier.aclose()
 

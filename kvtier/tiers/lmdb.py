@@ -218,12 +218,13 @@ class LMDBTier(Tier):
         return env, env.load_index()
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        # Shielded and tracked: a cancelled caller never leaves a transaction half-applied
-        # in the policy, and aclose() waits for every thread still inside the environment.
-        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
-        return await asyncio.shield(task)
+        # asyncio.to_thread without its Task wrapper (one loop hop less per read). Shielded
+        # and tracked: a cancelled caller does not drop the future while its thread is still
+        # inside the environment, and aclose() waits for it.
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        return await asyncio.shield(fut)
 
     async def _locked(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` under the writer lock as a shielded, tracked task (see above)."""
@@ -285,6 +286,31 @@ class LMDBTier(Tier):
         if len(self._touched) >= self._touch_flush:
             await self._locked(self._flush_touches_locked())
         return out
+
+    async def _get_into(self, key: bytes, out: Block) -> bool:
+        env = await self._ready()
+        if key not in self._policy:
+            self.misses += 1
+            return False
+        try:
+            res = await self._in_thread(env.read_into, key, out)
+        except lmdb.Error as exc:
+            self.io_errors += 1
+            raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
+        if isinstance(res, CorruptBlockError):
+            self.corrupt += 1
+            log.warning("lmdb tier %s: corrupt block %s dropped: %s", self.name, key.hex(), res)
+            await self._locked(self._delete_locked([key]))
+            res = False
+        if not res:
+            self.misses += 1
+            return False
+        self.hits += 1
+        self._policy.touch(key)
+        self._touched.add(key)
+        if len(self._touched) >= self._touch_flush:
+            await self._locked(self._flush_touches_locked())
+        return True
 
     async def _contains(self, key: bytes) -> bool:
         await self._ready()

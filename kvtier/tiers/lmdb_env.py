@@ -30,7 +30,7 @@ import xxhash
 
 from kvtier.codec import FLAG_ZSTD, decode_frame, parse_header
 from kvtier.errors import CorruptBlockError
-from kvtier.tiers.base import Block
+from kvtier.tiers.base import Block, check_output_buffer, copy_into
 
 __all__ = ["BlockEnv", "Durability", "PendingPut"]
 
@@ -80,6 +80,38 @@ def decode_split(header: memoryview | bytes, payload: memoryview | bytes) -> Blo
     if digest.intdigest() != head.checksum:
         raise CorruptBlockError("frame: checksum mismatch")
     return out.view(head.dtype).reshape(head.shape)
+
+
+def decode_split_into(header: memoryview | bytes, payload: memoryview | bytes,
+                      out: Block) -> None:
+    """Verify a split frame and copy its block into caller-owned ``out``.
+
+    Raises
+    ------
+    CorruptBlockError
+        If verification fails (``out`` is then untouched).
+    ShapeMismatchError
+        If ``out`` does not fit the block (``out`` is then untouched).
+    """
+    head = parse_header(header)
+    if head.header_len != len(header) or head.stored_size != len(payload):
+        raise CorruptBlockError("frame: header and payload lengths disagree")
+    if head.flags & FLAG_ZSTD:
+        copy_into(decode_frame(b"".join((header, payload))), out)
+        return
+    view = np.frombuffer(payload, dtype=head.dtype).reshape(head.shape)
+    target = check_output_buffer(view, out)
+    # Verify in the map first (it cannot change under a read transaction), then copy: the
+    # checksum pass leaves the bytes in cache for the copy, and a corrupt block never
+    # reaches the caller's buffer.
+    digest = xxhash.xxh3_64(memoryview(header)[:-8])
+    digest.update(payload)
+    if digest.intdigest() != head.checksum:
+        raise CorruptBlockError("frame: checksum mismatch")
+    if target.shape == view.shape and target.dtype == view.dtype:
+        np.copyto(target, view, casting="no")
+    else:
+        np.copyto(target, np.frombuffer(payload, dtype=np.uint8), casting="no")
 
 
 class BlockEnv:
@@ -145,6 +177,22 @@ class BlockEnv:
                     except CorruptBlockError as exc:
                         out.append(exc)
         return out
+
+    def read_into(self, key: bytes, out: Block) -> bool | CorruptBlockError:
+        """Verify ``key`` and copy it into ``out`` in one read transaction; ``False`` on a
+        miss, the error for a corrupt frame. Raises ``ShapeMismatchError`` for a bad ``out``."""
+        with self.env.begin(buffers=True) as txn:
+            header = txn.get(key, db=self.header)
+            payload = txn.get(key, db=self.payload)
+            if header is None and payload is None:
+                return False
+            if header is None or payload is None:
+                return CorruptBlockError("frame: header or payload missing")
+            try:
+                decode_split_into(header, payload, out)
+            except CorruptBlockError as exc:
+                return exc
+        return True
 
     def write(self, puts: Sequence[PendingPut], deletes: Sequence[bytes],
               touches: Sequence[tuple[bytes, int, float]]) -> list[bool]:
