@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from kvtier.errors import BlockTooLargeError, TierFullError
 
-__all__ = ["Clock", "RecencyPolicy", "S3FIFOPolicy"]
+__all__ = ["ARCPolicy", "Clock", "RecencyPolicy", "S3FIFOPolicy"]
 
 Clock = Callable[[], float]
 
@@ -379,3 +379,225 @@ class S3FIFOPolicy:
                 f"cannot fit {incoming} bytes: {self.pinned_bytes} of {self._capacity} bytes "
                 "pinned")
         return chosen
+
+
+class ARCPolicy:
+    """Adaptive replacement (Megiddo and Modha, FAST '03) over a byte budget, with the
+    interface of :class:`RecencyPolicy` (``victims`` then ``remove``, pins).
+
+    Keys seen once live in a recency list T1, keys seen again in a frequency list T2, both
+    in LRU order. Evicted keys are remembered (B1, B2 ghosts); a miss on a ghost moves the
+    T1 target size toward the list that would have kept it. So the policy behaves like LRU
+    when reuse is recent (a conversation's next turn) and protects the reused blocks (shared
+    system prompts, an agent's context) when one-pass traffic would flush an LRU. Touching a
+    prefix chain tail-first keeps the head most recent in T2, so chains lose tails first.
+
+    Parameters
+    ----------
+    capacity
+        Byte budget, or ``None`` for unbounded (never evicts).
+    clock
+        Accepted for interface parity with :class:`RecencyPolicy`; ARC keeps no times.
+    """
+
+    def __init__(self, capacity: int | None, clock: Clock = time.monotonic) -> None:
+        if capacity is not None and (type(capacity) is not int or capacity < 0):
+            raise ValueError(f"capacity: expected an int >= 0 or None, got {capacity!r}")
+        self._capacity = capacity
+        self._t1: OrderedDict[bytes, int] = OrderedDict()  # key -> size, LRU first
+        self._t2: OrderedDict[bytes, int] = OrderedDict()
+        self._b1: OrderedDict[bytes, int] = OrderedDict()
+        self._b2: OrderedDict[bytes, int] = OrderedDict()
+        self._t1_used = self._t2_used = self._b1_used = self._b2_used = 0
+        self._target = 0.0  # bytes T1 should hold
+        self._pending: dict[bytes, int] = {}  # chosen by victims(), awaiting remove()
+        self._pins: dict[bytes, int] = {}
+
+    @property
+    def capacity(self) -> int | None:
+        """Byte budget, or ``None`` when unbounded."""
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes currently accounted."""
+        return self._t1_used + self._t2_used + sum(self._pending.values())
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2) + len(self._pending)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2 or key in self._pending
+
+    def size_of(self, key: bytes) -> int | None:
+        """Size of ``key`` in bytes, or ``None`` if absent."""
+        for table in (self._t1, self._t2, self._pending):
+            if key in table:
+                return table[key]
+        return None
+
+    def lru_order(self) -> Iterator[bytes]:
+        """Keys in eviction-candidate order: T1 then T2, least recent first."""
+        return iter([*self._t1, *self._t2])
+
+    def admit(self, key: bytes, size: int) -> None:
+        """Insert ``key`` (into T2 if it is a ghost, adapting the target; else T1), or
+        replace its size. Does not evict: call :meth:`victims` first and remove them."""
+        if size < 0:
+            raise ValueError(f"size: expected >= 0, got {size}")
+        if key in self:
+            self.remove(key)
+            self._t2[key] = size
+            self._t2_used += size
+            return
+        cap = self._capacity or 0
+        if key in self._b1:
+            delta = max(1.0, self._b2_used / max(self._b1_used, 1)) * max(size, 1)
+            self._target = min(float(cap), self._target + delta)
+            self._b1_used -= self._b1.pop(key)
+            self._t2[key] = size
+            self._t2_used += size
+        elif key in self._b2:
+            delta = max(1.0, self._b1_used / max(self._b2_used, 1)) * max(size, 1)
+            self._target = max(0.0, self._target - delta)
+            self._b2_used -= self._b2.pop(key)
+            self._t2[key] = size
+            self._t2_used += size
+        else:
+            self._t1[key] = size
+            self._t1_used += size
+        self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        cap = self._capacity
+        if cap is None:
+            self._b1.clear()
+            self._b2.clear()
+            self._b1_used = self._b2_used = 0
+            return
+        # ARC's invariants: |T1| + |B1| <= c and the whole directory <= 2c.
+        while self._b1 and self._t1_used + self._b1_used > cap:
+            self._b1_used -= self._b1.popitem(last=False)[1]
+        while self._b2 and self.used + self._b1_used + self._b2_used > 2 * cap:
+            self._b2_used -= self._b2.popitem(last=False)[1]
+
+    def touch(self, key: bytes) -> bool:
+        """A hit: move ``key`` to the most recent end of T2. Returns ``False`` if absent."""
+        size = self._t1.pop(key, None)
+        if size is not None:
+            self._t1_used -= size
+            self._t2[key] = size
+            self._t2_used += size
+            return True
+        if key in self._t2:
+            self._t2.move_to_end(key)
+            return True
+        return key in self._pending
+
+    def touch_chain(self, keys: Iterable[bytes]) -> None:
+        """Refresh a prefix chain from its tail to its head."""
+        for key in reversed(list(keys)):
+            self.touch(key)
+
+    def remove(self, key: bytes) -> int | None:
+        """Forget ``key``; returns its size or ``None`` if absent. Pins are kept."""
+        size = self._pending.pop(key, None)
+        if size is not None:
+            return size
+        size = self._t1.pop(key, None)
+        if size is not None:
+            self._t1_used -= size
+            return size
+        size = self._t2.pop(key, None)
+        if size is not None:
+            self._t2_used -= size
+        return size
+
+    def pin(self, key: bytes) -> None:
+        """Protect ``key`` from eviction (counted: each pin needs one unpin)."""
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: bytes) -> None:
+        """Release one pin of ``key``; unpinning an unpinned key does nothing."""
+        count = self._pins.get(key, 0)
+        if count <= 1:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] = count - 1
+
+    def is_pinned(self, key: bytes) -> bool:
+        """Whether ``key`` holds at least one pin."""
+        return key in self._pins
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of present blocks that are pinned."""
+        return sum(size for table in (self._t1, self._t2) for key, size in table.items()
+                   if key in self._pins)
+
+    def check_fits(self, size: int, name: str = "block") -> None:
+        """Raise :class:`BlockTooLargeError` if ``size`` exceeds the whole budget."""
+        if self._capacity is not None and size > self._capacity:
+            raise BlockTooLargeError(
+                f"{name}: {size} bytes exceed the tier's whole capacity of {self._capacity} bytes")
+
+    def _pop_lru(self, from_t1: bool, replacing: bytes | None) -> tuple[bytes, int] | None:
+        table = self._t1 if from_t1 else self._t2
+        for key, size in table.items():
+            if key != replacing and key not in self._pins:
+                del table[key]
+                if from_t1:
+                    self._t1_used -= size
+                    self._b1[key] = size
+                    self._b1_used += size
+                else:
+                    self._t2_used -= size
+                    self._b2[key] = size
+                    self._b2_used += size
+                return key, size
+        return None
+
+    def victims(self, incoming: int, replacing: bytes | None = None) -> list[bytes]:
+        """Keys to evict, so that ``incoming`` more bytes fit (ARC's REPLACE).
+
+        Raises
+        ------
+        BlockTooLargeError
+            If ``incoming`` exceeds the whole capacity.
+        TierFullError
+            If pinned blocks leave no room.
+        """
+        self.check_fits(incoming)
+        if self._capacity is None:
+            return []
+        freed = (self.size_of(replacing) or 0) if replacing is not None else 0
+        excess = self._t1_used + self._t2_used - freed + incoming - self._capacity
+        chosen: list[tuple[bytes, int, bool]] = []
+        while excess > 0:
+            from_t1 = bool(self._t1) and (self._t1_used > self._target or not self._t2)
+            got = self._pop_lru(from_t1, replacing) or self._pop_lru(not from_t1, replacing)
+            if got is None:
+                for key, size, was_t1 in chosen:  # put them back: nothing changes on failure
+                    self._pending.pop(key, None)
+                    self._unghost(key, size, was_t1)
+                raise TierFullError(
+                    f"cannot fit {incoming} bytes: {self.pinned_bytes} of {self._capacity} "
+                    "bytes pinned")
+            key, size = got
+            chosen.append((key, size, key in self._b1))
+            self._pending[key] = size
+            excess -= size
+        self._trim_ghosts()
+        return [key for key, _, _ in chosen]
+
+    def _unghost(self, key: bytes, size: int, was_t1: bool) -> None:
+        ghosts, table = (self._b1, self._t1) if was_t1 else (self._b2, self._t2)
+        if ghosts.pop(key, None) is not None:
+            if was_t1:
+                self._b1_used -= size
+                self._t1_used += size
+            else:
+                self._b2_used -= size
+                self._t2_used += size
+            table[key] = size
+            table.move_to_end(key, last=False)

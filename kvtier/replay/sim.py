@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.peer.ring import HashRing
-from kvtier.policy import RecencyPolicy, S3FIFOPolicy
+from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
 __all__ = ["DEFAULT_POOL_VNODES", "MODES", "POLICIES", "ROUTINGS", "BlockPolicy", "Chain",
@@ -42,6 +42,7 @@ POLICIES: dict[str, Callable[[int], BlockPolicy]] = {
     "lru": lambda cap: RecencyPolicy(cap),
     "s3fifo": lambda cap: S3FIFOPolicy(cap),
     "s3fifo2": lambda cap: S3FIFOPolicy(cap, promote_after=2),
+    "arc": lambda cap: ARCPolicy(cap),
 }
 
 
@@ -103,6 +104,15 @@ class Chain:
         return True
 
 
+def _parse_placement(placement: str) -> int:
+    if placement == "block":
+        return 1
+    kind, _, size = placement.partition(":")
+    if kind == "chunk" and size.isdigit() and int(size) >= 1:
+        return int(size)
+    raise ValueError(f"placement: expected 'block' or 'chunk:N', got {placement!r}")
+
+
 class Simulation:
     """One replay configuration and its counters.
 
@@ -125,7 +135,7 @@ class Simulation:
 
     def __init__(self, mode: str, routing: str, policy: str, nodes: int,
                  capacities: Sequence[int], *, ring: HashRing | None = None,
-                 seed: int = 0, placement: str = "ring") -> None:
+                 seed: int = 0, placement: str = "block") -> None:
         if mode not in MODES:
             raise ValueError(f"mode: unknown {mode!r}; known: {', '.join(MODES)}")
         if routing not in ROUTINGS and mode != "ideal":
@@ -137,11 +147,13 @@ class Simulation:
         self.mode, self.routing, self.policy, self.nodes = mode, routing, policy, nodes
         self.capacities = list(capacities)
         self.placement = placement
+        self._chunk = _parse_placement(placement)
         if mode == "ideal":
             self.chains = [Chain([make_policy(policy, c * nodes) for c in capacities])]
         else:
             self.chains = [Chain([make_policy(policy, c) for c in capacities])
                            for _ in range(nodes)]
+        self._tops = [chain.tiers[0] for chain in self.chains]
         self.members = [f"node{i}" for i in range(nodes)]
         self.ring = ring if ring is not None else HashRing(self.members, vnodes=DEFAULT_POOL_VNODES)
         self._member_index = {m: i for i, m in enumerate(self.ring.members)}
@@ -217,21 +229,43 @@ class Simulation:
         hit = 0
         if self.mode == "pooled":
             owner = self.owner
-            owners = [owner(k) for k in keys]
-            chains = [self.chains[o] for o in owners]
-            for i in range(nkeys):
-                level = chains[i].find(keys[i])
-                if level < 0:
-                    break
-                self.tier_hits[level] += 1
-                if owners[i] != node:
-                    self.remote_hits += 1
-                hit += 1
-            for i in range(nkeys - 1, -1, -1):
-                if chains[i].refresh(keys[i]):
-                    self.inserted += 1
+            chunk = self._chunk
+            if chunk == 1:
+                owners = [owner(k) for k in keys]
+            else:
+                # A run of `chunk` blocks lives with the owner of its first block: the first
+                # block's key is a digest of the whole prefix, so every client agrees.
+                owners = [owner(keys[i - i % chunk]) for i in range(nkeys)]
+            chains = self.chains
+            if len(self.capacities) == 1:  # hot path: one tier per owner
+                tops = self._tops
+                for i in range(nkeys):
+                    if keys[i] not in tops[owners[i]]:
+                        break
+                    hit += 1
+                self.tier_hits[0] += hit
+                self.remote_hits += hit - owners[:hit].count(node)
+                for i in range(nkeys - 1, -1, -1):
+                    o = owners[i]
+                    if not tops[o].touch(keys[i]):
+                        chains[o].admit(0, keys[i])
+                        self.inserted += 1
+                        if o != node:
+                            self.remote_writes += 1
+            else:
+                for i in range(nkeys):
+                    level = chains[owners[i]].find(keys[i])
+                    if level < 0:
+                        break
+                    self.tier_hits[level] += 1
                     if owners[i] != node:
-                        self.remote_writes += 1
+                        self.remote_hits += 1
+                    hit += 1
+                for i in range(nkeys - 1, -1, -1):
+                    if chains[owners[i]].refresh(keys[i]):
+                        self.inserted += 1
+                        if owners[i] != node:
+                            self.remote_writes += 1
         else:
             chain = self.chains[0] if self.mode == "ideal" else self.chains[node]
             tiers = chain.tiers

@@ -1,0 +1,87 @@
+"""The pooling study behind ``docs/pooling-results.md``: for each trace and node count, one
+pass feeds per-node (round-robin, session), pooled (each policy) and ideal-LRU simulations.
+
+Run ``python -m kvtier.replay.study --out results.json TRACE...``; prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtier.progress import Progress
+from kvtier.replay.dry import run_dry
+from kvtier.replay.sim import Simulation
+from kvtier.replay.trace import iter_trace, trace_size
+
+__all__ = ["main", "markdown", "study"]
+
+
+def study(trace: str, nodes: int, capacities: list[int], policies: list[str],
+          progress: bool = True) -> list[dict[str, Any]]:
+    """Rows for one trace and node count."""
+    sims: list[Simulation] = []
+    for cap in capacities:
+        sims.append(Simulation("per-node", "rr", "lru", nodes, [cap]))
+        sims.append(Simulation("per-node", "session", "lru", nodes, [cap]))
+        sims += [Simulation("pooled", "rr", p, nodes, [cap]) for p in policies]
+        sims.append(Simulation("ideal", "none", "lru", nodes, [cap]))
+    bar = Progress(trace_size(trace), f"{Path(trace).name} N={nodes}",
+                   enabled=None if progress else False)
+    with bar:
+        out = run_dry(iter_trace(trace, on_progress=lambda pos: bar.update(to=pos)), sims,
+                      block_bytes=1)
+    for row in out["results"]:
+        row["trace"] = Path(trace).name
+    return list(out["results"])
+
+
+def markdown(rows: list[dict[str, Any]], policies: list[str]) -> str:
+    """One table line per (trace, N, C): hit rates in percent, and whether the goal holds
+    (best kvtier pooled policy >= ideal LRU - 1 point and >= per-node session)."""
+    cells: dict[tuple[str, int, int], dict[str, float]] = {}
+    for r in rows:
+        name = r["mode"] if r["mode"] != "per-node" else f"per-node {r['routing']}"
+        if r["mode"] == "pooled":
+            name = f"pooled {r['policy']}"
+        key = (r["trace"], r["nodes"], r["capacity_blocks"])
+        cells.setdefault(key, {})[name] = r["prefix_hit_rate_blocks"] * 100
+    cols = ["per-node rr", "per-node session", *[f"pooled {p}" for p in policies], "ideal"]
+    lines = ["| trace | N | C/node | " + " | ".join(cols) + " | best pooled - ideal | goal |",
+             "|---|---:|---:|" + "---:|" * len(cols) + "---:|---|"]
+    for (trace, n, c), vals in sorted(cells.items()):
+        best = max(vals[f"pooled {p}"] for p in policies)
+        ok = best >= vals["ideal"] - 1 and best >= vals["per-node session"]
+        lines.append(f"| {trace} | {n} | {c} | " + " | ".join(f"{vals[k]:.1f}" for k in cols)
+                     + f" | {best - vals['ideal']:+.1f} | {'yes' if ok else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--nodes", default="4,8")
+    parser.add_argument("--capacity-blocks", default="1000,2500,10000")
+    parser.add_argument("--policy", default="lru,s3fifo,arc")
+    parser.add_argument("--out", help="append rows to this JSON file")
+    args = parser.parse_args(argv)
+    policies = args.policy.split(",")
+    caps = [int(c) for c in args.capacity_blocks.split(",")]
+    rows: list[dict[str, Any]] = []
+    if args.out and Path(args.out).exists():
+        rows = json.loads(Path(args.out).read_text())
+    for trace in args.traces:
+        for n in (int(x) for x in args.nodes.split(",")):
+            rows += study(trace, n, caps, policies)
+            if args.out:
+                Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(markdown(rows, policies))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
