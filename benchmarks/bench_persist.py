@@ -50,6 +50,7 @@ from kvtier.tiers.lmdb import LMDBTier
 __all__ = ["main", "run"]
 
 _WORKING_SET = 32 << 20
+_BATCH = 16
 
 
 def _key(i: int) -> bytes:
@@ -131,6 +132,26 @@ async def _lmdb_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
     async def tier_get_into() -> None:
         assert await tier.get_into(_key(next(seq) % n), out)
 
+    def batch() -> list[bytes]:
+        base = next(seq) * _BATCH
+        return [_key((base + j) % n) for j in range(_BATCH)]
+
+    def raw_put_batch() -> None:
+        with env.begin(write=True) as txn:
+            for key in batch():
+                txn.put(key, block)
+
+    def raw_get_batch() -> None:
+        with env.begin(buffers=True) as txn:
+            for key in batch():
+                np.copyto(out, np.frombuffer(txn.get(key), dtype=np.uint8))
+
+    async def tier_put_batch() -> None:
+        await tier.put_many((key, block) for key in batch())
+
+    async def tier_get_batch() -> None:
+        assert all(b is not None for b in await tier.get_many(batch()))
+
     # "in to_thread" rows: what the thread hop alone costs (the tier must not block the loop).
     put_raw, put_raw_t, put_tier = await cells.group("lmdb", size_name, nbytes, [
         ("raw py-lmdb put", raw_put, None),
@@ -141,11 +162,19 @@ async def _lmdb_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
         ("raw py-lmdb get+copy in to_thread", None, raw_get_thread),
         ("lmdb:// tier get", None, tier_get),
         ("lmdb:// tier get_into", None, tier_get_into)])
+    # Prefix chains move as batches (put_many/get_many): one transaction, one thread hop.
+    put_raw_b, put_tier_b, get_raw_b, get_tier_b = await cells.group(
+        "lmdb", size_name, _BATCH * nbytes, [
+            (f"raw py-lmdb {_BATCH} puts/txn", raw_put_batch, None),
+            (f"lmdb:// tier put_many x{_BATCH}", None, tier_put_batch),
+            (f"raw py-lmdb {_BATCH} gets/txn+copy", raw_get_batch, None),
+            (f"lmdb:// tier get_many x{_BATCH}", None, tier_get_batch)])
     env.close()
     await tier.aclose()
     return [put_raw, with_ratio(put_raw_t, put_raw), with_ratio(put_tier, put_raw),
             get_raw, with_ratio(get_raw_t, get_raw), with_ratio(get_tier, get_raw),
-            with_ratio(into_tier, get_raw)]
+            with_ratio(into_tier, get_raw), put_raw_b, with_ratio(put_tier_b, put_raw_b),
+            get_raw_b, with_ratio(get_tier_b, get_raw_b)]
 
 
 def _putter(tier: LMDBTier, n: int, block: np.ndarray) -> Callable[[], Awaitable[None]]:

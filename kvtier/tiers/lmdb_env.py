@@ -28,13 +28,18 @@ import lmdb
 import numpy as np
 import xxhash
 
-from kvtier.codec import FLAG_ZSTD, decode_frame, parse_header
+from kvtier.codec import FLAG_ZSTD, FrameHeader, decode_frame, parse_header
 from kvtier.errors import CorruptBlockError
 from kvtier.tiers.base import Block, check_output_buffer, copy_into
 
 __all__ = ["BlockEnv", "Durability", "PendingPut"]
 
 _RECENCY = struct.Struct("<Qd")
+_ALIGN = 64  # blocks sharing one read buffer start on cache-line (and any dtype) boundaries
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
 _TICK_KEY = b"tick"
 
 Durability = str  # "0" | "meta" | "1"
@@ -56,10 +61,12 @@ class PendingPut:
         return len(self.header) + self.payload.nbytes
 
 
-def decode_split(header: memoryview | bytes, payload: memoryview | bytes) -> Block:
-    """Verify and decode a frame stored as separate header and payload buffers.
+def verify_split(header: memoryview | bytes, payload: memoryview | bytes) -> FrameHeader:
+    """Check a frame stored as separate header and payload buffers.
 
-    The result never references ``header`` or ``payload`` (they may point into the map).
+    Uncompressed frames are fully verified here, in place (in the map: it cannot change under
+    a read transaction, and the checksum pass leaves the bytes in cache for the copy that
+    follows). Compressed frames are verified by :func:`decode_frame` when decoded.
 
     Raises
     ------
@@ -69,17 +76,17 @@ def decode_split(header: memoryview | bytes, payload: memoryview | bytes) -> Blo
     head = parse_header(header)
     if head.header_len != len(header) or head.stored_size != len(payload):
         raise CorruptBlockError("frame: header and payload lengths disagree")
-    if head.flags & FLAG_ZSTD:
-        # Compressed payloads are small next to the block; one join keeps decode in codec.
-        return decode_frame(b"".join((header, payload)))
-    out = np.empty(head.raw_size, dtype=np.uint8)
-    out[:] = np.frombuffer(payload, dtype=np.uint8)
-    # Checksum the copy we return, not the map, so what was verified is what is served.
-    digest = xxhash.xxh3_64(memoryview(header)[:-8])
-    digest.update(out.data)
-    if digest.intdigest() != head.checksum:
-        raise CorruptBlockError("frame: checksum mismatch")
-    return out.view(head.dtype).reshape(head.shape)
+    if not head.flags & FLAG_ZSTD:
+        digest = xxhash.xxh3_64(memoryview(header)[:-8])
+        digest.update(payload)
+        if digest.intdigest() != head.checksum:
+            raise CorruptBlockError("frame: checksum mismatch")
+    return head
+
+
+def _decode_compressed(header: memoryview | bytes, payload: memoryview | bytes) -> Block:
+    # Compressed payloads are small next to the block; one join keeps decoding in codec.
+    return decode_frame(b"".join((header, payload)))
 
 
 def decode_split_into(header: memoryview | bytes, payload: memoryview | bytes,
@@ -94,20 +101,14 @@ def decode_split_into(header: memoryview | bytes, payload: memoryview | bytes,
         If ``out`` does not fit the block (``out`` is then untouched).
     """
     head = parse_header(header)
+    if head.flags & FLAG_ZSTD:
+        copy_into(_decode_compressed(header, payload), out)
+        return
     if head.header_len != len(header) or head.stored_size != len(payload):
         raise CorruptBlockError("frame: header and payload lengths disagree")
-    if head.flags & FLAG_ZSTD:
-        copy_into(decode_frame(b"".join((header, payload))), out)
-        return
     view = np.frombuffer(payload, dtype=head.dtype).reshape(head.shape)
-    target = check_output_buffer(view, out)
-    # Verify in the map first (it cannot change under a read transaction), then copy: the
-    # checksum pass leaves the bytes in cache for the copy, and a corrupt block never
-    # reaches the caller's buffer.
-    digest = xxhash.xxh3_64(memoryview(header)[:-8])
-    digest.update(payload)
-    if digest.intdigest() != head.checksum:
-        raise CorruptBlockError("frame: checksum mismatch")
+    target = check_output_buffer(view, out)  # refuse a bad ``out`` before the checksum pass
+    verify_split(header, payload)
     if target.shape == view.shape and target.dtype == view.dtype:
         np.copyto(target, view, casting="no")
     else:
@@ -161,21 +162,43 @@ class BlockEnv:
 
     def read(self, keys: Sequence[bytes]) -> list[Block | CorruptBlockError | None]:
         """Read and verify ``keys`` in one read transaction; a corrupt frame is returned as
-        its :class:`CorruptBlockError` (the caller counts and deletes it)."""
-        out: list[Block | CorruptBlockError | None] = []
+        its :class:`CorruptBlockError` (the caller counts and deletes it).
+
+        Uncompressed blocks are copied into one fresh buffer per call (each result a view
+        of it). A fresh multi-MiB buffer is page-faulted in on first touch, which on this
+        VM costs as much as the copy itself; callers that own a buffer avoid it with
+        ``get_into`` (:meth:`read_into`).
+        """
+        out: list[Block | CorruptBlockError | None] = [None] * len(keys)
         with self.env.begin(buffers=True) as txn:
-            for key in keys:
+            plain: list[tuple[int, FrameHeader, memoryview]] = []
+            total = 0
+            for i, key in enumerate(keys):
                 header = txn.get(key, db=self.header)
                 payload = txn.get(key, db=self.payload)
                 if header is None and payload is None:
-                    out.append(None)
-                elif header is None or payload is None:
-                    out.append(CorruptBlockError("frame: header or payload missing"))
-                else:
-                    try:
-                        out.append(decode_split(header, payload))
-                    except CorruptBlockError as exc:
-                        out.append(exc)
+                    continue
+                if header is None or payload is None:
+                    out[i] = CorruptBlockError("frame: header or payload missing")
+                    continue
+                try:
+                    head = verify_split(header, payload)
+                    if head.flags & FLAG_ZSTD:
+                        out[i] = _decode_compressed(header, payload)
+                        continue
+                except CorruptBlockError as exc:
+                    out[i] = exc
+                    continue
+                plain.append((i, head, payload))
+                total += _aligned(head.raw_size)
+            if plain:
+                arena = np.empty(total, dtype=np.uint8)
+                offset = 0
+                for i, head, payload in plain:
+                    view = arena[offset : offset + head.raw_size]
+                    view[:] = np.frombuffer(payload, dtype=np.uint8)
+                    out[i] = view.view(head.dtype).reshape(head.shape)
+                    offset += _aligned(head.raw_size)
         return out
 
     def read_into(self, key: bytes, out: Block) -> bool | CorruptBlockError:
