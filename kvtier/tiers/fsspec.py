@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -250,7 +251,7 @@ class FsspecTier(Tier):
         bound = 24 + 8 * block.ndim + len(dtype_descriptor(block.dtype, "value")) + 8 \
             + block.nbytes
         self._policy.check_fits(bound)
-        async with self._lock:
+        async with self._budget_lock():
             for victim in self._policy.victims(bound, replacing=key):
                 old = await self._read(victim)
                 if old is not None:
@@ -282,8 +283,15 @@ class FsspecTier(Tier):
         return found
 
     async def _delete(self, key: bytes) -> bool:
-        async with self._lock:
+        async with self._budget_lock():
             return await self._remove(key)
+
+    def _budget_lock(self) -> contextlib.AbstractAsyncContextManager[object]:
+        # Only a budget needs eviction and admission serialised (a victim must reach the next
+        # tier before it goes); without one, puts to a shared mount or bucket run in parallel.
+        if self._policy.capacity is None:
+            return contextlib.nullcontext()
+        return self._lock
 
     async def _touch_chain(self, keys: Sequence[bytes]) -> None:
         self._policy.touch_chain(keys)
