@@ -490,24 +490,29 @@ class TieredStore:
         if isinstance(items, bytes | str | Mapping) or not isinstance(items, Iterable):
             raise TypeError(f"items: expected an iterable of (key, value) pairs, "
                             f"got {type(items).__name__}")
-        checked: list[tuple[bytes, Block, int]] = []
+        # Only a repeated key's last value is observable, and writing just that one keeps
+        # the order of puts into different tiers from mattering.
+        last: dict[bytes, tuple[Block, int]] = {}
+        count = 0
         for i, item in enumerate(items):
             if not isinstance(item, tuple) or len(item) != 2:
                 raise TypeError(f"items[{i}]: expected a (key, value) tuple")
             key = validate_key(item[0], f"items[{i}] key")
             block = as_block(item[1], f"items[{i}] value")
-            checked.append((key, block, self._first_fitting(block.nbytes, f"items[{i}] value")))
-        if not checked:
+            first = self._first_fitting(block.nbytes, f"items[{i}] value")
+            last.pop(key, None)
+            last[key] = (block, first)
+            count += 1
+        if not last:
             return
-        self._counters.puts += len(checked)
-        for key, _, _ in checked:
+        self._counters.puts += count
+        for key in last:
             self._invalidate(key)
-        top = [(k, b) for k, b, first in checked if first == 0]
+        top = [(k, b) for k, (b, first) in last.items() if first == 0]
         placed: dict[bytes, int] = {}
         if top:
-            tier = self._tiers[0]
             try:
-                await tier.put_many(top)
+                await self._tiers[0].put_many(top)
             except Exception as exc:
                 if not isinstance(exc, _NOT_HERE):
                     self._tier_error(0, "put_many", exc)
@@ -515,12 +520,11 @@ class TieredStore:
                 self._tier_counters[0].bytes_in += sum(b.nbytes for _, b in top)
                 placed.update((k, 0) for k, _ in top)
                 await self._touch(0, [k for k, _ in top])
-        for key, block, first in checked:
+        for key, (block, first) in last.items():
             if key not in placed:
                 placed[key] = await self._place(key, block, first)
         if self._write_policy == "write_through":
-            last = {k: b for k, b, _ in checked}
-            for key, block in last.items():
+            for key, (block, _) in last.items():
                 await self._enqueue(key, block, placed[key] + 1)
 
     async def _touch(self, index: int, keys: list[bytes]) -> None:

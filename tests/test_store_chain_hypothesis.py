@@ -1,0 +1,25 @@
+"""Stateful test: a 3-tier DRAM chain with tiny budgets against a dict model."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+
+from kvtier.testing.chain import make_chain_machine
+from kvtier.tiers.base import Tier
+from kvtier.tiers.dram import DRAMTier
+
+KB = 1024
+
+
+def dram_chain() -> list[Tier]:
+    # 3 / 5 / 8 blocks of 1 KiB; blocks are 0.5-3.5 KiB, so nearly every put evicts somewhere,
+    # and a 3.5 KiB block skips the top tier.
+    return [DRAMTier(capacity=3 * KB, name="t0"), DRAMTier(capacity=5 * KB, name="t1"),
+            DRAMTier(capacity=8 * KB, name="t2")]
+
+
+DRAMChain = make_chain_machine(dram_chain, block_sizes=(512, 1024, 1536, 2048, 3584))
+DRAMChain.TestCase.settings = settings(
+    max_examples=250, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestDRAMChain = DRAMChain.TestCase
