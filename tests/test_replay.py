@@ -139,3 +139,25 @@ def test_cli_bad_arguments(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "replay", str(trace), *extra],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc"])
+def test_cascade_leaves_no_orphans_in_the_pool(policy: str) -> None:
+    from kvtier.workload import WorkloadConfig, generate
+
+    reqs = list(generate(WorkloadConfig(sessions=12, concurrency=4)))
+    plain = Simulation("pooled", "rr", policy, 4, [15])
+    cascade = Simulation("pooled", "rr", policy, 4, [15], cascade=True)
+    out = run_dry(reqs, [plain, cascade], block_bytes=1)["results"]
+    parent: dict[int, int] = {}
+    for r in reqs:
+        parent.update(zip(r.hash_ids[1:], r.hash_ids[:-1], strict=True))
+
+    def orphans(sim: Simulation) -> int:
+        present = {k for chain in sim.chains for k in chain.tiers[0].lru_order()}  # type: ignore[attr-defined]
+        ids = {int.from_bytes(k, "little", signed=True) for k in present}
+        return sum(1 for b in ids if b in parent and parent[b] not in ids)
+
+    assert orphans(plain) > 0  # sharded eviction strands chain tails...
+    assert orphans(cascade) == 0  # ...which cascade drops
+    assert out[1]["orphans_dropped"] > 0

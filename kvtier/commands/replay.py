@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vnodes", type=int, default=None,
                         help="virtual nodes per member on the pool's ring (default: the "
                              "replay's balanced default, see docs/replay.md)")
+    parser.add_argument("--cascade", action="store_true",
+                        help="--dry: when a block leaves a node or the pool, drop the blocks "
+                             "chained after it too (tail-first eviction across shards)")
+    parser.add_argument("--placement", default="block", metavar="block|chunk:N",
+                        help="--dry pooled: place each block by its own key (default) or runs "
+                             "of N blocks by their first block's key")
     engine = parser.add_mutually_exclusive_group()
     engine.add_argument("--dry", action="store_true", help="metadata only (the default)")
     engine.add_argument("--real", action="store_true",
@@ -82,6 +88,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--block-bytes: expected >= 1, got {args.block_bytes}")
     if args.vnodes is not None and args.vnodes < 1:
         raise ConfigError(f"--vnodes: expected >= 1, got {args.vnodes}")
+    if args.placement != "block" and not (
+            args.placement.startswith("chunk:") and args.placement[6:].isdigit()
+            and int(args.placement[6:]) >= 1):
+        raise ConfigError(f"--placement: expected block or chunk:N, got {args.placement!r}")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: expected >= 1, got {args.limit}")
     for flag, values, known in (("--mode", args.mode, MODES), ("--routing", args.routing,
@@ -144,7 +154,8 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
             routings = ["none"] if mode == "ideal" else args.routing
             for routing in routings:
                 sims.append(Simulation(mode, routing, policy, args.nodes, caps, ring=ring,
-                                       seed=args.seed))
+                                       seed=args.seed, cascade=args.cascade,
+                                       placement=args.placement))
     builtin = args.trace == BUILTIN
     total = 0 if builtin else trace_size(args.trace)
     progress = Progress(total, f"replay {len(sims)} configs", enabled=False
@@ -157,7 +168,8 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
     return make_report(args.trace, out["requests"], out["block_refs"], args.nodes,
                        args.capacity_blocks, out["results"], engine="dry",
                        unique_blocks=out["unique_blocks"], elapsed_s=round(out["elapsed_s"], 2),
-                       vnodes=ring.vnodes, lower_blocks=args.lower_blocks)
+                       vnodes=ring.vnodes, lower_blocks=args.lower_blocks,
+                       cascade=args.cascade, placement=args.placement)
 
 
 def _run_real(args: argparse.Namespace) -> dict[str, object]:

@@ -60,13 +60,15 @@ class Chain:
     copied into every tier above (promote all); a block evicted from tier ``i`` is demoted
     into tier ``i + 1`` unless already there."""
 
-    __slots__ = ("demotions", "drops", "promotions", "tiers")
+    __slots__ = ("demotions", "drops", "on_drop", "promotions", "tiers")
 
-    def __init__(self, tiers: Sequence[BlockPolicy]) -> None:
+    def __init__(self, tiers: Sequence[BlockPolicy],
+                 on_drop: Callable[[bytes], None] | None = None) -> None:
         self.tiers = list(tiers)
         self.demotions = 0
         self.promotions = 0
         self.drops = 0
+        self.on_drop = on_drop  # told about every block that leaves the last tier
 
     def find(self, key: bytes) -> int:
         """Index of the first tier holding ``key``, or -1 (no recency refresh)."""
@@ -84,6 +86,8 @@ class Chain:
             below = level + 1
             if below == len(self.tiers):
                 self.drops += 1
+                if self.on_drop is not None:
+                    self.on_drop(victim)
             elif victim not in self.tiers[below]:
                 self.demotions += 1
                 self.admit(below, victim)
@@ -135,7 +139,7 @@ class Simulation:
 
     def __init__(self, mode: str, routing: str, policy: str, nodes: int,
                  capacities: Sequence[int], *, ring: HashRing | None = None,
-                 seed: int = 0, placement: str = "block") -> None:
+                 seed: int = 0, placement: str = "block", cascade: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: unknown {mode!r}; known: {', '.join(MODES)}")
         if routing not in ROUTINGS and mode != "ideal":
@@ -153,6 +157,15 @@ class Simulation:
         else:
             self.chains = [Chain([make_policy(policy, c) for c in capacities])
                            for _ in range(nodes)]
+        # cascade: when a block leaves the pool, the blocks chained after it (its subtree in
+        # the prefix tree) can never be a prefix hit until it returns, so they are dropped
+        # too instead of squatting in other shards: tail-first eviction across the pool.
+        self.cascade = cascade
+        self._children: dict[bytes, set[bytes]] = {}
+        self.orphans_dropped = 0
+        if cascade:
+            for chain in self.chains:
+                chain.on_drop = self._drop_subtree
         self._tops = [chain.tiers[0] for chain in self.chains]
         self.members = [f"node{i}" for i in range(nodes)]
         self.ring = ring if ring is not None else HashRing(self.members, vnodes=DEFAULT_POOL_VNODES)
@@ -219,10 +232,35 @@ class Simulation:
             node = self._owner[key] = self._member_index[self.ring.primary(key)]
         return node
 
+    def _chain_of(self, key: bytes) -> Chain:
+        return self.chains[self.owner(key)] if self.mode == "pooled" else self.chains[0]
+
+    def _drop_subtree(self, key: bytes) -> None:
+        stack = list(self._children.get(key, ()))
+        while stack:
+            child = stack.pop()
+            if self.mode == "per-node":  # a node only knows its own chain's blocks
+                holders = [c for c in self.chains if child in c.tiers[-1]]
+            else:
+                holders = [self._chain_of(child)]
+            for chain in holders:
+                for tier in chain.tiers:
+                    if tier.remove(child) is not None:
+                        self.orphans_dropped += 1
+                        stack.extend(self._children.get(child, ()))
+
     # -- one request -----------------------------------------------------------------
     def feed(self, req: Request, keys: Sequence[bytes]) -> None:
         """Replay one request whose block keys are ``keys``."""
         node = self._route(req, keys)
+        if self.cascade:
+            children = self._children
+            for i in range(len(keys) - 1):
+                kids = children.get(keys[i])
+                if kids is None:
+                    children[keys[i]] = {keys[i + 1]}
+                else:
+                    kids.add(keys[i + 1])
         self.requests += 1
         self.node_requests[node] += 1
         nkeys = len(keys)
@@ -320,6 +358,7 @@ class Simulation:
             "promotions": sum(c.promotions for c in self.chains),
             "demotions": sum(c.demotions for c in self.chains),
             "evictions": sum(c.drops for c in self.chains),
+            "orphans_dropped": self.orphans_dropped,
             "bytes_remote_read": self.remote_hits * block_bytes if pooled else 0,
             "bytes_remote_written": self.remote_writes * block_bytes if pooled else 0,
             "bytes_moved": ((self.remote_hits + self.remote_writes) * block_bytes if pooled

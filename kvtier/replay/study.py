@@ -20,22 +20,32 @@ from kvtier.replay.trace import iter_trace, trace_size
 __all__ = ["main", "markdown", "study"]
 
 
+def _pooled(policy: str, nodes: int, cap: int) -> Simulation:
+    # "lru+cascade": the policy, plus dropping a block's chained successors when it leaves.
+    name, _, extra = policy.partition("+")
+    return Simulation("pooled", "rr", name, nodes, [cap], cascade=extra == "cascade")
+
+
 def study(trace: str, nodes: int, capacities: list[int], policies: list[str],
-          progress: bool = True) -> list[dict[str, Any]]:
+          progress: bool = True, baselines: bool = True) -> list[dict[str, Any]]:
     """Rows for one trace and node count."""
     sims: list[Simulation] = []
     for cap in capacities:
-        sims.append(Simulation("per-node", "rr", "lru", nodes, [cap]))
-        sims.append(Simulation("per-node", "session", "lru", nodes, [cap]))
-        sims += [Simulation("pooled", "rr", p, nodes, [cap]) for p in policies]
-        sims.append(Simulation("ideal", "none", "lru", nodes, [cap]))
+        if baselines:
+            sims.append(Simulation("per-node", "rr", "lru", nodes, [cap]))
+            sims.append(Simulation("per-node", "session", "lru", nodes, [cap]))
+        sims += [_pooled(p, nodes, cap) for p in policies]
+        if baselines:
+            sims.append(Simulation("ideal", "none", "lru", nodes, [cap]))
     bar = Progress(trace_size(trace), f"{Path(trace).name} N={nodes}",
                    enabled=None if progress else False)
     with bar:
         out = run_dry(iter_trace(trace, on_progress=lambda pos: bar.update(to=pos)), sims,
                       block_bytes=1)
-    for row in out["results"]:
+    for row, sim in zip(out["results"], sims, strict=True):
         row["trace"] = Path(trace).name
+        if sim.cascade:
+            row["policy"] += "+cascade"
     return list(out["results"])
 
 
@@ -50,33 +60,44 @@ def markdown(rows: list[dict[str, Any]], policies: list[str]) -> str:
         key = (r["trace"], r["nodes"], r["capacity_blocks"])
         cells.setdefault(key, {})[name] = r["prefix_hit_rate_blocks"] * 100
     cols = ["per-node rr", "per-node session", *[f"pooled {p}" for p in policies], "ideal"]
+    nan = float("nan")
     lines = ["| trace | N | C/node | " + " | ".join(cols) + " | best pooled - ideal | goal |",
              "|---|---:|---:|" + "---:|" * len(cols) + "---:|---|"]
     for (trace, n, c), vals in sorted(cells.items()):
-        best = max(vals[f"pooled {p}"] for p in policies)
-        ok = best >= vals["ideal"] - 1 and best >= vals["per-node session"]
-        lines.append(f"| {trace} | {n} | {c} | " + " | ".join(f"{vals[k]:.1f}" for k in cols)
-                     + f" | {best - vals['ideal']:+.1f} | {'yes' if ok else 'no'} |")
+        best = max(vals.get(f"pooled {p}", nan) for p in policies)
+        ideal, session = vals.get("ideal", nan), vals.get("per-node session", nan)
+        ok = best >= ideal - 1 and best >= session
+        lines.append(f"| {trace} | {n} | {c} | "
+                     + " | ".join(f"{vals.get(k, nan):.1f}" for k in cols)
+                     + f" | {best - ideal:+.1f} | {'yes' if ok else 'no'} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("traces", nargs="+")
+    parser.add_argument("traces", nargs="*")
+    parser.add_argument("--table", nargs="+", metavar="JSON",
+                        help="print the table of earlier --out files (merged) and exit")
     parser.add_argument("--nodes", default="4,8")
     parser.add_argument("--capacity-blocks", default="1000,2500,10000")
     parser.add_argument("--policy", default="lru,s3fifo,arc")
     parser.add_argument("--out", help="append rows to this JSON file")
+    parser.add_argument("--pooled-only", action="store_true",
+                        help="skip the per-node and ideal baselines (add policies to a study)")
     args = parser.parse_args(argv)
     policies = args.policy.split(",")
+    if args.table:
+        merged = [row for path in args.table for row in json.loads(Path(path).read_text())]
+        print(markdown(merged, policies))
+        return 0
     caps = [int(c) for c in args.capacity_blocks.split(",")]
     rows: list[dict[str, Any]] = []
     if args.out and Path(args.out).exists():
         rows = json.loads(Path(args.out).read_text())
     for trace in args.traces:
         for n in (int(x) for x in args.nodes.split(",")):
-            rows += study(trace, n, caps, policies)
+            rows += study(trace, n, caps, policies, baselines=not args.pooled_only)
             if args.out:
                 Path(args.out).write_text(json.dumps(rows, indent=1))
     print(markdown(rows, policies))
