@@ -49,12 +49,21 @@ _STEP_BLOCKS = 64
 _STEP_BYTES = 64 << 20
 _MAX_ROOM_ATTEMPTS = 64
 _LOCK_NAME = "kvtier.lock"
+_DIRTY_NAME = "kvtier.open"
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 _SYNC_VALUES = {"0": "0", "false": "0", "off": "0", "no": "0", "meta": "meta",
                 "1": "1", "true": "1", "on": "1", "yes": "1"}
 
 
 class DirectoryLockedError(TierError):
     """Another process (or another tier object) already owns this LMDB directory."""
+
+
+def _boot_id() -> str | None:
+    try:
+        return _BOOT_ID.read_text(encoding="ascii").strip() or None
+    except OSError:
+        return None
 
 
 def default_overhead(capacity: int) -> int:
@@ -163,6 +172,7 @@ class LMDBTier(Tier):
         self._touched: set[bytes] = set()
         self._inflight: set[asyncio.Future[Any]] = set()
         self.hits = self.misses = self.corrupt = self.io_errors = self.map_full = 0
+        self.discarded_after_os_crash = False
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -213,9 +223,37 @@ class LMDBTier(Tier):
         return self._env
 
     def _open_env(self) -> tuple[BlockEnv, list[tuple[bytes, int, float]]]:
+        self._check_unclean_shutdown()
         env = BlockEnv(self.path, map_size=self.map_size, durability=self.sync,
                        writemap=self.writemap)
         return env, env.load_index()
+
+    def _check_unclean_shutdown(self) -> None:
+        """With ``sync=0`` an OS crash or power loss may leave ``data.mdb`` inconsistent
+        (LMDB's own warning for ``MDB_NOSYNC``), and a damaged B-tree can crash a reader.
+        A marker holding the kernel boot id exists while the tier is open; finding one from
+        an earlier boot means the machine went down with the tier open, so the cache is
+        discarded. A marker from this boot is only a process crash: committed pages were in
+        the page cache and survive, so the data is kept."""
+        marker = self.path / _DIRTY_NAME
+        boot = _boot_id()
+        try:
+            recorded = marker.read_text(encoding="ascii").strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            recorded = None
+        if (self.sync == "0" and recorded is not None and boot is not None
+                and recorded != boot):
+            log.warning("lmdb tier %s: %s was open (sync=0) when the machine went down; "
+                        "discarding the cache", self.name, self.path)
+            for name in ("data.mdb", "lock.mdb"):
+                (self.path / name).unlink(missing_ok=True)
+            self.discarded_after_os_crash = True
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, (boot or "unknown").encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         # asyncio.to_thread without its Task wrapper (one loop hop less per read). Shielded
@@ -366,8 +404,9 @@ class LMDBTier(Tier):
             if self._env is not None:
                 async with self._lock:
                     await self._flush_touches_locked()
-                    await asyncio.to_thread(self._env.close)
+                    await asyncio.to_thread(self._env.close)  # flushes whatever sync= says
                 self._env = None
+                (self.path / _DIRTY_NAME).unlink(missing_ok=True)
         finally:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
@@ -539,4 +578,5 @@ class LMDBTier(Tier):
                 "io_errors": self.io_errors, "corrupt": self.corrupt, "map_full": self.map_full,
                 "blocks": len(self._policy), "pinned_bytes": self._policy.pinned_bytes,
                 "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
-                "sync": self.sync, "compress_level": self.compress_level}
+                "sync": self.sync, "compress_level": self.compress_level,
+                "discarded_after_os_crash": self.discarded_after_os_crash}
