@@ -269,10 +269,30 @@ class TieredStore:
         if self._closed:
             raise ClosedError("store is closed")
         validate_key(key)
-        deadline = self._deadline(timeout) if (timeout is not None or self._timeout) else None
         counters = self._counters
         counters.gets += 1
-        block = await self._tier_get(0, key, deadline)
+        if timeout is None and self._timeout is None:
+            # Hot path (a top-tier hit without a deadline), inlined: every coroutine frame
+            # and timeout context costs ~0.3-0.5 us against a ~1.5 us DRAM hit.
+            deadline = None
+            c = self._tier_counters[0]
+            start = time.perf_counter_ns()
+            try:
+                block = await self._tiers[0]._get(key)  # key validated above
+            except Exception as exc:
+                self._tier_error(0, "get", exc)
+                block = None
+            else:
+                c.get_latency.record(time.perf_counter_ns() - start)
+                if block is not None:
+                    c.hits += 1
+                    c.bytes_out += block.nbytes
+                    counters.hits += 1
+                    return block
+                c.misses += 1
+        else:
+            deadline = self._deadline(timeout)
+            block = await self._tier_get(0, key, deadline)
         if block is None and len(self._tiers) > 1:
             block = await self._get_lower(key, deadline)
         if block is None:
@@ -286,11 +306,11 @@ class TieredStore:
         tier = self._tiers[index]
         c = self._tier_counters[index]
         start = time.perf_counter_ns()
-        try:
+        try:  # keys reach here validated, so the tier's own check is skipped
             if deadline is None:
-                block = await tier.get(key)
+                block = await tier._get(key)
             else:
-                block = await self._bounded(deadline, tier.get, key)
+                block = await self._bounded(deadline, tier._get, key)
         except TimeoutError:
             c.timeouts += 1
             return None
