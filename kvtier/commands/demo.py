@@ -60,7 +60,7 @@ async def _run(args: argparse.Namespace) -> int:
         requests: list[Request] = list(iter_trace(args.trace, limit=300 if quick else 3000))
         default_dram = 200
     else:
-        cfg = WorkloadConfig(sessions=16 if quick else 64, concurrency=6 if quick else 16)
+        cfg = WorkloadConfig(sessions=16 if quick else 48, concurrency=6 if quick else 16)
         requests = list(generate(cfg))
         default_dram = 30 if quick else 50
     block_bytes = args.block_bytes if args.block_bytes is not None else (
