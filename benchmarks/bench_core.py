@@ -44,6 +44,19 @@ def _copyto(size: str, nbytes: int, min_ops: int, min_time: float) -> Result:
     return Result("core", "numpy.copyto (baseline)", size, lat, nbytes, wall)
 
 
+def _alloc_copy(size: str, nbytes: int, min_ops: int, min_time: float) -> Result:
+    """A fresh copy per op (``np.array(src)``): the floor for a put that may not reuse memory
+    still visible to readers, as ``DRAMTier.put`` does."""
+    src = _block(nbytes)
+    keep: list[np.ndarray] = [src]
+
+    def op() -> None:
+        keep[0] = np.array(src, copy=True)  # the previous copy is freed, as on overwrite
+
+    lat, wall = time_sync(op, min_ops=min_ops, min_time=min_time)
+    return Result("core", "numpy alloc+copy (put floor)", size, lat, nbytes, wall)
+
+
 async def _cells(size: str, nbytes: int, min_ops: int, min_time: float) -> list[Result]:
     value = _block(nbytes)
     results: list[Result] = []
@@ -85,8 +98,10 @@ def run(quick: bool) -> list[Result]:
     out: list[Result] = []
     for size, nbytes in SIZES.items():
         base = median_of([_copyto(size, nbytes, min_ops, min_time) for _ in range(repeats)])
+        floor = median_of([_alloc_copy(size, nbytes, min_ops, min_time)
+                           for _ in range(repeats)])
         runs = [asyncio.run(_cells(size, nbytes, min_ops, min_time)) for _ in range(repeats)]
-        out.append(base)
+        out.extend([base, with_ratio(floor, base)])
         for column in zip(*runs, strict=True):
             out.append(with_ratio(median_of(column), base))
     return out

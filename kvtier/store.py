@@ -238,6 +238,9 @@ class TieredStore:
         self._flights.pop(key, None)
 
     def _first_fitting(self, nbytes: int, name: str) -> int:
+        top = self._tiers[0].capacity
+        if top is None or nbytes <= top:
+            return 0
         for i, tier in enumerate(self._tiers):
             cap = tier.capacity
             if cap is None or nbytes <= cap:
@@ -477,7 +480,7 @@ class TieredStore:
         for index in range(first, len(self._tiers)):
             tier = self._tiers[index]
             try:
-                await tier.put(key, block)
+                await tier._put(key, block)  # validated once by the store
             except _NOT_HERE as exc:
                 failures.append(f"{tier.name}: {exc}")
                 continue
