@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["LatencyHistogram", "StoreCounters", "TierCounters"]
 
-# Four sub-buckets per power of two: a percentile is exact to within ~19% of its value, which is
+# Four sub-buckets per power of two: a bucket's midpoint is within ~12% of any sample in it,
 # plenty to tell 3 us from 30 us, and the histogram never grows (64 * 4 ints).
 _SUB_BITS = 2
 _SUB = 1 << _SUB_BITS

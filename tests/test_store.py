@@ -12,6 +12,7 @@ import pytest
 
 import kvtier
 from kvtier.errors import ClosedError, ConfigError, ShapeMismatchError, TierError
+from kvtier.stats import LatencyHistogram
 from kvtier.store import TieredStore, open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import FailingTier, LatencyTier
@@ -437,3 +438,17 @@ async def test_get_returns_read_only_view_of_top_copy() -> None:
         a: Block | None = await store.get(key_of(1))
         b: Block | None = await store.get(key_of(1))
         assert a is not None and b is not None and np.shares_memory(a, b)
+
+
+def test_latency_histogram_percentiles_within_bucket_resolution() -> None:
+    hist = LatencyHistogram()
+    assert hist.percentile(0.5) is None
+    samples = [int(x) for x in np.random.default_rng(3).lognormal(9, 1.5, 5000)]
+    for ns in samples:
+        hist.record(ns)
+    ordered = sorted(samples)
+    for q in (0.1, 0.5, 0.9, 0.99):
+        exact_us = ordered[int(q * (len(ordered) - 1))] / 1000
+        got = hist.percentile(q)
+        assert got is not None and abs(got - exact_us) <= 0.13 * exact_us + 0.01, q
+    assert hist.count == len(samples) and hist.total_ns == sum(samples)
