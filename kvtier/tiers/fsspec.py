@@ -40,6 +40,10 @@ T = TypeVar("T")
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
                 "storage_options", "clock"}
+# What a storage back end raises for a failed operation: OSError from files and from s3fs's
+# error translation, timeouts, and anything else a third-party filesystem raises (botocore
+# connection errors, for example). Counted and reported as TierError.
+_IO_ERRORS = (Exception,)
 # Keys up to this many bytes are named by their hex; longer ones by a digest, so a name
 # stays under NAME_MAX (255) whatever the key length.
 _MAX_HEX_KEY_BYTES = 100
@@ -219,7 +223,7 @@ class FsspecTier(Tier):
             except Exception as del_exc:  # a read-only mount cannot delete it: still a miss
                 log.warning("%s tier: cannot delete corrupt %s: %s", self.name, path, del_exc)
             self._policy.remove(key)
-        except (OSError, TimeoutError) as exc:
+        except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: read of {path} failed: {exc!r}") from exc
         return None
@@ -239,7 +243,7 @@ class FsspecTier(Tier):
         path = await self._path(key)
         try:
             return await self._io(lambda b: b.exists(path))
-        except (OSError, TimeoutError) as exc:
+        except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: exists({path}) failed: {exc!r}") from exc
 
@@ -266,7 +270,7 @@ class FsspecTier(Tier):
 
             try:
                 await self._io(lambda b: b.write(path, encode))
-            except (OSError, TimeoutError) as exc:
+            except _IO_ERRORS as exc:
                 self.io_errors += 1
                 raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
             self._policy.admit(key, frames[-1].nbytes if frames else bound)
@@ -275,7 +279,7 @@ class FsspecTier(Tier):
         path = await self._path(key)
         try:
             found = await self._io(lambda b: b.delete(path))
-        except (OSError, TimeoutError) as exc:
+        except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: delete of {path} failed: {exc!r}") from exc
         finally:
