@@ -232,6 +232,17 @@ class Simulation:
             node = self._owner[key] = self._member_index[self.ring.primary(key)]
         return node
 
+    @staticmethod
+    def _admit_top(chain: Chain, key: bytes) -> None:
+        # Chain.admit for a one-tier chain, without the demotion bookkeeping (hot path).
+        tier = chain.tiers[0]
+        for victim in tier.victims(1):
+            tier.remove(victim)
+            chain.drops += 1
+            if chain.on_drop is not None:
+                chain.on_drop(victim)
+        tier.admit(key, 1)
+
     def _chain_of(self, key: bytes) -> Chain:
         return self.chains[self.owner(key)] if self.mode == "pooled" else self.chains[0]
 
@@ -269,7 +280,8 @@ class Simulation:
             owner = self.owner
             chunk = self._chunk
             if chunk == 1:
-                owners = [owner(k) for k in keys]
+                memo = self._owner
+                owners = [memo[k] if k in memo else owner(k) for k in keys]
             else:
                 # A run of `chunk` blocks lives with the owner of its first block: the first
                 # block's key is a digest of the whole prefix, so every client agrees.
@@ -286,7 +298,7 @@ class Simulation:
                 for i in range(nkeys - 1, -1, -1):
                     o = owners[i]
                     if not tops[o].touch(keys[i]):
-                        chains[o].admit(0, keys[i])
+                        self._admit_top(chains[o], keys[i])
                         self.inserted += 1
                         if o != node:
                             self.remote_writes += 1
@@ -315,10 +327,10 @@ class Simulation:
                     hit += 1
                 self.tier_hits[0] += hit
                 touch = top.touch
-                admit = chain.admit
+                admit = self._admit_top
                 for i in range(nkeys - 1, -1, -1):
                     if not touch(keys[i]):
-                        admit(0, keys[i])
+                        admit(chain, keys[i])
                         self.inserted += 1
             else:
                 for key in keys:
