@@ -86,3 +86,4 @@ async def test_unreachable_endpoint_is_a_counted_miss() -> None:
     async with TieredStore([DRAMTier(capacity=1 << 20), tier]) as store:
         assert await store.get(key_of(1)) is None
         assert store.stats()["tiers"][1]["errors"] >= 1
+        assert tier.stats()["io_errors"] >= 1
