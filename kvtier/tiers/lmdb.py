@@ -228,6 +228,10 @@ class LMDBTier(Tier):
                        writemap=self.writemap)
         return env, env.load_index()
 
+    def _close_env(self, env: BlockEnv) -> None:
+        env.close()  # flushes to disk whatever sync= says
+        (self.path / _DIRTY_NAME).unlink(missing_ok=True)  # a clean shutdown
+
     def _check_unclean_shutdown(self) -> None:
         """With ``sync=0`` an OS crash or power loss may leave ``data.mdb`` inconsistent
         (LMDB's own warning for ``MDB_NOSYNC``), and a damaged B-tree can crash a reader.
@@ -404,9 +408,8 @@ class LMDBTier(Tier):
             if self._env is not None:
                 async with self._lock:
                     await self._flush_touches_locked()
-                    await asyncio.to_thread(self._env.close)  # flushes whatever sync= says
+                    await asyncio.to_thread(self._close_env, self._env)
                 self._env = None
-                (self.path / _DIRTY_NAME).unlink(missing_ok=True)
         finally:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
