@@ -333,17 +333,7 @@ class TieredStore:
         flight = self._flights.get(key)
         if flight is not None:
             self._counters.single_flight_joins += 1
-            try:
-                if deadline is None:
-                    result = await asyncio.shield(flight)
-                else:
-                    async with asyncio.timeout_at(deadline):
-                        result = await asyncio.shield(flight)
-            except TimeoutError:
-                return None
-            if isinstance(result, _LeaderGone):
-                return await self._get_lower(key, deadline)
-            return result
+            return await self._join_flight(key, flight, deadline)
         flight = asyncio.get_running_loop().create_future()
         self._flights[key] = flight
         state = self._watch(key)
@@ -360,6 +350,21 @@ class TieredStore:
             if self._flights.get(key) is flight:
                 del self._flights[key]
             self._unwatch(key, state)
+
+    async def _join_flight(self, key: bytes, flight: asyncio.Future[Block | _LeaderGone | None],
+                           deadline: float | None) -> Block | None:
+        """Wait (no longer than ``deadline``) for another call's fetch of ``key``."""
+        try:
+            if deadline is None:
+                result = await asyncio.shield(flight)
+            else:
+                async with asyncio.timeout_at(deadline):
+                    result = await asyncio.shield(flight)
+        except TimeoutError:
+            return None
+        if isinstance(result, _LeaderGone):
+            return await self._get_lower(key, deadline)
+        return result
 
     async def _walk(self, key: bytes, start: int, deadline: float | None
                     ) -> tuple[Block | None, int]:
@@ -607,8 +612,10 @@ class TieredStore:
                        ) -> list[Block | None]:
         """Batch :meth:`get`: one batch call per tier for the keys still missing.
 
-        Hits below the top are promoted, and every tier that served or received part of the
-        chain has its recency refreshed tail-to-head (``keys`` is taken as a prefix chain).
+        Below the top tier, keys another call is already fetching are waited for instead of
+        read again (single flight). Hits below the top are promoted, and every tier that
+        served or received part of the chain has its recency refreshed tail-to-head (``keys``
+        is taken as a prefix chain).
 
         Returns
         -------
@@ -619,56 +626,100 @@ class TieredStore:
         key_list = _keys_list(keys)
         deadline = self._deadline(timeout)
         results: list[Block | None] = [None] * len(key_list)
-        missing = list(range(len(key_list)))
         held: list[list[int]] = [[] for _ in self._tiers]
-        found_at: list[tuple[int, int]] = []  # (key index, tier index) for lower-tier hits
-        states: dict[bytes, tuple[_KeyState, int]] = {}
-        try:
-            for index, tier in enumerate(self._tiers):
-                if not missing:
-                    break
-                if index == 1:
-                    for j in missing:
-                        if key_list[j] not in states:
-                            state = self._watch(key_list[j])
-                            states[key_list[j]] = (state, state.gen)
-                c = self._tier_counters[index]
-                start = time.perf_counter_ns()
-                try:
-                    blocks = await self._bounded(deadline, tier.get_many,
-                                                 [key_list[j] for j in missing])
-                except TimeoutError:
-                    c.timeouts += 1
-                    break
-                except Exception as exc:
-                    self._tier_error(index, "get_many", exc)
-                    continue
-                c.get_latency.record(time.perf_counter_ns() - start)
-                still: list[int] = []
-                for j, block in zip(missing, blocks, strict=True):
-                    if block is None:
-                        still.append(j)
-                        continue
-                    results[j] = block
-                    held[index].append(j)
-                    c.bytes_out += block.nbytes
-                    if index:
-                        found_at.append((j, index))
-                c.hits += len(missing) - len(still)
-                c.misses += len(still)
-                missing = still
-            await self._promote_batch(key_list, results, found_at, states, held)
-        finally:
-            for key, (state, _) in states.items():
-                self._unwatch(key, state)
+        found_at: list[tuple[int, int]] = []  # (key index, tier index) of lower-tier hits
+        missing = await self._read_batch(0, key_list, list(range(len(key_list))), results, held,
+                                         found_at, deadline)
+        if missing and len(self._tiers) > 1:
+            await self._get_many_lower(key_list, missing, results, held, found_at, deadline)
         for index, idxs in enumerate(held):
             if idxs:
                 await self._touch(index, [key_list[j] for j in sorted(set(idxs))])
         counters = self._counters
+        misses = sum(1 for block in results if block is None)
         counters.gets += len(key_list)
-        counters.misses += len(missing)
-        counters.hits += len(key_list) - len(missing)
+        counters.misses += misses
+        counters.hits += len(key_list) - misses
         return results
+
+    async def _read_batch(self, index: int, keys: list[bytes], idxs: list[int],
+                          results: list[Block | None], held: list[list[int]],
+                          found_at: list[tuple[int, int]], deadline: float | None
+                          ) -> list[int] | None:
+        """One tier's batch get for ``keys[j] for j in idxs``; returns the indices still
+        missing (all of them if the tier failed), or ``None`` when the deadline passed."""
+        c = self._tier_counters[index]
+        start = time.perf_counter_ns()
+        try:
+            blocks = await self._bounded(deadline, self._tiers[index].get_many,
+                                         [keys[j] for j in idxs])
+        except TimeoutError:
+            c.timeouts += 1
+            return None
+        except Exception as exc:
+            self._tier_error(index, "get_many", exc)
+            return idxs
+        c.get_latency.record(time.perf_counter_ns() - start)
+        still: list[int] = []
+        for j, block in zip(idxs, blocks, strict=True):
+            if block is None:
+                still.append(j)
+                continue
+            results[j] = block
+            held[index].append(j)
+            c.bytes_out += block.nbytes
+            if index:
+                found_at.append((j, index))
+        c.hits += len(idxs) - len(still)
+        c.misses += len(still)
+        return still
+
+    async def _get_many_lower(self, keys: list[bytes], missing: list[int],
+                              results: list[Block | None], held: list[list[int]],
+                              found_at: list[tuple[int, int]], deadline: float | None) -> None:
+        """Below the top tier for a batch, with single flight per key: keys another call is
+        already fetching are joined; this call leads (batch-fetches) the rest."""
+        loop = asyncio.get_running_loop()
+        mine: dict[bytes, asyncio.Future[Block | _LeaderGone | None]] = {}
+        lead: list[int] = []
+        joined: list[tuple[int, asyncio.Future[Block | _LeaderGone | None]]] = []
+        for j in missing:
+            key = keys[j]
+            flight = mine[key] if key in mine else self._flights.get(key)
+            if flight is not None:
+                if key not in mine:
+                    self._counters.single_flight_joins += 1
+                joined.append((j, flight))
+                continue
+            flight = mine[key] = self._flights[key] = loop.create_future()
+            lead.append(j)
+        states: dict[bytes, tuple[_KeyState, int]] = {}
+        try:
+            for j in lead:
+                state = self._watch(keys[j])
+                states[keys[j]] = (state, state.gen)
+            remaining: list[int] | None = lead
+            for index in range(1, len(self._tiers)):
+                if not remaining:
+                    break
+                remaining = await self._read_batch(index, keys, remaining, results, held,
+                                                   found_at, deadline)
+                if remaining is None:
+                    break
+            for j in lead:  # followers get their blocks before this call promotes
+                if not mine[keys[j]].done():
+                    mine[keys[j]].set_result(results[j])
+            await self._promote_batch(keys, results, found_at, states, held)
+        finally:
+            for key, flight in mine.items():
+                if not flight.done():
+                    flight.set_result(_LEADER_GONE)
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
+            for key, (state, _) in states.items():
+                self._unwatch(key, state)
+        for j, flight in joined:
+            results[j] = await self._join_flight(keys[j], flight, deadline)
 
     async def _promote_batch(self, keys: list[bytes], results: list[Block | None],
                              found_at: list[tuple[int, int]],

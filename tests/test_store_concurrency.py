@@ -166,3 +166,28 @@ async def test_concurrent_batch_deletes_do_not_deadlock() -> None:
     for key in keys[3:]:
         assert await holders(store, key) == []
     await store.aclose()
+
+
+async def test_concurrent_get_many_share_lower_tier_reads() -> None:
+    bottom = KeyedLatencyTier(DRAMTier(), delay=0.03)
+    store = TieredStore([DRAMTier(capacity=64 * KB), bottom])
+    chain = [key_of(i) for i in range(8)]
+    for i, key in enumerate(chain):
+        await bottom.inner.put(key, sample_block(i))
+    calls = ([store.get_many(chain) for _ in range(10)]
+             + [store.get_many(chain[2:5] + chain[2:3]) for _ in range(5)]
+             + [store.get(chain[i % 8]) for i in range(16)])
+    async with asyncio.timeout(30):
+        results = await asyncio.gather(*calls)
+    assert bottom.reads == dict.fromkeys(chain, 1)
+    for blocks in results[:10]:
+        assert isinstance(blocks, list)
+        for i, block in enumerate(blocks):
+            assert block is not None
+            np.testing.assert_array_equal(block, sample_block(i))
+    for blocks in results[10:15]:
+        assert isinstance(blocks, list)
+        assert [b is not None and b.tobytes() == sample_block(i).tobytes()
+                for b, i in zip(blocks, [2, 3, 4, 2], strict=True)] == [True] * 4
+    assert store.stats()["hits"] == 10 * 8 + 5 * 4 + 16
+    await store.aclose()
