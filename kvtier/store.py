@@ -23,7 +23,6 @@ from kvtier.errors import (
     BlockTooLargeError,
     ClosedError,
     ConfigError,
-    ShapeMismatchError,
     TierError,
     TierFullError,
 )
@@ -761,7 +760,9 @@ class TieredStore:
         Raises
         ------
         TypeError, ShapeMismatchError
-            If ``out`` does not fit the block; ``out`` is then left untouched.
+            If ``out`` does not fit the block; ``out`` is then left untouched. (A tier's
+            ``TypeError``/``ValueError`` here is taken as a complaint about ``out`` and
+            propagates; other tier failures are misses.)
         """
         self._check_open()
         validate_key(key)
@@ -796,8 +797,8 @@ class TieredStore:
                     else:
                         block = None
                         hit = await self._bounded(deadline, tier.get_into, key, out)
-                except (ShapeMismatchError, TypeError):
-                    raise
+                except (TypeError, ValueError):
+                    raise  # a bad ``out`` is the caller's error (ShapeMismatchError too)
                 except TimeoutError:
                     c.timeouts += 1
                     return False
