@@ -13,10 +13,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, Self, TypeVar
-
-import numpy as np
 
 from kvtier.codec import as_block
 from kvtier.errors import (
@@ -27,9 +24,11 @@ from kvtier.errors import (
     TierFullError,
 )
 from kvtier.keys import validate_key
+from kvtier.singleflight import Flight, KeyRegistry, KeyState, LeaderGone
 from kvtier.stats import StoreCounters, TierCounters
 from kvtier.tiers.base import Block, EvictionCallback, Tier, copy_into
 from kvtier.tiers.registry import tier_from_url
+from kvtier.writethrough import WriteThrough
 
 __all__ = ["TieredStore", "open_store"]
 
@@ -43,37 +42,6 @@ WritePolicy = Literal["write_back", "write_through"]
 _NOT_HERE = (BlockTooLargeError, TierFullError)
 _STORE_OPTIONS = ("promote", "write_policy", "timeout", "write_queue_size", "write_workers",
                   "promote_counter_size")
-
-
-@dataclass(eq=False, slots=True)
-class _KeyState:
-    """Per-key bookkeeping that exists only while some operation on the key is in flight.
-
-    ``gen`` moves on every put/delete of the key, so a promotion or write-through that read
-    an older value can tell it has been superseded; ``lock`` orders write-through writes and
-    deletes of the key in the lower tiers.
-    """
-
-    gen: int = 0
-    refs: int = 0
-    deleting: int = 0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-@dataclass(slots=True)
-class _WriteItem:
-    key: bytes
-    block: Block
-    gen: int
-    state: _KeyState
-    first_tier: int
-
-
-class _LeaderGone:
-    """Result of a single-flight fetch whose leader was cancelled: followers fetch again."""
-
-
-_LEADER_GONE = _LeaderGone()
 
 
 def _check_timeout(value: object, name: str = "timeout") -> float | None:
@@ -162,17 +130,16 @@ class TieredStore:
         self._promote = _check_promote(promote)
         self._timeout = _check_timeout(timeout)
         self._write_policy: WritePolicy = write_policy
-        self._write_queue_size = _check_positive_int(write_queue_size, "write_queue_size")
-        self._write_workers = _check_positive_int(write_workers, "write_workers")
         self._counter_size = _check_positive_int(promote_counter_size, "promote_counter_size")
         self._tiers: list[Tier] = list(tiers)
         self._tier_counters = [TierCounters() for _ in self._tiers]
         self._counters = StoreCounters()
-        self._flights: dict[bytes, asyncio.Future[Block | _LeaderGone | None]] = {}
-        self._states: dict[bytes, _KeyState] = {}
+        self._keys = KeyRegistry()
         self._hit_counts: OrderedDict[bytes, int] = OrderedDict()
-        self._queue: asyncio.Queue[_WriteItem] | None = None
-        self._workers: list[asyncio.Task[None]] = []
+        self._writes = WriteThrough(
+            keys=self._keys, write=self._write_through, n_tiers=len(self._tiers),
+            size=_check_positive_int(write_queue_size, "write_queue_size"),
+            workers=_check_positive_int(write_workers, "write_workers"), counters=self._counters)
         self._closed = False
         for i, tier in enumerate(self._tiers[:-1]):
             tier.on_evict = self._demoter(i)
@@ -216,25 +183,6 @@ class TieredStore:
         self._tier_counters[index].errors += 1
         log.warning("tier %s (%d) failed %s: %s: %s", self._tiers[index].name, index, op,
                     type(exc).__name__, exc)
-
-    def _watch(self, key: bytes) -> _KeyState:
-        state = self._states.get(key)
-        if state is None:
-            state = self._states[key] = _KeyState()
-        state.refs += 1
-        return state
-
-    def _unwatch(self, key: bytes, state: _KeyState) -> None:
-        state.refs -= 1
-        if state.refs <= 0 and self._states.get(key) is state:
-            del self._states[key]
-
-    def _invalidate(self, key: bytes) -> None:
-        """A put or delete of ``key``: in-flight promotions/write-throughs of it are stale."""
-        state = self._states.get(key)
-        if state is not None:
-            state.gen += 1
-        self._flights.pop(key, None)
 
     def _first_fitting(self, nbytes: int, name: str) -> int:
         top = self._tiers[0].capacity
@@ -329,13 +277,12 @@ class TieredStore:
 
     async def _get_lower(self, key: bytes, deadline: float | None) -> Block | None:
         """Below the top tier, with single flight: one fetch per key at a time."""
-        flight = self._flights.get(key)
+        flight = self._keys.flight(key)
         if flight is not None:
             self._counters.single_flight_joins += 1
             return await self._join_flight(key, flight, deadline)
-        flight = asyncio.get_running_loop().create_future()
-        self._flights[key] = flight
-        state = self._watch(key)
+        flight = self._keys.lead(key)
+        state = self._keys.watch(key)
         gen = state.gen
         try:
             block, index = await self._walk(key, 1, deadline)
@@ -344,24 +291,14 @@ class TieredStore:
                 await self._promote_one(key, block, index, state, gen)
             return block
         finally:
-            if not flight.done():
-                flight.set_result(_LEADER_GONE)
-            if self._flights.get(key) is flight:
-                del self._flights[key]
-            self._unwatch(key, state)
+            self._keys.finish(key, flight)
+            self._keys.unwatch(key, state)
 
-    async def _join_flight(self, key: bytes, flight: asyncio.Future[Block | _LeaderGone | None],
-                           deadline: float | None) -> Block | None:
+    async def _join_flight(self, key: bytes, flight: Flight, deadline: float | None
+                           ) -> Block | None:
         """Wait (no longer than ``deadline``) for another call's fetch of ``key``."""
-        try:
-            if deadline is None:
-                result = await asyncio.shield(flight)
-            else:
-                async with asyncio.timeout_at(deadline):
-                    result = await asyncio.shield(flight)
-        except TimeoutError:
-            return None
-        if isinstance(result, _LeaderGone):
+        result = await KeyRegistry.join(flight, deadline)
+        if isinstance(result, LeaderGone):
             return await self._get_lower(key, deadline)
         return result
 
@@ -392,7 +329,7 @@ class TieredStore:
             counts.popitem(last=False)
         return range(0)
 
-    async def _promote_one(self, key: bytes, block: Block, found: int, state: _KeyState,
+    async def _promote_one(self, key: bytes, block: Block, found: int, state: KeyState,
                            gen: int) -> None:
         for index in self._promotion_targets(key, found):
             if state.gen != gen or self._closed:
@@ -420,7 +357,7 @@ class TieredStore:
     def _demoter(self, index: int) -> EvictionCallback:
         async def demote(key: bytes, block: Block) -> None:
             # The evicting tier keeps the block readable until this returns.
-            state = self._states.get(key)
+            state = self._keys.state(key)
             if state is not None and state.deleting:
                 return  # being deleted: moving it down would resurrect it
             for below in range(index + 1, len(self._tiers)):
@@ -473,10 +410,10 @@ class TieredStore:
         block = as_block(value)
         first = self._first_fitting(block.nbytes, "value")
         self._counters.puts += 1
-        self._invalidate(key)
+        self._keys.invalidate(key)
         placed = await self._place(key, block, first)
         if self._write_policy == "write_through":
-            await self._enqueue(key, block, placed + 1)
+            await self._writes.enqueue(key, block, placed + 1)
 
     async def _place(self, key: bytes, block: Block, first: int) -> int:
         """Put into the first tier from ``first`` that accepts; return its index."""
@@ -534,7 +471,7 @@ class TieredStore:
             return
         self._counters.puts += count
         for key in last:
-            self._invalidate(key)
+            self._keys.invalidate(key)
         top = [(k, b) for k, (b, first) in last.items() if first == 0]
         placed: dict[bytes, int] = {}
         if top:
@@ -552,7 +489,7 @@ class TieredStore:
                 placed[key] = await self._place(key, block, first)
         if self._write_policy == "write_through":
             for key, (block, _) in last.items():
-                await self._enqueue(key, block, placed[key] + 1)
+                await self._writes.enqueue(key, block, placed[key] + 1)
 
     async def _touch(self, index: int, keys: list[bytes]) -> None:
         if not keys:
@@ -563,48 +500,12 @@ class TieredStore:
             self._tier_error(index, "touch_chain", exc)
 
     # ------------------------------------------------------------------ write-through
-    async def _enqueue(self, key: bytes, block: Block, first_tier: int) -> None:
-        if first_tier >= len(self._tiers):
-            return
-        if self._queue is None:
-            self._queue = asyncio.Queue(self._write_queue_size)
-            self._workers = [asyncio.create_task(self._write_worker(), name=f"kvtier-wt-{i}")
-                             for i in range(self._write_workers)]
-        state = self._watch(key)
-        # The caller may reuse its buffer once put returns; the queue needs its own copy.
-        item = _WriteItem(key, np.array(block, copy=True), state.gen, state, first_tier)
-        try:
-            await self._queue.put(item)
-        except BaseException:
-            self._unwatch(key, state)
-            raise
-
-    async def _write_worker(self) -> None:
-        assert self._queue is not None
-        queue = self._queue
-        while True:
-            item = await queue.get()
-            try:
-                await self._write_below(item)
-            except Exception:  # pragma: no cover - _write_below already catches tier errors
-                log.exception("write-through of %s failed", item.key.hex())
-            finally:
-                self._unwatch(item.key, item.state)
-                queue.task_done()
-
-    async def _write_below(self, item: _WriteItem) -> None:
-        async with item.state.lock:
-            for index in range(item.first_tier, len(self._tiers)):
-                if item.state.gen != item.gen:
-                    self._counters.write_through_superseded += 1
-                    return
-                if await self._write_into(index, item.key, item.block, "write_through"):
-                    self._counters.write_through_writes += 1
+    async def _write_through(self, index: int, key: bytes, block: Block) -> bool:
+        return await self._write_into(index, key, block, "write_through")
 
     async def flush(self) -> None:
         """Wait until every queued write-through write has been attempted."""
-        if self._queue is not None:
-            await self._queue.join()
+        await self._writes.flush()
 
     # ------------------------------------------------------------------ batch reads
     async def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
@@ -678,24 +579,23 @@ class TieredStore:
                               found_at: list[tuple[int, int]], deadline: float | None) -> None:
         """Below the top tier for a batch, with single flight per key: keys another call is
         already fetching are joined; this call leads (batch-fetches) the rest."""
-        loop = asyncio.get_running_loop()
-        mine: dict[bytes, asyncio.Future[Block | _LeaderGone | None]] = {}
+        mine: dict[bytes, Flight] = {}
         lead: list[int] = []
-        joined: list[tuple[int, asyncio.Future[Block | _LeaderGone | None]]] = []
+        joined: list[tuple[int, Flight]] = []
         for j in missing:
             key = keys[j]
-            flight = mine[key] if key in mine else self._flights.get(key)
+            flight = mine[key] if key in mine else self._keys.flight(key)
             if flight is not None:
                 if key not in mine:
                     self._counters.single_flight_joins += 1
                 joined.append((j, flight))
                 continue
-            flight = mine[key] = self._flights[key] = loop.create_future()
+            mine[key] = self._keys.lead(key)
             lead.append(j)
-        states: dict[bytes, tuple[_KeyState, int]] = {}
+        states: dict[bytes, tuple[KeyState, int]] = {}
         try:
             for j in lead:
-                state = self._watch(keys[j])
+                state = self._keys.watch(keys[j])
                 states[keys[j]] = (state, state.gen)
             remaining: list[int] | None = lead
             for index in range(1, len(self._tiers)):
@@ -711,18 +611,15 @@ class TieredStore:
             await self._promote_batch(keys, results, found_at, states, held)
         finally:
             for key, flight in mine.items():
-                if not flight.done():
-                    flight.set_result(_LEADER_GONE)
-                if self._flights.get(key) is flight:
-                    del self._flights[key]
+                self._keys.finish(key, flight)
             for key, (state, _) in states.items():
-                self._unwatch(key, state)
+                self._keys.unwatch(key, state)
         for j, flight in joined:
             results[j] = await self._join_flight(keys[j], flight, deadline)
 
     async def _promote_batch(self, keys: list[bytes], results: list[Block | None],
                              found_at: list[tuple[int, int]],
-                             states: dict[bytes, tuple[_KeyState, int]],
+                             states: dict[bytes, tuple[KeyState, int]],
                              held: list[list[int]]) -> None:
         per_target: dict[int, list[int]] = {}
         for j, found in found_at:
@@ -776,7 +673,7 @@ class TieredStore:
         return hit
 
     async def _get_into_walk(self, key: bytes, out: Any, deadline: float | None) -> bool:
-        state: _KeyState | None = None
+        state: KeyState | None = None
         gen = 0
         try:
             for index, tier in enumerate(self._tiers):
@@ -785,7 +682,7 @@ class TieredStore:
                     isinstance(self._promote, int) and index > 0
                     and self._hit_counts.get(key, 0) + 1 >= self._promote)
                 if index == 1:
-                    state = self._watch(key)
+                    state = self._keys.watch(key)
                     gen = state.gen
                 start = time.perf_counter_ns()
                 try:
@@ -820,7 +717,7 @@ class TieredStore:
             return False
         finally:
             if state is not None:
-                self._unwatch(key, state)
+                self._keys.unwatch(key, state)
 
     async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                             timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
@@ -916,10 +813,10 @@ class TieredStore:
     async def _delete_keys(self, keys: list[bytes]) -> list[bool]:
         self._counters.deletes += len(keys)
         # Sorted, so that two concurrent batch deletes take the per-key locks in one order.
-        states = {k: self._watch(k) for k in sorted(set(keys))}
+        states = {k: self._keys.watch(k) for k in sorted(set(keys))}
         removed = [False] * len(keys)
         for key, state in states.items():
-            self._invalidate(key)
+            self._keys.invalidate(key)
             state.deleting += 1
         try:
             # Wait out write-through writes of these keys already past their generation check.
@@ -940,7 +837,7 @@ class TieredStore:
             for key, state in states.items():
                 state.deleting -= 1
                 self._hit_counts.pop(key, None)
-                self._unwatch(key, state)
+                self._keys.unwatch(key, state)
         return removed
 
     # ------------------------------------------------------------------ pins
@@ -1005,7 +902,7 @@ class TieredStore:
             "tiers": tiers,
             **self._counters.as_dict(),
             "write_policy": self._write_policy,
-            "write_queue_depth": self._queue.qsize() if self._queue is not None else 0,
+            "write_queue_depth": self._writes.depth,
         }
 
     async def aclose(self) -> None:
@@ -1014,11 +911,8 @@ class TieredStore:
             return
         self._closed = True
         try:
-            await self.flush()
+            await self._writes.aclose()
         finally:
-            for task in self._workers:
-                task.cancel()
-            await asyncio.gather(*self._workers, return_exceptions=True)
             for index, tier in enumerate(self._tiers):
                 try:
                     await tier.aclose()
