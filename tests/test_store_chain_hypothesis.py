@@ -20,6 +20,6 @@ def dram_chain() -> list[Tier]:
 
 DRAMChain = make_chain_machine(dram_chain, block_sizes=(512, 1024, 1536, 2048, 3584))
 DRAMChain.TestCase.settings = settings(
-    max_examples=250, stateful_step_count=50, deadline=None,
+    max_examples=400, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestDRAMChain = DRAMChain.TestCase
