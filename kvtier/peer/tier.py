@@ -319,9 +319,10 @@ class PeerTier(Tier):
                     groups[member].append(i)
             if not groups:
                 break
-            replies = await asyncio.gather(*(
-                self._call(m, op, lambda m=m, idx=idx: fetch(m, [keys[i] for i in idx]))  # type: ignore[misc]
-                for m, idx in groups.items()))
+            calls = [self._call(m, op, partial(fetch, m, [keys[i] for i in idx]))
+                     for m, idx in groups.items()]
+            # One owner (every single-key call): await it directly, no task per request.
+            replies = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
             pending = []
             for (_member, idx), reply in zip(groups.items(), replies, strict=True):
                 if reply is _FAILED:

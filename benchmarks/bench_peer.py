@@ -1,0 +1,415 @@
+"""Peer tier throughput next to its baselines, all measured in the same run.
+
+Servers run as child processes on 127.0.0.1 (client and server each get a core); the client
+is this process. Cells, for 64 KiB / 1 MiB / 4 MiB blocks at concurrency 1 / 8 / 32:
+
+- ``peer get`` / ``peer put``: :class:`kvtier.peer.PeerTier` against ``kvtier serve``
+  (checksummed frames, bearer token, DRAM segment); ``peer batch16 get``: one ``get_many``
+  of 16 blocks (one request).
+- ``tcp proto get``: raw asyncio TCP, BufferedProtocol receiving into a preallocated buffer
+  (the ceiling for an asyncio peer).
+- ``aiohttp get`` / ``aiohttp put``: bare aiohttp server and client moving the same bytes
+  (``aiohttp get joined``: the server first joins a 40-byte header to the payload, as a
+  frame response would without two writes: measures what the zero-copy response saves).
+- ``redis get`` / ``redis set``: redis-server + redis-py asyncio (skipped with a message when
+  redis-server is not installed).
+
+Usage: ``python -m benchmarks.bench_peer [--quick] [--json FILE] [--profile]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import SIZES, Result, dump_json, print_table, time_async, with_ratio
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+TOKEN = "bench-token"
+_REQ = struct.Struct(">cQ")
+Op = Callable[[], Awaitable[object]]
+
+
+# ------------------------------------------------------------------ child servers
+def _serve_raw() -> None:
+    """Raw TCP server: request = op 'G' + u64 size; answers ``size`` payload bytes."""
+    payload = memoryview(np.random.default_rng(1).integers(0, 255, max(SIZES.values()),
+                                                           dtype=np.uint8))
+
+    class Proto(asyncio.BufferedProtocol):
+        def __init__(self) -> None:
+            self.head = bytearray(_REQ.size)
+            self.have = 0
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            self.tr = transport
+            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP,
+                                                          socket.TCP_NODELAY, 1)
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            return memoryview(self.head)[self.have :]
+
+        def buffer_updated(self, nbytes: int) -> None:
+            self.have += nbytes
+            if self.have == _REQ.size:
+                self.have = 0
+                _, size = _REQ.unpack(self.head)
+                self.tr.write(payload[:size])
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Proto, HOST, 0, backlog=512)
+        print(f"READY {server.sockets[0].getsockname()[1]}", flush=True)
+        await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def _serve_aiohttp() -> None:
+    """Bare aiohttp server: GET /b/{size} returns bytes, PUT /b/{size} reads the body."""
+    from aiohttp import web
+
+    payload = np.random.default_rng(1).integers(0, 255, max(SIZES.values()),
+                                                dtype=np.uint8).tobytes()
+    header = bytes(40)
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        size = int(request.match_info["size"])
+        return web.Response(body=memoryview(payload)[:size])
+
+    async def get_joined(request: web.Request) -> web.StreamResponse:
+        size = int(request.match_info["size"])
+        return web.Response(body=b"".join((header, memoryview(payload)[: size - 40])))
+
+    async def put(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(status=204)
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_get("/b/{size}", get)
+    app.router.add_get("/j/{size}", get_joined)
+    app.router.add_put("/b/{size}", put)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, HOST, 0, backlog=512)
+        await site.start()
+        print(f"READY {runner.addresses[0][1]}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def _child(args: list[str], ready: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 30
+        line = ""
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if ready in line or not line:
+                break
+        if ready not in line:
+            raise RuntimeError(f"child {args[:4]} did not start")
+        yield proc, line.strip()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# ---------------------------------------------------------------------- clients
+class RawClient(asyncio.BufferedProtocol):
+    """Receives GET payloads straight into a preallocated buffer."""
+
+    def __init__(self, max_size: int) -> None:
+        self.buf = memoryview(bytearray(max_size))
+        self.need = self.have = 0
+        self.fut: asyncio.Future[int] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.tr = transport
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buf[self.have : self.need] if self.need > self.have else self.buf[:1]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.have += nbytes
+        if self.have >= self.need and self.fut is not None and not self.fut.done():
+            self.fut.set_result(self.have)
+
+    async def get(self, size: int) -> int:
+        self.have, self.need = 0, size
+        self.fut = asyncio.get_running_loop().create_future()
+        self.tr.write(_REQ.pack(b"G", size))
+        return await self.fut
+
+
+async def _cell(results: list[Result], case: str, size: str, nbytes: int, conc: int,
+                make_op: Callable[[int], Op], min_time: float) -> None:
+    ops = [make_op(w) for w in range(conc)]
+    for op in ops:
+        await op()  # warm-up: connections open, caches hot
+    free = list(ops)
+
+    async def run() -> None:
+        # Each worker holds one op at a time: a raw connection serves one request at a time.
+        op = free.pop()
+        try:
+            await op()
+        finally:
+            free.append(op)
+
+    lat, wall = await time_async(run, min_ops=max(5, conc * 2), min_time=min_time,
+                                 concurrency=conc)
+    results.append(Result("peer", case, size, lat, nbytes, wall, concurrency=conc))
+
+
+# ----------------------------------------------------------------------- cells
+async def _peer_cells(results: list[Result], member: str, sizes: dict[str, int],
+                      concs: list[int], min_time: float) -> None:
+    from kvtier.peer.tier import PeerTier
+
+    tier = PeerTier.from_url(f"peers://{member}?token={TOKEN}&timeout=30")
+    async with tier:
+        for label, nbytes in sizes.items():
+            blocks = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8)
+                      for i in range(16)]
+            keys = [f"{label}-{i}".encode().ljust(16, b".") for i in range(16)]
+            await tier.put_many(list(zip(keys, blocks, strict=True)))
+            for conc in concs:
+                await _cell(results, "peer get", label, nbytes, conc,
+                            lambda w, k=keys: lambda: tier.get(k[w % 16]), min_time)
+                await _cell(results, "peer put", label, nbytes, conc,
+                            lambda w, k=keys, b=blocks: lambda: tier.put(k[w % 16], b[w % 16]),
+                            min_time)
+                if conc <= 8:
+                    await _cell(results, "peer batch16 get", label, 16 * nbytes, conc,
+                                lambda w, k=keys: lambda: tier.get_many(k), min_time)
+
+
+async def _raw_cells(results: list[Result], port: int, sizes: dict[str, int],
+                     concs: list[int], min_time: float) -> None:
+    loop = asyncio.get_running_loop()
+    for label, nbytes in sizes.items():
+        for conc in concs:
+            clients = []
+            for _ in range(conc):
+                _, proto = await loop.create_connection(lambda n=nbytes: RawClient(n),
+                                                        HOST, port)
+                clients.append(proto)
+
+            def op(w: int, n: int = nbytes, cl: list[RawClient] = clients) -> Op:
+                return lambda: cl[w].get(n)
+
+            await _cell(results, "tcp proto get", label, nbytes, conc, op, min_time)
+            for c in clients:
+                c.tr.close()
+
+
+async def _aiohttp_cells(results: list[Result], port: int, sizes: dict[str, int],
+                         concs: list[int], min_time: float) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as http:
+        async def fetch(url: str) -> bytes:
+            async with http.get(url) as r:
+                return await r.read()
+
+        async def send(url: str, body: bytes) -> None:
+            async with http.put(url, data=body) as r:
+                await r.read()
+
+        for label, nbytes in sizes.items():
+            body = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+            base = f"http://{HOST}:{port}"
+            for conc in concs:
+                plain, joined = f"{base}/b/{nbytes}", f"{base}/j/{nbytes}"
+                await _cell(results, "aiohttp get", label, nbytes, conc,
+                            lambda w, u=plain: lambda: fetch(u), min_time)
+                await _cell(results, "aiohttp get joined", label, nbytes, conc,
+                            lambda w, u=joined: lambda: fetch(u), min_time)
+                await _cell(results, "aiohttp put", label, nbytes, conc,
+                            lambda w, u=plain, b=body: lambda: send(u, b), min_time)
+
+
+async def _redis_cells(results: list[Result], port: int, sizes: dict[str, int],
+                       concs: list[int], min_time: float) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis(host=HOST, port=port, max_connections=64)
+    try:
+        for label, nbytes in sizes.items():
+            body = np.random.default_rng(3).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+            await client.set(f"k{label}", body)
+            for conc in concs:
+                await _cell(results, "redis get", label, nbytes, conc,
+                            lambda w, k=f"k{label}": lambda: client.get(k), min_time)
+                await _cell(results, "redis set", label, nbytes, conc,
+                            lambda w, k=f"s{label}", b=body: lambda: client.set(k, b), min_time)
+    finally:
+        await client.aclose()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+async def _run_all(quick: bool, profile: bool) -> list[Result]:
+    sizes = dict(SIZES)
+    concs = [1, 8] if quick else [1, 8, 32]
+    min_time = 0.25 if quick else 1.0
+    results: list[Result] = []
+    py = sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        token_file = Path(tmp) / "token"
+        token_file.write_text(TOKEN)
+        serve = [py, "-m", "kvtier.cli", "serve", "--listen", f"{HOST}:0", "--tier", "dram://",
+                 "--token-file", str(token_file)]
+        if profile:
+            serve[1:1] = ["-m", "cProfile", "-o", str(Path(tmp) / "server.prof")]
+        with _child(serve, "listening on") as (_, line):
+            member = line.split("listening on ")[1].split()[0]
+            prof = cProfile.Profile() if profile else None
+            if prof is not None:
+                prof.enable()
+            await _peer_cells(results, member, sizes, concs, min_time)
+            if prof is not None:
+                prof.disable()
+                _print_profile("client (this process)", pstats.Stats(prof))
+        if profile:
+            _print_profile("server (kvtier serve)", pstats.Stats(str(Path(tmp) / "server.prof")))
+    module = [py, "-c", "import sys; from benchmarks import bench_peer as b; "
+              "getattr(b, sys.argv[1])()"]
+    with _child([*module, "_serve_raw"], "READY") as (_, line):
+        await _raw_cells(results, int(line.split()[1]), sizes, concs, min_time)
+    with _child([*module, "_serve_aiohttp"], "READY") as (_, line):
+        await _aiohttp_cells(results, int(line.split()[1]), sizes, concs, min_time)
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        print("redis-server not installed: skipping the Redis columns "
+              "(apt-get install -y redis-server)")
+    else:
+        port = _free_port()
+        args = [redis_server, "--port", str(port), "--bind", HOST, "--save", "",
+                "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"]
+        proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL)
+        try:
+            await _wait_port(port)
+            await _redis_cells(results, port, sizes, concs, min_time)
+        finally:
+            proc.terminate()
+            await proc.wait()
+    return results
+
+
+async def _wait_port(port: int) -> None:
+    for _ in range(100):
+        try:
+            _, writer = await asyncio.open_connection(HOST, port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+def _print_profile(title: str, stats: pstats.Stats) -> None:
+    out = io.StringIO()
+    stats.stream = out  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(14)
+    print(f"\n## profile: {title}, top functions by own time")
+    print("\n".join(out.getvalue().splitlines()[6:24]))
+
+
+def _attach_ratios(results: list[Result]) -> None:
+    by = {(r.case, r.size, r.concurrency): r for r in results}
+    pairs = {"peer get": "aiohttp get", "peer put": "aiohttp put",
+             "aiohttp get joined": "aiohttp get", "peer batch16 get": "peer get",
+             "redis get": "aiohttp get", "redis set": "aiohttp put",
+             "aiohttp get": "tcp proto get"}
+    for r in results:
+        base = by.get((pairs.get(r.case, ""), r.size, r.concurrency))
+        if base is not None:
+            with_ratio(r, base)
+
+
+def _targets(results: list[Result]) -> list[str]:
+    by = {(r.case, r.size, r.concurrency): r for r in results}
+    lines = []
+    for case, base, goal in (("peer get", "redis get", 2.0), ("peer get", "aiohttp get", 0.9),
+                             ("peer get", "tcp proto get", None),
+                             ("peer batch16 get", "redis get", None)):
+        a, b = by.get((case, "1MiB", 8)), by.get((base, "1MiB", 8))
+        if a is None or b is None or not b.gbps:
+            lines.append(f"{case} / {base} @1MiB c=8: n/a")
+            continue
+        ratio = a.gbps / b.gbps
+        verdict = "" if goal is None else \
+            f" (target >= {goal:.1f}x: {'met' if ratio >= goal else 'NOT met'})"
+        lines.append(f"{case} / {base} @1MiB c=8: {a.gbps:.2f} / {b.gbps:.2f} GB/s = "
+                     f"{ratio:.2f}x{verdict}")
+    return lines
+
+
+def run(quick: bool = False, profile: bool = False) -> list[Result]:
+    """Run every cell and return the results (ratios attached)."""
+    results = asyncio.run(_run_all(quick, profile))
+    _attach_ratios(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short cells, concurrency 1/8")
+    parser.add_argument("--json", metavar="FILE", help="write result rows as JSON")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the peer cells (client and server)")
+    args = parser.parse_args(argv)
+    results = run(args.quick, args.profile)
+    for label in SIZES:
+        rows = sorted((r for r in results if r.size == label),
+                      key=lambda r: (r.concurrency, r.case))
+        print_table(rows, f"peer tier vs baselines, {label}")
+    print("\n## targets (same run)")
+    for line in _targets(results):
+        print(line)
+    if args.json:
+        dump_json(results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
