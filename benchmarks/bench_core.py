@@ -81,7 +81,7 @@ async def _cells(size: str, nbytes: int, min_ops: int, min_time: float) -> list[
     walk = TieredStore([DRAMTier(capacity=64 * nbytes), DRAMTier(capacity=256 * nbytes)],
                        promote=1 << 30)
     await walk.tiers[1].put(KEY, value)
-    await cell("store get (tier-2 hit, single flight)", lambda: walk.get(KEY))
+    await cell("store get (tier-2 hit, no promote)", lambda: walk.get(KEY))
     await walk.aclose()
     return results
 
