@@ -452,3 +452,46 @@ def test_latency_histogram_percentiles_within_bucket_resolution() -> None:
         got = hist.percentile(q)
         assert got is not None and abs(got - exact_us) <= 0.13 * exact_us + 0.01, q
     assert hist.count == len(samples) and hist.total_ns == sum(samples)
+
+
+async def test_get_many_follower_gives_up_at_its_own_deadline() -> None:
+    slow = LatencyTier(DRAMTier(), delay=0.3)
+    async with TieredStore([DRAMTier(), slow]) as store:
+        await slow.inner.put(key_of(1), sample_block(1))
+        leader = asyncio.create_task(store.get_many([key_of(1)]))
+        await asyncio.sleep(0.01)
+        start = time.perf_counter()
+        assert await store.get_many([key_of(1)], timeout=0.05) == [None]
+        assert time.perf_counter() - start < 0.25
+        got = (await leader)[0]
+        assert got is not None
+        np.testing.assert_array_equal(got, sample_block(1))
+        assert slow.calls["get"] == 1
+
+
+async def test_get_many_promotes_per_policy() -> None:
+    async with TieredStore(chain(None, None, None), promote="top") as store:
+        keys = [key_of(i) for i in range(3)]
+        for i, key in enumerate(keys):
+            await store.tiers[2].put(key, sample_block(i))
+        assert all(b is not None for b in await store.get_many(keys))
+        assert [await holders(store, k) for k in keys] == [[0, 2]] * 3
+        assert store.stats()["tiers"][0]["promotions"] == 3
+
+
+async def test_default_pin_protects_in_every_tier() -> None:
+    async with TieredStore(chain(KB, KB)) as store:
+        await store.put(key_of(1), sample_block(1))
+        await store.pin([key_of(1)])
+        await store.put(key_of(2), sample_block(2))  # top is pinned full: goes to tier 1
+        assert await holders(store, key_of(1)) == [0]
+        assert await holders(store, key_of(2)) == [1]
+        await store.pin([key_of(2)])
+        with pytest.raises(TierError, match="no tier accepted"):
+            await store.put(key_of(3), sample_block(3))
+        assert await holders(store, key_of(3)) == []
+        await store.unpin([key_of(1)])
+        await store.put(key_of(3), sample_block(3))  # evicts key 1; tier 1 is pinned full
+        assert await holders(store, key_of(3)) == [0]
+        assert await holders(store, key_of(2)) == [1]
+        assert store.stats()["dropped"] == 1
