@@ -27,6 +27,11 @@ class ServeProcess:
     log_path: Path = field(default=Path("/dev/null"))
 
     def start(self, listen: str = "127.0.0.1:0", timeout: float = 20.0) -> str:
+        self.launch(listen)
+        return self.wait_ready(timeout)
+
+    def launch(self, listen: str = "127.0.0.1:0") -> None:
+        """Start the process without waiting (start several, then :meth:`wait_ready`)."""
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         # Output goes to a file, not a pipe: a full pipe would block the server's logging.
         self.log_path = self.token_file.parent / f"serve-{id(self)}-{time.monotonic_ns()}.log"
@@ -35,6 +40,10 @@ class ServeProcess:
                 [sys.executable, "-m", "kvtier.cli", "serve", "--listen", listen,
                  "--token-file", str(self.token_file), *self.args],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self, timeout: float = 20.0) -> str:
+        """Wait for the listening line; returns the member id ``host:port``."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
             match = _LISTEN_RE.search(self.output())

@@ -29,7 +29,9 @@ def three(tmp_path: Path) -> Iterator[list[ServeProcess]]:
              for _ in range(3)]
     try:
         for p in procs:
-            p.start()
+            p.launch()
+        for p in procs:
+            p.wait_ready()
         yield procs
     finally:
         for p in procs:
@@ -105,7 +107,7 @@ async def test_hung_peer_costs_at_most_the_timeout(three: list[ServeProcess]) ->
 
 @pytest.fixture
 async def slow_pool() -> AsyncIterator[tuple[PeerServer, list[PeerServer]]]:
-    slow = PeerServer(LatencyTier(DRAMTier(), delay=3.0), token=TOKEN, close_segment=True)
+    slow = PeerServer(LatencyTier(DRAMTier(), delay=1.5), token=TOKEN, close_segment=True)
     fast = [PeerServer(DRAMTier(), token=TOKEN, close_segment=True) for _ in range(2)]
     for s in (slow, *fast):
         await s.start()
