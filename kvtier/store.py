@@ -885,7 +885,8 @@ class TieredStore:
             ``"tiers"``: one dict per tier (top first) merging the tier's own ``stats()``
             (``scheme``, ``name``, ``capacity``, ``used``, ``evictions``, ...) with what the
             store observed (``hits``, ``misses``, ``errors``, ``timeouts``, ``promotions``,
-            ``demotions``, ``bytes_in``, ``bytes_out``, ``get_p50_us``, ``get_p99_us``);
+            ``demotions``, ``bytes_in``, ``bytes_out``, ``get_p50_us``, ``get_p99_us``; a
+            tier's own figure with one of these names is kept as ``tier_<name>``);
             plus ``gets``, ``hits``, ``misses``, ``hit_rate``, ``puts``, ``deletes``,
             ``single_flight_joins``, ``dropped`` (evicted blocks no lower tier took),
             ``write_policy`` and ``write_queue_depth``.
@@ -897,7 +898,11 @@ class TieredStore:
             except Exception as exc:  # a broken tier must not break monitoring
                 own = {"scheme": tier.scheme, "name": tier.name, "capacity": None, "used": None,
                        "evictions": tier.evictions, "stats_error": repr(exc)}
-            tiers.append({**own, **counters.as_dict()})
+            observed = counters.as_dict()
+            # A tier's own figure of the same name (e.g. an LMDB tier's hits, which include
+            # reads that bypassed the store) stays visible as tier_<name>.
+            tiers.append({**own, **{f"tier_{k}": own[k] for k in observed if k in own},
+                          **observed})
         return {
             "tiers": tiers,
             **self._counters.as_dict(),

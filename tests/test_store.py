@@ -495,3 +495,15 @@ async def test_default_pin_protects_in_every_tier() -> None:
         assert await holders(store, key_of(3)) == [0]
         assert await holders(store, key_of(2)) == [1]
         assert store.stats()["dropped"] == 1
+
+
+async def test_tier_own_figures_kept_beside_store_figures() -> None:
+    class OwnHits(DRAMTier):
+        def stats(self) -> dict[str, object]:
+            return {**super().stats(), "hits": 12345}
+
+    async with TieredStore([OwnHits()]) as store:
+        await store.put(key_of(1), sample_block(1))
+        await store.get(key_of(1))
+        top = store.stats()["tiers"][0]
+        assert top["hits"] == 1 and top["tier_hits"] == 12345
