@@ -108,9 +108,14 @@ class TieredStore:
 
     Examples
     --------
+    >>> import numpy as np
+    >>> from kvtier import DRAMTier, TieredStore
     >>> store = TieredStore([DRAMTier(capacity=1 << 30), DRAMTier(capacity=8 << 30)])
-    >>> async with store:  # doctest: +SKIP
-    ...     await store.put(b"k" * 16, np.zeros(1024, np.uint16))
+    >>> async def demo() -> None:
+    ...     async with store:
+    ...         await store.put(b"k" * 16, np.zeros(1024, np.uint16))
+    ...         assert (await store.get(b"k" * 16)).shape == (1024,)
+    >>> import asyncio; asyncio.run(demo())
     """
 
     def __init__(self, tiers: Sequence[Tier], *, promote: Promote = "all",
