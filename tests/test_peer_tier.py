@@ -159,3 +159,49 @@ def test_url_options_parsed() -> None:
     assert tier.members.members == ("[::1]:7071", "h1:7070")
     assert (tier.replicas, tier.timeout, tier.ack, tier.compress_level) == (2, 0.25, "one", 5)
     assert tier.members.ring.vnodes == 64 and tier.capacity is None
+
+
+async def test_read_path_survives_server_restart_on_same_port() -> None:
+    """Pooled keep-alive connections closed by the server are retried, not a dead peer."""
+    first = PeerServer(DRAMTier(), token=TOKEN, close_segment=True)
+    await first.start()
+    port = first.port
+    tier = PeerTier.from_url(f"peers://{first.member_id}?token={TOKEN}&timeout=2")
+    async with tier:
+        await tier.put(key_of(1), sample_block(1))
+        assert await tier.get_many([key_of(1), key_of(2)]) is not None
+        assert await tier.get(key_of(1)) is not None
+        await first.stop()
+        second = PeerServer(DRAMTier(), token=TOKEN, port=port, close_segment=True)
+        await second.start()
+        try:
+            await second.segment.put(key_of(1), sample_block(1))
+            got = await tier.get(key_of(1))
+            assert got is not None and got.tobytes() == sample_block(1).tobytes()
+            assert tier.members.alive(second.member_id) and tier.counts["errors"] == 0
+        finally:
+            await second.stop()
+
+
+@pytest.mark.parametrize("answer", [
+    b"garbage\r\n\r\n", b"HTTP/1.1 200 OK\r\n\r\nno length",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabcdef",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nKVTB", b"HTTP/1.1 500 Oops\r\n"
+    b"Content-Length: 0\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nKVTB",
+])
+async def test_malformed_answers_are_misses(answer: bytes) -> None:
+    import asyncio
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        writer.write(answer)
+        await writer.drain()
+        await asyncio.sleep(0.5)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tier = PeerTier.from_url(f"peers://127.0.0.1:{port}?token={TOKEN}&timeout=0.3")
+    async with server, tier:
+        assert await tier.get(key_of(1)) is None
+        assert await tier.get_many([key_of(1), key_of(2)]) == [None, None]

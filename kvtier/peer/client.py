@@ -20,6 +20,7 @@ from aiohttp.abc import AbstractStreamWriter
 from kvtier.codec import EncodedFrame
 from kvtier.errors import PeerError
 from kvtier.peer import protocol as proto
+from kvtier.peer.fastread import RawPool
 
 __all__ = ["BuffersPayload", "PeerClient"]
 
@@ -71,6 +72,10 @@ class PeerClient:
         self.timeout = timeout
         self.limits = limits or proto.Limits()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        host, _, port = member.rpartition(":")
+        # Reads (block GET, batch get) take the one-copy path; everything else uses aiohttp.
+        self._raw = RawPool(host.strip("[]"), int(port), token=token, ssl_context=ssl_context,
+                            limit=pool_limit)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=pool_limit, ssl=ssl_context or False,
                                            enable_cleanup_closed=False),
@@ -82,7 +87,28 @@ class PeerClient:
 
     async def close(self) -> None:
         """Close the session and its connections."""
+        self._raw.close()
         await self._session.close()
+
+    async def _read(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
+                    missing: int | None = None) -> memoryview | None:
+        """A read-path request through :class:`RawPool`: the body, or ``None`` if missing."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                status, data = await self._raw.request(method, path, body)
+        except TimeoutError:
+            raise PeerError(f"peer {self.member}: {method} timed out after "
+                            f"{self.timeout}s") from None
+        except OSError as exc:
+            raise PeerError(f"peer {self.member}: {method} failed: {exc!r}") from None
+        except PeerError as exc:
+            raise PeerError(f"peer {self.member}: {method} failed: {exc}") from None
+        if status == missing:
+            return None
+        if status != 200:
+            text = bytes(data[:200]).decode("utf-8", "replace").strip()
+            raise PeerError(f"peer {self.member}: {method} {path[:60]} -> {status} {text}")
+        return data
 
     async def _request(self, method: str, path: str, *, body: Any = None,
                        ok: tuple[int, ...] = (200, 204), missing: int | None = None,
@@ -106,9 +132,9 @@ class PeerClient:
             raise PeerError(f"peer {self.member}: {method} failed: {exc!r}") from None
 
     # ------------------------------------------------------------------ blocks
-    async def get(self, key: bytes) -> bytes | None:
+    async def get(self, key: bytes) -> memoryview | None:
         """The block's frame (unverified), or ``None`` when the peer does not hold it."""
-        return await self._request("GET", proto.block_path(key), ok=(200,), missing=404)
+        return await self._read("GET", proto.block_path(key), missing=404)
 
     async def put(self, key: bytes, frame: EncodedFrame) -> None:
         """Store one frame."""
@@ -127,9 +153,12 @@ class PeerClient:
         out: list[memoryview | None] = []
         for part in self._chunks(len(keys)):
             chunk = keys[part]
-            body = await self._request("POST", proto.BATCH_GET_PATH,
-                                       body=proto.encode_keys(chunk), ok=(200,))
-            entries = proto.decode_blocks(body or b"", len(chunk), self.limits.max_frame_bytes)
+            body = await self._read("POST", proto.BATCH_GET_PATH, [proto.encode_keys(chunk)])
+            try:
+                entries = proto.decode_blocks(body or b"", len(chunk),
+                                              self.limits.max_frame_bytes)
+            except proto.ProtocolError as exc:
+                raise PeerError(f"peer {self.member}: bad batch get answer: {exc}") from None
             if [k for k, _ in entries] != list(chunk):
                 raise PeerError(f"peer {self.member}: batch get answered other keys")
             out += [frame for _, frame in entries]
