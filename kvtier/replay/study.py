@@ -68,8 +68,8 @@ def markdown(rows: list[dict[str, Any]], policies: list[str]) -> str:
         ideal, session = vals.get("ideal", nan), vals.get("per-node session", nan)
         ok = best >= ideal - 1 and best >= session
         lines.append(f"| {trace} | {n} | {c} | "
-                     + " | ".join(f"{vals.get(k, nan):.1f}" for k in cols)
-                     + f" | {best - ideal:+.1f} | {'yes' if ok else 'no'} |")
+                     + " | ".join(f"{vals.get(k, nan):.2f}" for k in cols)
+                     + f" | {best - ideal:+.2f} | {'yes' if ok else 'no'} |")
     return "\n".join(lines)
 
 
