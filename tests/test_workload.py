@@ -64,3 +64,20 @@ def _common(a: list[int], b: list[int]) -> int:
 def test_bad_config(kwargs: dict[str, object], name: str) -> None:
     with pytest.raises(ValueError, match=name):
         WorkloadConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_progress_bar_draws_only_when_enabled() -> None:
+    import io
+
+    from kvtier.progress import Progress
+
+    out = io.StringIO()
+    with Progress(10, "replay", stream=out, enabled=True) as bar:
+        for _ in range(10):
+            bar.update()
+    text = out.getvalue()
+    assert "replay [" in text and "100.0%" in text and text.endswith("\n")
+    quiet = io.StringIO()  # not a terminal: nothing drawn by default
+    with Progress(10, "replay", stream=quiet) as bar:
+        bar.update(5)
+    assert quiet.getvalue() == ""
