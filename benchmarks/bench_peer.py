@@ -34,12 +34,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import SIZES, Result, dump_json, print_table, time_async, with_ratio
+from benchmarks.common import (
+    SIZES,
+    Result,
+    dump_json,
+    median_of,
+    print_table,
+    time_async,
+    with_ratio,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -195,143 +203,142 @@ async def _cell(results: list[Result], case: str, size: str, nbytes: int, conc: 
 
 
 # ----------------------------------------------------------------------- cells
-async def _peer_cells(results: list[Result], member: str, sizes: dict[str, int],
-                      concs: list[int], min_time: float) -> None:
-    from kvtier.peer.tier import PeerTier
-
-    tier = PeerTier.from_url(f"peers://{member}?token={TOKEN}&timeout=30")
-    async with tier:
-        for label, nbytes in sizes.items():
-            blocks = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8)
-                      for i in range(16)]
-            keys = [f"{label}-{i}".encode().ljust(16, b".") for i in range(16)]
-            await tier.put_many(list(zip(keys, blocks, strict=True)))
-            for conc in concs:
-                await _cell(results, "peer get", label, nbytes, conc,
-                            lambda w, k=keys: lambda: tier.get(k[w % 16]), min_time)
-                await _cell(results, "peer put", label, nbytes, conc,
-                            lambda w, k=keys, b=blocks: lambda: tier.put(k[w % 16], b[w % 16]),
-                            min_time)
-                if conc <= 8:
-                    await _cell(results, "peer batch16 get", label, 16 * nbytes, conc,
-                                lambda w, k=keys: lambda: tier.get_many(k), min_time)
-
-
-async def _raw_cells(results: list[Result], port: int, sizes: dict[str, int],
-                     concs: list[int], min_time: float) -> None:
-    loop = asyncio.get_running_loop()
-    for label, nbytes in sizes.items():
-        for conc in concs:
-            clients = []
-            for _ in range(conc):
-                _, proto = await loop.create_connection(lambda n=nbytes: RawClient(n),
-                                                        HOST, port)
-                clients.append(proto)
-
-            def op(w: int, n: int = nbytes, cl: list[RawClient] = clients) -> Op:
-                return lambda: cl[w].get(n)
-
-            await _cell(results, "tcp proto get", label, nbytes, conc, op, min_time)
-            for c in clients:
-                c.tr.close()
-
-
-async def _aiohttp_cells(results: list[Result], port: int, sizes: dict[str, int],
-                         concs: list[int], min_time: float) -> None:
-    import aiohttp
-
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as http:
-        async def fetch(url: str) -> bytes:
-            async with http.get(url) as r:
-                return await r.read()
-
-        async def send(url: str, body: bytes) -> None:
-            async with http.put(url, data=body) as r:
-                await r.read()
-
-        for label, nbytes in sizes.items():
-            body = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
-            base = f"http://{HOST}:{port}"
-            for conc in concs:
-                plain, joined = f"{base}/b/{nbytes}", f"{base}/j/{nbytes}"
-                await _cell(results, "aiohttp get", label, nbytes, conc,
-                            lambda w, u=plain: lambda: fetch(u), min_time)
-                await _cell(results, "aiohttp get joined", label, nbytes, conc,
-                            lambda w, u=joined: lambda: fetch(u), min_time)
-                await _cell(results, "aiohttp put", label, nbytes, conc,
-                            lambda w, u=plain, b=body: lambda: send(u, b), min_time)
-
-
-async def _redis_cells(results: list[Result], port: int, sizes: dict[str, int],
-                       concs: list[int], min_time: float) -> None:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis(host=HOST, port=port, max_connections=64)
-    try:
-        for label, nbytes in sizes.items():
-            body = np.random.default_rng(3).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
-            await client.set(f"k{label}", body)
-            for conc in concs:
-                await _cell(results, "redis get", label, nbytes, conc,
-                            lambda w, k=f"k{label}": lambda: client.get(k), min_time)
-                await _cell(results, "redis set", label, nbytes, conc,
-                            lambda w, k=f"s{label}", b=body: lambda: client.set(k, b), min_time)
-    finally:
-        await client.aclose()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
 
 
-async def _run_all(quick: bool, profile: bool) -> list[Result]:
-    sizes = dict(SIZES)
-    concs = [1, 8] if quick else [1, 8, 32]
-    min_time = 0.25 if quick else 1.0
-    results: list[Result] = []
-    py = sys.executable
-    with tempfile.TemporaryDirectory() as tmp:
-        token_file = Path(tmp) / "token"
-        token_file.write_text(TOKEN)
-        serve = [py, "-m", "kvtier.cli", "serve", "--listen", f"{HOST}:0", "--tier", "dram://",
-                 "--token-file", str(token_file)]
-        if profile:
-            serve[1:1] = ["-m", "cProfile", "-o", str(Path(tmp) / "server.prof")]
-        with _child(serve, "listening on") as (_, line):
-            member = line.split("listening on ")[1].split()[0]
-            prof = cProfile.Profile() if profile else None
-            if prof is not None:
-                prof.enable()
-            await _peer_cells(results, member, sizes, concs, min_time)
-            if prof is not None:
-                prof.disable()
-                _print_profile("client (this process)", pstats.Stats(prof))
-        if profile:
-            _print_profile("server (kvtier serve)", pstats.Stats(str(Path(tmp) / "server.prof")))
-    module = [py, "-c", "import sys; from benchmarks import bench_peer as b; "
-              "getattr(b, sys.argv[1])()"]
-    with _child([*module, "_serve_raw"], "READY") as (_, line):
-        await _raw_cells(results, int(line.split()[1]), sizes, concs, min_time)
-    with _child([*module, "_serve_aiohttp"], "READY") as (_, line):
-        await _aiohttp_cells(results, int(line.split()[1]), sizes, concs, min_time)
+@contextlib.asynccontextmanager
+async def _redis(port: int) -> AsyncIterator[object | None]:
     redis_server = shutil.which("redis-server")
     if redis_server is None:
         print("redis-server not installed: skipping the Redis columns "
               "(apt-get install -y redis-server)")
-    else:
-        port = _free_port()
-        args = [redis_server, "--port", str(port), "--bind", HOST, "--save", "",
-                "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"]
-        proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.DEVNULL,
-                                                    stderr=subprocess.DEVNULL)
+        yield None
+        return
+    import redis.asyncio as aioredis
+
+    args = [redis_server, "--port", str(port), "--bind", HOST, "--save", "",
+            "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"]
+    proc = await asyncio.create_subprocess_exec(*args, stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.DEVNULL)
+    client = aioredis.Redis(host=HOST, port=port, max_connections=64)
+    try:
+        await _wait_port(port)
+        yield client
+    finally:
+        await client.aclose()
+        proc.terminate()
+        await proc.wait()
+
+
+class _Profiler:
+    """cProfile switched on only around the peer cells."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.prof = cProfile.Profile() if enabled else None
+
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        if self.prof is not None:
+            self.prof.enable()
         try:
-            await _wait_port(port)
-            await _redis_cells(results, port, sizes, concs, min_time)
+            yield
         finally:
-            proc.terminate()
-            await proc.wait()
+            if self.prof is not None:
+                self.prof.disable()
+
+
+async def _run_all(quick: bool, profile: bool) -> list[Result]:
+    """All servers up at once; for each size and concurrency the systems run back to back,
+    round robin for 3 repetitions (the median is kept), so every ratio compares cells
+    measured seconds apart (the machine drifts up to 2x between periods)."""
+    import aiohttp
+
+    from kvtier.peer.tier import PeerTier
+
+    concs = [1, 8] if quick else [1, 8, 32]
+    min_time = 0.25 if quick else 0.6
+    reps = 1 if quick else 3
+    results: list[Result] = []
+    py = sys.executable
+    module = [py, "-c", "import sys; from benchmarks import bench_peer as b; "
+              "getattr(b, sys.argv[1])()"]
+    prof = _Profiler(profile)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        token_file = Path(tmp) / "token"
+        token_file.write_text(TOKEN)
+        serve = [py, "-m", "kvtier.cli", "serve", "--listen", f"{HOST}:0", "--tier", "dram://",
+                 "--token-file", str(token_file)]
+        server_prof = Path(tmp) / "server.prof"
+        if profile:
+            serve[1:1] = ["-m", "cProfile", "-o", str(server_prof)]
+            # Runs last in the stack: after the server has exited and written its profile.
+            stack.callback(lambda: server_prof.exists() and _print_profile(
+                "server (kvtier serve)", pstats.Stats(str(server_prof))))
+        _, line = stack.enter_context(_child(serve, "listening on"))
+        member = line.split("listening on ")[1].split()[0]
+        raw_port = int(stack.enter_context(_child([*module, "_serve_raw"], "READY"))[1].split()[1])
+        http_port = int(stack.enter_context(
+            _child([*module, "_serve_aiohttp"], "READY"))[1].split()[1])
+        tier = PeerTier.from_url(f"peers://{member}?token={TOKEN}&timeout=30")
+        async with tier, _redis(_free_port()) as rds, aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=64)) as http:
+            async def fetch(url: str) -> bytes:
+                async with http.get(url) as r:
+                    return await r.read()
+
+            async def send(url: str, body: bytes) -> None:
+                async with http.put(url, data=body) as r:
+                    await r.read()
+
+            loop = asyncio.get_running_loop()
+            for label, nbytes in SIZES.items():
+                blocks = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8)
+                          for i in range(16)]
+                keys = [f"{label}-{i}".encode().ljust(16, b".") for i in range(16)]
+                body = blocks[0].tobytes()
+                await tier.put_many(list(zip(keys, blocks, strict=True)))
+                if rds is not None:
+                    await rds.set(f"k{label}", body)  # type: ignore[attr-defined]
+                plain = f"http://{HOST}:{http_port}/b/{nbytes}"
+                joined = f"http://{HOST}:{http_port}/j/{nbytes}"
+                for conc in concs:
+                    raws: list[RawClient] = []
+                    for _ in range(conc):
+                        _, proto = await loop.create_connection(
+                            lambda n=nbytes: RawClient(n), HOST, raw_port)
+                        raws.append(proto)
+                    cells: list[tuple[str, int, Callable[[int], Op]]] = [
+                        ("tcp proto get", nbytes, lambda w, c=raws, n=nbytes: lambda: c[w].get(n)),
+                        ("aiohttp get", nbytes, lambda w, u=plain: lambda: fetch(u)),
+                        ("aiohttp get joined", nbytes, lambda w, u=joined: lambda: fetch(u)),
+                        ("peer get", nbytes, lambda w, k=keys: lambda: tier.get(k[w % 16])),
+                        ("aiohttp put", nbytes, lambda w, u=plain, b=body: lambda: send(u, b)),
+                        ("peer put", nbytes, lambda w, k=keys, b=blocks:
+                            lambda: tier.put(k[w % 16], b[w % 16])),
+                    ]
+                    if rds is not None:
+                        cells += [
+                            ("redis get", nbytes, lambda w, k=f"k{label}": lambda: rds.get(k)),  # type: ignore[attr-defined]
+                            ("redis set", nbytes, lambda w, k=f"s{label}", b=body:
+                                lambda: rds.set(k, b)),  # type: ignore[attr-defined]
+                        ]
+                    if conc <= 8:
+                        cells.append(("peer batch16 get", 16 * nbytes,
+                                      lambda w, k=keys: lambda: tier.get_many(k)))
+                    runs: dict[str, list[Result]] = {case: [] for case, _, _ in cells}
+                    for _ in range(reps):  # round robin, so drift hits every system alike
+                        for case, moved, make in cells:
+                            with prof.on() if case.startswith("peer") else contextlib.nullcontext():
+                                await _cell(runs[case], case, label, moved, conc, make,
+                                            min_time)
+                    results += [median_of(r) for r in runs.values()]
+                    for raw in raws:
+                        raw.tr.close()
+        if prof.prof is not None:
+            _print_profile("client (this process), peer cells", pstats.Stats(prof.prof))
     return results
 
 

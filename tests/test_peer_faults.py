@@ -178,3 +178,24 @@ def test_serve_refuses_to_start_without_token(tmp_path: Path) -> None:
                           "127.0.0.1:0", "--tier", "dram://"], cwd=REPO, capture_output=True,
                          text=True, timeout=30, env={"PYTHONPATH": str(REPO)})
     assert run.returncode == 2 and "--token-file" in run.stdout
+
+
+async def test_kvtier_stats_prints_health_and_metrics(tmp_path: Path) -> None:
+    import sys
+
+    from peer_helpers import REPO
+
+    server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True, node_id="node-a")
+    await server.start()
+    await server.segment.put(key_of(1), sample_block(1))
+    env = {"PYTHONPATH": str(REPO)}
+    try:
+        for token, want_rc, want in ((TOKEN, 0, "node node-a  version"), ("wrong", 1, "401")):
+            path = token_file(tmp_path, token)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvtier.cli", "stats", server.url, "--token-file",
+                str(path), cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE)
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+            assert proc.returncode == want_rc and want in out.decode(), out.decode()
+    finally:
+        await server.stop()
