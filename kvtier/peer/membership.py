@@ -199,7 +199,8 @@ class Membership:
             return
         log.info("peers+dns: %s -> %s", host, sorted(found))
         gone = set(self.members) - found
-        self.ring = self.ring.with_members(found)
+        # Thousands of vnodes per member: build the new ring off the event loop.
+        self.ring = await asyncio.to_thread(self.ring.with_members, found)
         for member in gone:
             self._dead.discard(member)
             self.health.pop(member, None)

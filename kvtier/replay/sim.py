@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvtier.peer.ring import HashRing
+from kvtier.peer.ring import DEFAULT_VNODES, HashRing
 from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
@@ -23,9 +23,9 @@ __all__ = ["DEFAULT_POOL_VNODES", "MODES", "POLICIES", "ROUTINGS", "BlockPolicy"
 
 MODES = ("per-node", "pooled", "ideal")
 ROUTINGS = ("rr", "random", "session", "prefix-affinity")
-# Ring points per member for the pool: HashRing's default (512) leaves shards up to ~8%
-# uneven, which costs hit rate near the capacity cliff; see docs/pooling-results.md.
-DEFAULT_POOL_VNODES = 8192
+# Ring points per member for the pool: the same as a real PeerTier's (see
+# docs/pooling-results.md for why 8192).
+DEFAULT_POOL_VNODES = DEFAULT_VNODES
 
 
 class BlockPolicy(Protocol):
