@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, Self
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 from kvtier.policy import Clock, RecencyPolicy
@@ -16,12 +18,75 @@ from kvtier.urls import merge_options, parse_size, parse_tier_url
 
 __all__ = ["DRAMTier"]
 
+# Spare buffers a tier keeps for reuse: at most this many bytes (and an eighth of its budget).
+_SPARE_MAX_BYTES = 64 << 20
+# Smaller blocks come from malloc's heap, which reuses freed memory about as fast as the
+# spare pool would; larger ones are fresh mmap()ed pages that fault in on first write.
+_RECYCLE_MIN_BYTES = 256 << 10
+
+_ONE_LOCAL = 0
+
+
+def _extra_refs(obj: object) -> int:
+    """References to ``obj`` beyond one local variable of the calling function.
+
+    ``sys.getrefcount`` counts the references a call itself holds, and how many that is
+    differs between CPython versions, so ``_ONE_LOCAL`` is measured on this interpreter.
+    """
+    return sys.getrefcount(obj) - _ONE_LOCAL
+
+
+def _measure_one_local() -> int:
+    probe = np.empty(0)
+    return _extra_refs(probe)  # while _ONE_LOCAL is 0: the raw count for one local
+
+
+_ONE_LOCAL = _measure_one_local()
+
+
+class _SparePool:
+    """Buffers of blocks the tier dropped, by size, for the next put of that size.
+
+    Copying into a buffer that was in use a moment ago skips the allocation and the
+    first-touch page faults of fresh memory, which dominate a large put's tail latency.
+    LIFO per size, so an overwrite copies into the buffer it just released (still in cache).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._free: dict[int, list[npt.NDArray[np.uint8]]] = {}
+        self._max_bytes = max_bytes
+        self.bytes = 0
+        self.reused = 0
+
+    def take(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        free = self._free.get(nbytes)
+        if not free:
+            return None
+        self.bytes -= nbytes
+        self.reused += 1
+        return free.pop()
+
+    def give(self, raw: npt.NDArray[np.uint8]) -> None:
+        nbytes = raw.nbytes
+        # Room for one buffer even past the cap: a small tier's overwrite reuses it at once.
+        if self.bytes + nbytes <= self._max_bytes or (not self.bytes
+                                                       and nbytes <= _SPARE_MAX_BYTES):
+            self._free.setdefault(nbytes, []).append(raw)
+            self.bytes += nbytes
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.bytes = 0
+
 
 class DRAMTier(Tier):
     """Host-memory tier.
 
     ``put`` copies the caller's array once (the engine may reuse its buffer); ``get`` returns
-    a read-only zero-copy view of the stored copy.
+    a read-only zero-copy view of the stored copy. The buffer of a large block the tier
+    drops (overwritten, evicted after its demotion returned, deleted) is reused by a later
+    put only if nothing references the block or a view of it any more, so a reader's view
+    never changes; ``stats()`` counts such puts as ``recycled``.
 
     Parameters
     ----------
@@ -43,7 +108,11 @@ class DRAMTier(Tier):
                  name: str | None = None) -> None:
         super().__init__(name=name)
         self._policy = RecencyPolicy(capacity, clock)
+        # A large stored block is a read-only view of its own uint8 buffer (``block.base``),
+        # so a dropped block's buffer can go to the spare pool whatever its dtype and shape.
         self._blocks: dict[bytes, Block] = {}
+        self._spare = _SparePool(_SPARE_MAX_BYTES if capacity is None
+                                 else min(_SPARE_MAX_BYTES, capacity // 8))
         # Serialises eviction+admission: a victim must reach the next tier before it goes.
         self._lock = asyncio.Lock()
 
@@ -89,23 +158,63 @@ class DRAMTier(Tier):
 
     async def _put(self, key: bytes, block: Block) -> None:
         self._policy.check_fits(block.nbytes)
-        stored = np.array(block, copy=True, order="C")
-        stored.flags.writeable = False
         async with self._lock:
-            for victim in self._policy.victims(stored.nbytes, replacing=key):
+            for victim in self._policy.victims(block.nbytes, replacing=key):
                 old = self._blocks.get(victim)
                 if old is not None:
                     await self._evict(victim, old)
                 self._blocks.pop(victim, None)
                 self._policy.remove(victim)
-            self._blocks[key] = stored
-            self._policy.admit(key, stored.nbytes)
+                if old is not None:
+                    self._reclaim(old)
+            # No await from here on: readers see the old block until the new one is in.
+            old = self._blocks.pop(key, None)
+            if old is not None:
+                self._reclaim(old)  # an unread overwritten block lends its buffer to the copy
+            self._blocks[key] = self._copy(block)
+            self._policy.admit(key, block.nbytes)
+
+    def _copy(self, block: Block) -> Block:
+        """A read-only copy of ``block``; a large one goes into a spare buffer of its size
+        when there is one."""
+        stored: Block
+        if block.nbytes < _RECYCLE_MIN_BYTES:
+            stored = np.array(block, copy=True, order="C")
+        else:
+            raw = self._spare.take(block.nbytes)
+            if raw is None:
+                raw = np.empty(block.nbytes, np.uint8)
+            stored = np.ndarray(block.shape, block.dtype, raw)
+            np.copyto(stored, block, casting="no")
+        # Read-only like a fresh copy would be; ``stored.base`` (the buffer) is reachable
+        # only by deliberately unwrapping, as is setting a fresh copy writeable again.
+        stored.flags.writeable = False
+        return stored
+
+    def _reclaim(self, old: Block) -> None:
+        """Give the buffer of a block this tier just dropped to the spare pool, unless
+        anything still references the block or its buffer.
+
+        ``old`` must be held by one local variable of the caller and nothing else of the
+        tier's. A reader's ``get`` result, any view of it (numpy views keep their base
+        alive), a lower tier or a queue still holding it all count as references, so a
+        buffer is only reused when no one can see it change.
+        """
+        if old.nbytes < _RECYCLE_MIN_BYTES or _extra_refs(old) != 1:  # the caller's variable
+            return
+        raw = old.base
+        if isinstance(raw, np.ndarray) and _extra_refs(raw) == 1:  # ``old.base``
+            self._spare.give(raw)
 
     async def _delete(self, key: bytes) -> bool:
         # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
         async with self._lock:
             self._policy.remove(key)
-            return self._blocks.pop(key, None) is not None
+            old = self._blocks.pop(key, None)
+        if old is None:
+            return False
+        self._reclaim(old)
+        return True
 
     async def _touch_chain(self, keys: Sequence[bytes]) -> None:
         self._policy.touch_chain(keys)
@@ -120,9 +229,14 @@ class DRAMTier(Tier):
 
     async def _aclose(self) -> None:
         self._blocks.clear()
+        self._spare.clear()
         for key in list(self._policy.lru_order()):
             self._policy.remove(key)
 
     def stats(self) -> dict[str, Any]:
+        """Tier figures plus ``blocks``, ``pinned_bytes``, ``spare_bytes`` (buffers of dropped
+        blocks kept for reuse, not counted in ``used``) and ``recycled`` (puts that copied
+        into such a buffer instead of fresh memory)."""
         return {**super().stats(), "blocks": len(self._blocks),
-                "pinned_bytes": self._policy.pinned_bytes}
+                "pinned_bytes": self._policy.pinned_bytes, "spare_bytes": self._spare.bytes,
+                "recycled": self._spare.reused}
