@@ -8,6 +8,7 @@ each victim to its demotion callback, and only then calls :meth:`RecencyPolicy.r
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
@@ -18,7 +19,68 @@ __all__ = ["ARCPolicy", "Clock", "RecencyPolicy", "S3FIFOPolicy"]
 Clock = Callable[[], float]
 
 
-class RecencyPolicy:
+class _PinsAndBudget(ABC):
+    """What every policy here shares: the validated byte budget, counted pins, the budget
+    check and tail-first chain touches. Subclasses keep the order and the sizes."""
+
+    def __init__(self, capacity: int | None) -> None:
+        if capacity is not None and (type(capacity) is not int or capacity < 0):
+            raise ValueError(f"capacity: expected an int >= 0 or None, got {capacity!r}")
+        self._capacity = capacity
+        self._pins: dict[bytes, int] = {}
+
+    @abstractmethod
+    def touch(self, key: bytes) -> bool:
+        """Record an access of ``key``. Returns ``False`` if absent."""
+
+    @abstractmethod
+    def _present(self) -> Iterable[tuple[bytes, int]]:
+        """(key, size) of every present block that :meth:`victims` may still choose."""
+
+    @property
+    def capacity(self) -> int | None:
+        """Byte budget, or ``None`` when unbounded."""
+        return self._capacity
+
+    def touch_chain(self, keys: Iterable[bytes]) -> None:
+        """Touch a prefix chain from its tail to its head, so the head counts as the most
+        recent and eviction takes the end of a chain before its start."""
+        for key in reversed(list(keys)):
+            self.touch(key)
+
+    def pin(self, key: bytes) -> None:
+        """Protect ``key`` from eviction (counted: each pin needs one unpin)."""
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: bytes) -> None:
+        """Release one pin of ``key``; unpinning an unpinned key does nothing."""
+        count = self._pins.get(key, 0)
+        if count <= 1:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] = count - 1
+
+    def is_pinned(self, key: bytes) -> bool:
+        """Whether ``key`` holds at least one pin."""
+        return key in self._pins
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of present blocks that are pinned."""
+        return sum(size for key, size in self._present() if key in self._pins)
+
+    def check_fits(self, size: int, name: str = "block") -> None:
+        """Raise :class:`BlockTooLargeError` if ``size`` exceeds the whole budget."""
+        if self._capacity is not None and size > self._capacity:
+            raise BlockTooLargeError(
+                f"{name}: {size} bytes exceed the tier's whole capacity of {self._capacity} bytes")
+
+    def _full(self, incoming: int) -> TierFullError:
+        return TierFullError(
+            f"cannot fit {incoming} bytes: {self.pinned_bytes} of {self._capacity} bytes pinned")
+
+
+class RecencyPolicy(_PinsAndBudget):
     """Least-recently-used order over keys with sizes, a byte budget and pins.
 
     Parameters
@@ -30,19 +92,11 @@ class RecencyPolicy:
     """
 
     def __init__(self, capacity: int | None, clock: Clock = time.monotonic) -> None:
-        if capacity is not None and (type(capacity) is not int or capacity < 0):
-            raise ValueError(f"capacity: expected an int >= 0 or None, got {capacity!r}")
-        self._capacity = capacity
+        super().__init__(capacity)
         self._clock = clock
         # key -> (size, last access); order is LRU first, MRU last.
         self._entries: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
-        self._pins: dict[bytes, int] = {}
         self._used = 0
-
-    @property
-    def capacity(self) -> int | None:
-        """Byte budget, or ``None`` when unbounded."""
-        return self._capacity
 
     @property
     def used(self) -> int:
@@ -93,12 +147,6 @@ class RecencyPolicy:
         self._entries.move_to_end(key)
         return True
 
-    def touch_chain(self, keys: Iterable[bytes]) -> None:
-        """Refresh a prefix chain from its tail to its head, so the head is the most recent
-        and eviction takes the end of a chain before its start."""
-        for key in reversed(list(keys)):
-            self.touch(key)
-
     def remove(self, key: bytes) -> int | None:
         """Forget ``key``; returns its size or ``None`` if absent. Pins are kept."""
         entry = self._entries.pop(key, None)
@@ -107,32 +155,8 @@ class RecencyPolicy:
         self._used -= entry[0]
         return entry[0]
 
-    def pin(self, key: bytes) -> None:
-        """Protect ``key`` from eviction (counted: each pin needs one unpin)."""
-        self._pins[key] = self._pins.get(key, 0) + 1
-
-    def unpin(self, key: bytes) -> None:
-        """Release one pin of ``key``; unpinning an unpinned key does nothing."""
-        count = self._pins.get(key, 0)
-        if count <= 1:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = count - 1
-
-    def is_pinned(self, key: bytes) -> bool:
-        """Whether ``key`` holds at least one pin."""
-        return key in self._pins
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes of present blocks that are pinned."""
-        return sum(e[0] for k, e in self._entries.items() if k in self._pins)
-
-    def check_fits(self, size: int, name: str = "block") -> None:
-        """Raise :class:`BlockTooLargeError` if ``size`` exceeds the whole budget."""
-        if self._capacity is not None and size > self._capacity:
-            raise BlockTooLargeError(
-                f"{name}: {size} bytes exceed the tier's whole capacity of {self._capacity} bytes")
+    def _present(self) -> Iterable[tuple[bytes, int]]:
+        return ((key, entry[0]) for key, entry in self._entries.items())
 
     def victims(self, incoming: int, replacing: bytes | None = None) -> list[bytes]:
         """Keys to evict, least recent first, so that ``incoming`` more bytes fit.
@@ -167,11 +191,10 @@ class RecencyPolicy:
             excess -= size
             if excess <= 0:
                 return chosen
-        raise TierFullError(
-            f"cannot fit {incoming} bytes: {self.pinned_bytes} of {self._capacity} bytes pinned")
+        raise self._full(incoming)
 
 
-class S3FIFOPolicy:
+class S3FIFOPolicy(_PinsAndBudget):
     """S3-FIFO (Yang et al., SOSP '23): a scan-resistant alternative to LRU, same interface as
     :class:`RecencyPolicy` (byte budget, pins, ``victims`` then ``remove``).
 
@@ -197,13 +220,11 @@ class S3FIFOPolicy:
 
     def __init__(self, capacity: int | None, clock: Clock = time.monotonic, *,
                  small_fraction: float = 0.1, promote_after: int = 1) -> None:
-        if capacity is not None and (type(capacity) is not int or capacity < 0):
-            raise ValueError(f"capacity: expected an int >= 0 or None, got {capacity!r}")
+        super().__init__(capacity)
         if not 0.0 < small_fraction < 1.0:
             raise ValueError(f"small_fraction: expected 0 < f < 1, got {small_fraction!r}")
         if type(promote_after) is not int or promote_after < 1:
             raise ValueError(f"promote_after: expected an int >= 1, got {promote_after!r}")
-        self._capacity = capacity
         self._small_target = 0 if capacity is None else max(1, int(capacity * small_fraction))
         self._promote_after = promote_after
         self._sizes: dict[bytes, int] = {}
@@ -212,14 +233,8 @@ class S3FIFOPolicy:
         self._main: OrderedDict[bytes, None] = OrderedDict()
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._pending: set[bytes] = set()  # chosen by victims(), awaiting remove()
-        self._pins: dict[bytes, int] = {}
         self._used = 0
         self._small_used = 0
-
-    @property
-    def capacity(self) -> int | None:
-        """Byte budget, or ``None`` when unbounded."""
-        return self._capacity
 
     @property
     def used(self) -> int:
@@ -270,11 +285,6 @@ class S3FIFOPolicy:
             self._freq[key] = freq + 1
         return True
 
-    def touch_chain(self, keys: Iterable[bytes]) -> None:
-        """Count an access of every key of a prefix chain, tail first."""
-        for key in reversed(list(keys)):
-            self.touch(key)
-
     def remove(self, key: bytes) -> int | None:
         """Forget ``key``; returns its size or ``None`` if absent. Pins are kept."""
         size = self._sizes.pop(key, None)
@@ -288,32 +298,8 @@ class S3FIFOPolicy:
             self._small_used -= size
         return size
 
-    def pin(self, key: bytes) -> None:
-        """Protect ``key`` from eviction (counted: each pin needs one unpin)."""
-        self._pins[key] = self._pins.get(key, 0) + 1
-
-    def unpin(self, key: bytes) -> None:
-        """Release one pin of ``key``; unpinning an unpinned key does nothing."""
-        count = self._pins.get(key, 0)
-        if count <= 1:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = count - 1
-
-    def is_pinned(self, key: bytes) -> bool:
-        """Whether ``key`` holds at least one pin."""
-        return key in self._pins
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes of present blocks that are pinned."""
-        return sum(size for key, size in self._sizes.items() if key in self._pins)
-
-    def check_fits(self, size: int, name: str = "block") -> None:
-        """Raise :class:`BlockTooLargeError` if ``size`` exceeds the whole budget."""
-        if self._capacity is not None and size > self._capacity:
-            raise BlockTooLargeError(
-                f"{name}: {size} bytes exceed the tier's whole capacity of {self._capacity} bytes")
+    def _present(self) -> Iterable[tuple[bytes, int]]:
+        return self._sizes.items()
 
     def _remember_ghost(self, key: bytes) -> None:
         self._ghost[key] = None
@@ -375,13 +361,11 @@ class S3FIFOPolicy:
             for key in chosen:  # put them back: nothing changes on failure
                 self._pending.discard(key)
                 self._main[key] = None
-            raise TierFullError(
-                f"cannot fit {incoming} bytes: {self.pinned_bytes} of {self._capacity} bytes "
-                "pinned")
+            raise self._full(incoming)
         return chosen
 
 
-class ARCPolicy:
+class ARCPolicy(_PinsAndBudget):
     """Adaptive replacement (Megiddo and Modha, FAST '03) over a byte budget, with the
     interface of :class:`RecencyPolicy` (``victims`` then ``remove``, pins).
 
@@ -401,9 +385,7 @@ class ARCPolicy:
     """
 
     def __init__(self, capacity: int | None, clock: Clock = time.monotonic) -> None:
-        if capacity is not None and (type(capacity) is not int or capacity < 0):
-            raise ValueError(f"capacity: expected an int >= 0 or None, got {capacity!r}")
-        self._capacity = capacity
+        super().__init__(capacity)
         self._t1: OrderedDict[bytes, int] = OrderedDict()  # key -> size, LRU first
         self._t2: OrderedDict[bytes, int] = OrderedDict()
         self._b1: OrderedDict[bytes, int] = OrderedDict()
@@ -411,12 +393,6 @@ class ARCPolicy:
         self._t1_used = self._t2_used = self._b1_used = self._b2_used = 0
         self._target = 0.0  # bytes T1 should hold
         self._pending: dict[bytes, int] = {}  # chosen by victims(), awaiting remove()
-        self._pins: dict[bytes, int] = {}
-
-    @property
-    def capacity(self) -> int | None:
-        """Byte budget, or ``None`` when unbounded."""
-        return self._capacity
 
     @property
     def used(self) -> int:
@@ -494,11 +470,6 @@ class ARCPolicy:
             return True
         return key in self._pending
 
-    def touch_chain(self, keys: Iterable[bytes]) -> None:
-        """Refresh a prefix chain from its tail to its head."""
-        for key in reversed(list(keys)):
-            self.touch(key)
-
     def remove(self, key: bytes) -> int | None:
         """Forget ``key``; returns its size or ``None`` if absent. Pins are kept."""
         size = self._pending.pop(key, None)
@@ -513,33 +484,8 @@ class ARCPolicy:
             self._t2_used -= size
         return size
 
-    def pin(self, key: bytes) -> None:
-        """Protect ``key`` from eviction (counted: each pin needs one unpin)."""
-        self._pins[key] = self._pins.get(key, 0) + 1
-
-    def unpin(self, key: bytes) -> None:
-        """Release one pin of ``key``; unpinning an unpinned key does nothing."""
-        count = self._pins.get(key, 0)
-        if count <= 1:
-            self._pins.pop(key, None)
-        else:
-            self._pins[key] = count - 1
-
-    def is_pinned(self, key: bytes) -> bool:
-        """Whether ``key`` holds at least one pin."""
-        return key in self._pins
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes of present blocks that are pinned."""
-        return sum(size for table in (self._t1, self._t2) for key, size in table.items()
-                   if key in self._pins)
-
-    def check_fits(self, size: int, name: str = "block") -> None:
-        """Raise :class:`BlockTooLargeError` if ``size`` exceeds the whole budget."""
-        if self._capacity is not None and size > self._capacity:
-            raise BlockTooLargeError(
-                f"{name}: {size} bytes exceed the tier's whole capacity of {self._capacity} bytes")
+    def _present(self) -> Iterable[tuple[bytes, int]]:
+        return (*self._t1.items(), *self._t2.items())
 
     def _pop_lru(self, from_t1: bool, replacing: bytes | None) -> tuple[bytes, int] | None:
         table = self._t1 if from_t1 else self._t2
@@ -580,9 +526,7 @@ class ARCPolicy:
                 for key, size, was_t1 in chosen:  # put them back: nothing changes on failure
                     self._pending.pop(key, None)
                     self._unghost(key, size, was_t1)
-                raise TierFullError(
-                    f"cannot fit {incoming} bytes: {self.pinned_bytes} of {self._capacity} "
-                    "bytes pinned")
+                raise self._full(incoming)
             key, size = got
             chosen.append((key, size, key in self._b1))
             self._pending[key] = size
