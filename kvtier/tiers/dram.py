@@ -13,7 +13,8 @@ import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 from kvtier.policy import Clock, RecencyPolicy
-from kvtier.tiers.base import Block, Tier
+from kvtier.tiers.base import Block
+from kvtier.tiers.budget import BudgetedTier
 from kvtier.urls import merge_options, parse_size, parse_tier_url
 
 __all__ = ["DRAMTier"]
@@ -79,7 +80,7 @@ class _SparePool:
         self.bytes = 0
 
 
-class DRAMTier(Tier):
+class DRAMTier(BudgetedTier):
     """Host-memory tier.
 
     ``put`` copies the caller's array once (the engine may reuse its buffer); ``get`` returns
@@ -129,14 +130,6 @@ class DRAMTier(Tier):
             name=str(opts["name"]) if "name" in opts else None,
             **({"clock": opts["clock"]} if "clock" in opts else {}),  # type: ignore[arg-type]
         )
-
-    @property
-    def capacity(self) -> int | None:
-        return self._policy.capacity
-
-    @property
-    def used(self) -> int:
-        return self._policy.used
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -216,17 +209,6 @@ class DRAMTier(Tier):
         self._reclaim(old)
         return True
 
-    async def _touch_chain(self, keys: Sequence[bytes]) -> None:
-        self._policy.touch_chain(keys)
-
-    async def _pin(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._policy.pin(key)
-
-    async def _unpin(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._policy.unpin(key)
-
     async def _aclose(self) -> None:
         self._blocks.clear()
         self._spare.clear()
@@ -237,6 +219,5 @@ class DRAMTier(Tier):
         """Tier figures plus ``blocks``, ``pinned_bytes``, ``spare_bytes`` (buffers of dropped
         blocks kept for reuse, not counted in ``used``) and ``recycled`` (puts that copied
         into such a buffer instead of fresh memory)."""
-        return {**super().stats(), "blocks": len(self._blocks),
-                "pinned_bytes": self._policy.pinned_bytes, "spare_bytes": self._spare.bytes,
+        return {**super().stats(), "spare_bytes": self._spare.bytes,
                 "recycled": self._spare.reused}

@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, Self, TypeVar
 
 import fsspec
@@ -27,7 +27,8 @@ from fsspec.implementations.local import LocalFileSystem
 from kvtier.codec import EncodedFrame, decode_frame, dtype_descriptor, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.policy import Clock, RecencyPolicy
-from kvtier.tiers.base import Block, Tier
+from kvtier.tiers.base import Block
+from kvtier.tiers.budget import BudgetedTier
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.persist_options import parse_compress
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
@@ -65,7 +66,7 @@ def _storage_value(value: object) -> object:
     return value
 
 
-class FsspecTier(Tier):
+class FsspecTier(BudgetedTier):
     """A tier on any fsspec filesystem.
 
     Parameters
@@ -196,14 +197,6 @@ class FsspecTier(Tier):
         return self.path_of(key)
 
     # ---------------------------------------------------------------- contract
-    @property
-    def capacity(self) -> int | None:
-        return self._policy.capacity
-
-    @property
-    def used(self) -> int:
-        return self._policy.used
-
     async def _io(self, op: Callable[[Backend], Awaitable[T]]) -> T:
         backend = await self._ready()
         async with asyncio.timeout(self.timeout):
@@ -297,17 +290,6 @@ class FsspecTier(Tier):
             return contextlib.nullcontext()
         return self._lock
 
-    async def _touch_chain(self, keys: Sequence[bytes]) -> None:
-        self._policy.touch_chain(keys)
-
-    async def _pin(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._policy.pin(key)
-
-    async def _unpin(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._policy.unpin(key)
-
     async def _aclose(self) -> None:
         async with self._lock:
             if self._backend is not None:
@@ -317,7 +299,7 @@ class FsspecTier(Tier):
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,
                 "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
-                "blocks": len(self._policy), "url": self.url}
+                "url": self.url}
 
 
 def _base_url(parsed: TierURL) -> str:

@@ -28,7 +28,8 @@ import numpy as np
 from kvtier.backends import DeviceBackend, backend_for, get_backend
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.policy import Clock, RecencyPolicy
-from kvtier.tiers.base import Block, Tier, check_output_spec
+from kvtier.tiers.base import Block, check_output_spec
+from kvtier.tiers.budget import BudgetedTier
 from kvtier.urls import merge_options, parse_size, parse_tier_url
 
 __all__ = ["HBMTier"]
@@ -42,7 +43,7 @@ class _Entry:
     nbytes: int
 
 
-class HBMTier(Tier):
+class HBMTier(BudgetedTier):
     """Device-memory tier over a slot pool.
 
     Parameters
@@ -182,10 +183,6 @@ class HBMTier(Tier):
     @property
     def capacity(self) -> int:
         return self._num_slots * self._slot_bytes
-
-    @property
-    def used(self) -> int:
-        return self._policy.used
 
     @property
     def block_bytes(self) -> int:
@@ -328,17 +325,6 @@ class HBMTier(Tier):
         async with self._lock:
             return self._drop(key) is not None
 
-    async def _touch_chain(self, keys: Sequence[bytes]) -> None:
-        self._policy.touch_chain(keys)
-
-    async def _pin(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._policy.pin(key)
-
-    async def _unpin(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._policy.unpin(key)
-
     async def _aclose(self) -> None:
         for key in list(self._entries):
             self._drop(key)
@@ -435,5 +421,4 @@ class HBMTier(Tier):
         return {**super().stats(), "backend": self._backend.name,
                 "device": self._backend.device, "attached": self.attached,
                 "block_bytes": self._slot_bytes, "slots": self._num_slots,
-                "free_slots": len(self._free), "reserved_slots": len(self._reserved),
-                "blocks": len(self._entries), "pinned_bytes": self._policy.pinned_bytes}
+                "free_slots": len(self._free), "reserved_slots": len(self._reserved)}

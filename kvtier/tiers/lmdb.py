@@ -33,7 +33,8 @@ import lmdb
 from kvtier.codec import dtype_descriptor, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError, TierError, TierFullError
 from kvtier.policy import Clock, RecencyPolicy
-from kvtier.tiers.base import Block, Tier
+from kvtier.tiers.base import Block
+from kvtier.tiers.budget import BudgetedTier
 from kvtier.tiers.lmdb_env import BlockEnv, Durability, PendingPut
 from kvtier.tiers.persist_options import parse_compress
 from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
@@ -100,7 +101,7 @@ def _lock_directory(path: Path) -> int:
     return fd
 
 
-class LMDBTier(Tier):
+class LMDBTier(BudgetedTier):
     """Local-NVMe tier on one LMDB environment.
 
     Parameters
@@ -280,14 +281,6 @@ class LMDBTier(Tier):
         return await asyncio.shield(task)
 
     # ---------------------------------------------------------------- contract
-    @property
-    def capacity(self) -> int | None:
-        return self._policy.capacity
-
-    @property
-    def used(self) -> int:
-        return self._policy.used
-
     def __len__(self) -> int:
         return len(self._policy)
 
@@ -390,16 +383,8 @@ class LMDBTier(Tier):
 
     async def _touch_chain(self, keys: Sequence[bytes]) -> None:
         await self._ready()
-        self._policy.touch_chain(keys)
+        await super()._touch_chain(keys)
         self._touched.update(k for k in keys if k in self._policy)
-
-    async def _pin(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._policy.pin(key)
-
-    async def _unpin(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._policy.unpin(key)
 
     async def _aclose(self) -> None:
         while self._inflight:
@@ -579,7 +564,6 @@ class LMDBTier(Tier):
         disk = self._env.disk_bytes() if self._env is not None else 0
         return {**super().stats(), "hits": self.hits, "misses": self.misses,
                 "io_errors": self.io_errors, "corrupt": self.corrupt, "map_full": self.map_full,
-                "blocks": len(self._policy), "pinned_bytes": self._policy.pinned_bytes,
                 "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
                 "sync": self.sync, "compress_level": self.compress_level,
                 "discarded_after_os_crash": self.discarded_after_os_crash}
