@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 
 import numpy as np
 
@@ -45,8 +46,8 @@ def _copyto(size: str, nbytes: int, min_ops: int, min_time: float) -> Result:
 
 
 def _alloc_copy(size: str, nbytes: int, min_ops: int, min_time: float) -> Result:
-    """A fresh copy per op (``np.array(src)``): the floor for a put that may not reuse memory
-    still visible to readers, as ``DRAMTier.put`` does."""
+    """A fresh copy per op (``np.array(src)``): what a put costs when it cannot reuse the
+    memory of a dropped block (``DRAMTier.put`` reuses it once no reader holds it)."""
     src = _block(nbytes)
     keep: list[np.ndarray] = [src]
 
@@ -70,6 +71,10 @@ async def _cells(size: str, nbytes: int, min_ops: int, min_time: float) -> list[
     await tier.put(KEY, value)
     await cell("dram tier get (hit, zero copy)", lambda: tier.get(KEY))
     await cell("dram tier put (overwrite)", lambda: tier.put(KEY, value))
+    # New keys into a full tier: every put evicts the least recent block (the steady state
+    # of a cache), so the copy lands in memory that is not in the CPU cache.
+    keys = (i.to_bytes(16, "big") for i in itertools.count(1))
+    await cell("dram tier put (new key, evicts)", lambda: tier.put(next(keys), value))
 
     store = TieredStore([DRAMTier(capacity=64 * nbytes), DRAMTier(capacity=256 * nbytes)])
     await store.put(KEY, value)
