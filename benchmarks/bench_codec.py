@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from benchmarks.common import SIZES, Result, dump_json, print_table, time_sync, with_ratio
+from benchmarks.common import SIZES, Result, main_for, print_table, time_sync, with_ratio
 from kvtier.codec import decode_frame, encode_frame
 
 __all__ = ["kv_like_block", "main", "run"]
@@ -234,11 +234,7 @@ def run(quick: bool = False) -> list[Result]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short cells (smoke run)")
-    parser.add_argument("--json", metavar="PATH", help="also write rows as JSON")
-    args = parser.parse_args(argv)
+def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     results = run(args.quick)
     print_table([r for r in results if r.bench == "checksum"],
                 "checksums vs numpy memcpy (same size, same run)")
@@ -246,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                 "frame encode/decode (raw) vs numpy memcpy")
     print_budget(results)
     print_zstd(results)
-    if args.json:
-        dump_json(results, args.json)
-    return 0
+    return results, 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (``--quick``, ``--json FILE``)."""
+    return main_for(_report, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import numpy as np
 from benchmarks.common import (
     SIZES,
     Result,
-    dump_json,
+    main_for,
     median_of,
     print_table,
     time_async,
@@ -398,13 +398,7 @@ def run(quick: bool = False, profile: bool = False) -> list[Result]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short cells, concurrency 1/8")
-    parser.add_argument("--json", metavar="FILE", help="write result rows as JSON")
-    parser.add_argument("--profile", action="store_true",
-                        help="cProfile the peer cells (client and server)")
-    args = parser.parse_args(argv)
+def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     results = run(args.quick, args.profile)
     for label in SIZES:
         rows = sorted((r for r in results if r.size == label),
@@ -413,9 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## targets (same run)")
     for line in _targets(results):
         print(line)
-    if args.json:
-        dump_json(results, args.json)
-    return 0
+    return results, 0
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the peer cells (client and server)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (``--quick``, ``--json FILE``, ``--profile``)."""
+    return main_for(_report, __doc__.split("\n\n")[0], argv,
+                    quick="short cells, concurrency 1/8", options=_options)
 
 
 if __name__ == "__main__":

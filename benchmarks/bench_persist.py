@@ -36,7 +36,7 @@ from benchmarks.bench_codec import kv_like_block
 from benchmarks.common import (
     SIZES,
     Result,
-    dump_json,
+    main_for,
     median_of,
     print_table,
     time_async,
@@ -298,14 +298,7 @@ def run(quick: bool = False, directory: str | None = None) -> list[Result]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="short cells, one repetition")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    parser.add_argument("--dir", default=None, help="scratch directory (default: $TMPDIR)")
-    args = parser.parse_args(argv)
+def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     results = run(args.quick, args.dir)
     print(f"# bench_persist {started}, pid {os.getpid()}, quick={args.quick}")
@@ -319,9 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     for r in zstd:
         if "compression_ratio" in r.extra and r.case.startswith("encode"):
             print(f"  {r.case[7:]:<16} {r.extra['compression_ratio']:.3f}")
-    if args.json:
-        dump_json(results, args.json)
-    return 0
+    return results, 0
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default=None, help="scratch directory (default: $TMPDIR)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (``--quick``, ``--json FILE``, ``--dir DIR``)."""
+    return main_for(_report, __doc__, argv, quick="short cells, one repetition",
+                    options=_options)
 
 
 if __name__ == "__main__":

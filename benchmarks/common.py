@@ -6,6 +6,7 @@ measured in the same run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -116,6 +117,31 @@ def dump_json(results: Sequence[Result], path: str) -> None:
     """Write results as a JSON list of rows."""
     with open(path, "w", encoding="utf-8") as fh:
         json.dump([r.row() for r in results], fh, indent=1)
+
+
+def main_for(report: Callable[[argparse.Namespace], tuple[Sequence[Result], int]],
+             description: str, argv: Sequence[str] | None = None, *,
+             quick: str | None = "short cells (smoke run)",
+             options: Callable[[argparse.ArgumentParser], object] | None = None) -> int:
+    """Command-line entry point of a benchmark: parse ``--quick`` and ``--json FILE`` (plus
+    the benchmark's own ``options``), call ``report(args)``, which runs, prints and returns
+    ``(results, exit status)``, then write the results as JSON if asked.
+
+    ``quick`` is the help of ``--quick``, or ``None`` for a benchmark without one. A report
+    that measured nothing (no device, say) writes no JSON file.
+    """
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", metavar="FILE", help="also write the result rows as JSON")
+    if options is not None:
+        options(parser)
+    args = parser.parse_args(argv)
+    results, status = report(args)
+    if args.json and results:
+        dump_json(results, args.json)
+    return status
 
 
 def median(values: Sequence[float]) -> float:

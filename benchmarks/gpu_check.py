@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.common import (
     Result,
-    dump_json,
+    main_for,
     median_of,
     print_table,
     time_async,
@@ -188,19 +188,12 @@ async def chain(torch: Any, device: str, workdir: str) -> tuple[list[str], bool]
     return lines, ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--allow-cpu", action="store_true",
-                        help="run on CPU tensors when there is no CUDA device (smoke test)")
-    parser.add_argument("--min-time", type=float, default=0.3,
-                        help="seconds per measurement (each cell is the median of 3)")
-    parser.add_argument("--json", help="also write the rows as JSON to this path")
-    args = parser.parse_args(argv)
+def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     try:
         import torch
     except ImportError:
         print("gpu_check: torch is not installed (pip install 'kvtier[torch]'); nothing to do")
-        return 0
+        return [], 0
     if torch.cuda.is_available():
         device = "cuda:0"
         print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
@@ -211,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
               f"ratios say nothing about a GPU")
     else:
         print("gpu_check: no CUDA device; nothing to check (--allow-cpu for a CPU smoke run)")
-        return 0
+        return [], 0
     with tempfile.TemporaryDirectory(prefix="kvtier-gpu-check-") as workdir:
         results, copies_ok = asyncio.run(copy_speed(torch, device, args.min_time))
         lines, chain_ok = asyncio.run(chain(torch, device, workdir))
@@ -226,9 +219,19 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"\nbyte-identical: copies {'yes' if copies_ok else 'NO'}, "
           f"chain {'yes' if chain_ok else 'NO'}")
-    if args.json:
-        dump_json(results, args.json)
-    return 0 if copies_ok and chain_ok else 1
+    return results, 0 if copies_ok and chain_ok else 1
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run on CPU tensors when there is no CUDA device (smoke test)")
+    parser.add_argument("--min-time", type=float, default=0.3,
+                        help="seconds per measurement (each cell is the median of 3)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (``--allow-cpu``, ``--min-time S``, ``--json FILE``)."""
+    return main_for(_report, __doc__.splitlines()[0], argv, quick=None, options=_options)
 
 
 if __name__ == "__main__":
