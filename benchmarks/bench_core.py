@@ -20,7 +20,7 @@ import numpy as np
 from benchmarks.common import (
     SIZES,
     Result,
-    dump_json,
+    main_for,
     median_of,
     print_table,
     time_async,
@@ -112,16 +112,16 @@ def run(quick: bool) -> list[Result]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short runs (CI smoke)")
-    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    args = parser.parse_args()
+def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     results = run(args.quick)
     print_table(results, "core: DRAM tier and TieredStore vs numpy.copyto")
-    if args.json:
-        dump_json(results, args.json)
+    return results, 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (``--quick``, ``--json FILE``)."""
+    return main_for(_report, __doc__.splitlines()[0], argv, quick="short runs (CI smoke)")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
