@@ -87,10 +87,12 @@ class _Cells:
         return [median_of(r) for r in runs]
 
 
-async def _bench_lmdb(cells: _Cells, root: Path) -> list[Result]:
+async def _each_size(size_cells: Callable[[_Cells, Path, str, int], Awaitable[list[Result]]],
+                     cells: _Cells, root: Path) -> list[Result]:
+    """``size_cells`` for every block size of :data:`SIZES`, in order."""
     results: list[Result] = []
     for size_name, nbytes in SIZES.items():
-        results += await _lmdb_cells(cells, root, size_name, nbytes)
+        results += await size_cells(cells, root, size_name, nbytes)
     return results
 
 
@@ -207,13 +209,6 @@ async def _bench_durability(cells: _Cells, root: Path) -> list[Result]:
     return results
 
 
-async def _bench_file(cells: _Cells, root: Path) -> list[Result]:
-    results: list[Result] = []
-    for size_name, nbytes in SIZES.items():
-        results += await _file_cells(cells, root, size_name, nbytes)
-    return results
-
-
 async def _file_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) -> list[Result]:
     n = max(8, _WORKING_SET // nbytes)
     block = _payload(nbytes)
@@ -290,8 +285,9 @@ def run(quick: bool = False, directory: str | None = None) -> list[Result]:
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-persist-", dir=directory))
     try:
         async def everything() -> list[Result]:
-            return (await _bench_lmdb(cells, root) + await _bench_durability(cells, root)
-                    + await _bench_file(cells, root) + await _bench_zstd(cells))
+            return (await _each_size(_lmdb_cells, cells, root)
+                    + await _bench_durability(cells, root)
+                    + await _each_size(_file_cells, cells, root) + await _bench_zstd(cells))
 
         return asyncio.run(everything())
     finally:
