@@ -13,6 +13,7 @@ from kvtier.errors import (
     ShapeMismatchError,
 )
 from kvtier.testing.conformance import BLOCK_BYTES, TierConformance, key_of, sample_block
+from kvtier.testing.fakes import DLPackOnly
 from kvtier.tiers.base import Tier
 from kvtier.tiers.hbm import HBMTier
 from kvtier.tiers.registry import tier_from_url
@@ -135,27 +136,15 @@ async def test_get_into_bad_torch_buffer_untouched(backend: str, case: str) -> N
 
 
 async def test_get_into_cpu_dlpack_object() -> None:
-    class Capsule:
-        """A foreign array that only speaks DLPack (CPU memory)."""
-
-        def __init__(self, array: np.ndarray) -> None:
-            self.array = array
-
-        def __dlpack__(self, **kwargs: object) -> object:
-            return self.array.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self) -> tuple[int, int]:
-            return self.array.__dlpack_device__()
-
     tier = HBMTier(4 * 1024, block_bytes=1024, backend="numpy")
     block = sample_block(5, dtype="<u2").reshape(4, 128)
     await tier.put(key_of(1), block)
     target = np.zeros((4, 128), np.uint16)
-    assert await tier.get_into(key_of(1), Capsule(target)) is True
+    assert await tier.get_into(key_of(1), DLPackOnly(target)) is True
     assert target.tobytes() == block.tobytes()
     wrong = np.full((4, 64), 3, np.uint16)
     with pytest.raises(ShapeMismatchError):
-        await tier.get_into(key_of(1), Capsule(wrong))
+        await tier.get_into(key_of(1), DLPackOnly(wrong))
     assert (wrong == 3).all()
     with pytest.raises(TypeError, match="out"):
         await tier.get_into(key_of(1), [0] * 512)  # type: ignore[arg-type]

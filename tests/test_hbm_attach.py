@@ -8,6 +8,7 @@ import pytest
 from kvtier.errors import ConfigError, ShapeMismatchError, TierFullError
 from kvtier.store import TieredStore
 from kvtier.testing.conformance import key_of, sample_block
+from kvtier.testing.fakes import DLPackOnly
 from kvtier.tiers.base import Block
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.hbm import HBMTier
@@ -257,20 +258,10 @@ async def test_acquire_slots_prefers_free_then_demotes_lru() -> None:
 
 
 async def test_attach_foreign_dlpack_buffer_needs_a_backend_name() -> None:
-    class Capsule:
-        def __init__(self, array: np.ndarray) -> None:
-            self.array = array
-
-        def __dlpack__(self, **kwargs: object) -> object:
-            return self.array.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self) -> tuple[int, int]:
-            return self.array.__dlpack_device__()
-
     buf = engine_buffer()
     with pytest.raises(ConfigError, match="backend"):
-        HBMTier.attach(Capsule(buf), block_bytes=BLOCK)
-    tier = HBMTier.attach(Capsule(buf), block_bytes=BLOCK, backend="numpy")
+        HBMTier.attach(DLPackOnly(buf), block_bytes=BLOCK)
+    tier = HBMTier.attach(DLPackOnly(buf), block_bytes=BLOCK, backend="numpy")
     await tier.put(key_of(1), kv(1))
     slot = tier.slot_of(key_of(1))
     assert slot is not None and buf[slot].tobytes() == kv(1).tobytes()

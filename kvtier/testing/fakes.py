@@ -1,4 +1,5 @@
-"""Test fakes: a controllable clock, a tier that adds latency, a tier that fails on demand.
+"""Test fakes: a controllable clock, a tier that adds latency, a tier that fails on demand,
+an array that only speaks DLPack.
 
 They wrap real tiers (no mocks of kvtier's own code): ``LatencyTier`` and ``FailingTier``
 forward to an inner tier and only add delay or errors.
@@ -10,11 +11,13 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Self
 
+import numpy.typing as npt
+
 from kvtier.errors import ConfigError, TierError
 from kvtier.tiers.base import Block, Tier
 from kvtier.tiers.dram import DRAMTier
 
-__all__ = ["FailingTier", "FakeClock", "LatencyTier"]
+__all__ = ["DLPackOnly", "FailingTier", "FakeClock", "LatencyTier"]
 
 
 class FakeClock:
@@ -29,6 +32,21 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         """Move time forward."""
         self.now += seconds
+
+
+class DLPackOnly:
+    """A foreign array over a numpy ``array`` that only speaks DLPack (``__dlpack__`` and
+    ``__dlpack_device__``, CPU memory), like an engine's tensor type kvtier has no backend for.
+    """
+
+    def __init__(self, array: npt.NDArray[Any]) -> None:
+        self.array = array
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.array.__dlpack_device__()
 
 
 class _Wrapper(Tier):
