@@ -37,7 +37,7 @@ def format_table(report: dict[str, Any]) -> str:
     """One line per result row: hit rates, tier shares, remote share, bytes moved."""
     rows = report["results"]
     header = (f"{'mode':<9} {'routing':<15} {'policy':<8} {'C/node':>7} {'hit(blk)':>9} "
-              f"{'hit(tok)':>9} {'tier shares':<20} {'remote':>7} {'moved':>10}")
+              f"{'hit(tok)':>9} {'hit % by tier':<20} {'remote':>7} {'moved':>10}")
     extra_cols = any("p50_ms" in r for r in rows)
     if extra_cols:
         header += f" {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7}"
