@@ -14,7 +14,7 @@ is this process. Cells, for 64 KiB / 1 MiB / 4 MiB blocks at concurrency 1 / 8 /
 - ``redis get`` / ``redis set``: redis-server + redis-py asyncio (skipped with a message when
   redis-server is not installed).
 
-Usage: ``python -m benchmarks.bench_peer [--quick] [--json FILE] [--profile]``.
+Usage: ``python -m benchmarks.bench_peer [--quick] [--json FILE] [--profile] [--sizes 1MiB,..]``.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class _Profiler:
                 self.prof.disable()
 
 
-async def _run_all(quick: bool, profile: bool) -> list[Result]:
+async def _run_all(quick: bool, profile: bool, sizes: dict[str, int]) -> list[Result]:
     """All servers up at once; for each size and concurrency the systems run back to back,
     round robin for 3 repetitions (the median is kept), so every ratio compares cells
     measured seconds apart (the machine drifts up to 2x between periods)."""
@@ -294,7 +294,7 @@ async def _run_all(quick: bool, profile: bool) -> list[Result]:
                     await r.read()
 
             loop = asyncio.get_running_loop()
-            for label, nbytes in SIZES.items():
+            for label, nbytes in sizes.items():
                 blocks = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8)
                           for i in range(16)]
                 keys = [f"{label}-{i}".encode().ljust(16, b".") for i in range(16)]
@@ -391,16 +391,19 @@ def _targets(results: list[Result]) -> list[str]:
     return lines
 
 
-def run(quick: bool = False, profile: bool = False) -> list[Result]:
-    """Run every cell and return the results (ratios attached)."""
-    results = asyncio.run(_run_all(quick, profile))
+def run(quick: bool = False, profile: bool = False,
+        sizes: dict[str, int] | None = None) -> list[Result]:
+    """Run every cell (for ``sizes``, default all of SIZES) and return the results (ratios
+    attached)."""
+    results = asyncio.run(_run_all(quick, profile, SIZES if sizes is None else sizes))
     _attach_ratios(results)
     return results
 
 
 def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
-    results = run(args.quick, args.profile)
-    for label in SIZES:
+    sizes = {label: SIZES[label] for label in args.sizes}
+    results = run(args.quick, args.profile, sizes)
+    for label in sizes:
         rows = sorted((r for r in results if r.size == label),
                       key=lambda r: (r.concurrency, r.case))
         print_table(rows, f"peer tier vs baselines, {label}")
@@ -413,6 +416,17 @@ def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the peer cells (client and server)")
+    parser.add_argument("--sizes", type=_sizes, default=list(SIZES), metavar="LIST",
+                        help=f"comma-separated block sizes to run (of {', '.join(SIZES)})")
+
+
+def _sizes(text: str) -> list[str]:
+    labels = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in labels if s not in SIZES]
+    if unknown or not labels:
+        raise argparse.ArgumentTypeError(f"--sizes: unknown size(s) {unknown}; "
+                                         f"choose from {', '.join(SIZES)}")
+    return labels
 
 
 def main(argv: list[str] | None = None) -> int:

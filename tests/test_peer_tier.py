@@ -205,3 +205,25 @@ async def test_malformed_answers_are_misses(answer: bytes) -> None:
     async with server, tier:
         assert await tier.get(key_of(1)) is None
         assert await tier.get_many([key_of(1), key_of(2)]) == [None, None]
+
+
+async def test_read_buffers_are_reused_only_when_nothing_holds_them() -> None:
+    async with PeerServer(DRAMTier(), token=TOKEN, close_segment=True) as server:
+        tier = PeerTier.from_url(f"peers://{server.member_id}?token={TOKEN}&timeout=5")
+        async with tier:
+            keys = [bytes([i]) * 16 for i in range(3)]
+            blocks = [np.full(1 << 20, i + 1, dtype=np.uint8) for i in range(3)]
+            await tier.put_many(list(zip(keys, blocks, strict=True)))
+            buffers = tier.members.client(server.member_id)._raw.buffers
+            held = [await tier.get(keys[0]), *(await tier.get_many(keys[1:]))]
+            for _ in range(3):  # held arrays pin their buffers: these reads must not take them
+                await tier.get(keys[2])
+                await tier.get_many(keys[:2])
+            reused = buffers.reused
+            assert all(h is not None and np.array_equal(h, b)
+                       for h, b in zip(held, blocks, strict=True))
+            del held
+            for _ in range(3):  # released buffers come back
+                got = await tier.get(keys[0])
+                assert got is not None and np.array_equal(got, blocks[0])
+            assert buffers.reused > reused

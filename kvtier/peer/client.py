@@ -73,7 +73,7 @@ class PeerClient:
         self.limits = limits or proto.Limits()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         host, _, port = member.rpartition(":")
-        # Reads (block GET, batch get) take the one-copy path; everything else uses aiohttp.
+        # Block GET/PUT and batch get take the one-copy path; everything else uses aiohttp.
         self._raw = RawPool(host.strip("[]"), int(port), token=token, ssl_context=ssl_context,
                             limit=pool_limit)
         self._session = aiohttp.ClientSession(
@@ -91,8 +91,8 @@ class PeerClient:
         await self._session.close()
 
     async def _read(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
-                    missing: int | None = None) -> memoryview | None:
-        """A read-path request through :class:`RawPool`: the body, or ``None`` if missing."""
+                    missing: int | None = None, ok: int = 200) -> memoryview | None:
+        """A hot-path request through :class:`RawPool`: the body, or ``None`` if missing."""
         try:
             async with asyncio.timeout(self.timeout):
                 status, data = await self._raw.request(method, path, body)
@@ -105,7 +105,7 @@ class PeerClient:
             raise PeerError(f"peer {self.member}: {method} failed: {exc}") from None
         if status == missing:
             return None
-        if status != 200:
+        if status != ok:
             text = bytes(data[:200]).decode("utf-8", "replace").strip()
             raise PeerError(f"peer {self.member}: {method} {path[:60]} -> {status} {text}")
         return data
@@ -138,7 +138,7 @@ class PeerClient:
 
     async def put(self, key: bytes, frame: EncodedFrame) -> None:
         """Store one frame."""
-        await self._request("PUT", proto.block_path(key), body=BuffersPayload(frame.buffers))
+        await self._read("PUT", proto.block_path(key), frame.buffers, ok=204)
 
     async def delete(self, key: bytes) -> bool:
         """Delete one block; whether it was present."""

@@ -1,32 +1,85 @@
-"""A minimal HTTP/1.1 client for the read hot path (block GET and batch get).
+"""A minimal HTTP/1.1 client for the hot paths (block GET and PUT, batch get).
 
 aiohttp's client copies a response body three times (``recv`` into a new ``bytes``, the
 parser's slice of it, then ``b"".join`` of the chunks); at 1-4 MiB blocks that is most of
 the client's CPU (see docs/peer-pool.md). Here a :class:`asyncio.BufferedProtocol` receives
 the body straight into one preallocated buffer: one copy, from the kernel. It speaks only
-what the peer server answers: a status line, headers with ``Content-Length``, a body.
-Everything else (writes, health, metrics) keeps using aiohttp.
+what the peer server answers: a status line, headers with ``Content-Length`` (absent only on
+a 204), a body. A request body goes out as the caller's buffers, never joined. Everything
+else (batch writes, health, metrics) keeps using aiohttp.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import sys
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import PeerError
 
 __all__ = ["RawPool"]
 
 _HEAD_MAX = 64 << 10
+# Bodies at least this large go into reusable buffers; smaller ones are cheap to allocate.
+_REUSE_MIN = 256 << 10
+Buffer = npt.NDArray[np.uint8]
+
+
+def _refs(held: list[Buffer], i: int) -> int:
+    return sys.getrefcount(held[i])
+
+
+# What _refs() reports for a buffer only ``held`` references, measured rather than assumed
+# (interpreters differ in the temporary references they count).
+_ALONE = _refs([np.empty(1, dtype=np.uint8)], 0)
+
+
+class BodyBuffers:
+    """Response body buffers, reused once nothing references them any more.
+
+    A fresh multi-MiB buffer costs a page fault per 4 KiB page when the socket first writes
+    it, which at 16-64 MiB batch answers is a large part of the read. Every body (and every
+    array decoded from it) is a view of its buffer, and any live view keeps a reference to
+    it, so a buffer whose only reference is this list is provably unused: a caller's array
+    never changes under it. At most ``budget`` bytes are held; the oldest go first.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.reused = 0
+        self._held: list[Buffer] = []
+
+    def take(self, length: int) -> memoryview:
+        """A writable buffer of exactly ``length`` bytes (contents undefined)."""
+        if length < _REUSE_MIN:
+            # np.empty: no zero-fill of a buffer the socket overwrites anyway.
+            return np.empty(length, dtype=np.uint8).data.cast("B")
+        best = -1
+        for i in range(len(self._held)):
+            size = self._held[i].nbytes
+            if size >= length and _refs(self._held, i) == _ALONE \
+                    and (best < 0 or size < self._held[best].nbytes):
+                best = i
+        if best >= 0:
+            self.reused += 1
+            buf = self._held.pop(best)
+        else:
+            buf = np.empty(length, dtype=np.uint8)
+        self._held.append(buf)
+        while sum(b.nbytes for b in self._held) > self.budget:
+            self._held.pop(0)
+        return buf.data.cast("B")[:length]
 
 
 class _Conn(asyncio.BufferedProtocol):
     """One keep-alive connection; one request at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: BodyBuffers) -> None:
+        self.buffers = buffers
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._head = bytearray(_HEAD_MAX)
@@ -66,6 +119,7 @@ class _Conn(asyncio.BufferedProtocol):
             self._parse_head()
         if self._body is not None and self._have == self._body.nbytes:
             self._fut.set_result((self._status, self._body))
+            self._body = None  # the caller's now: an idle connection must not pin the buffer
 
     def _parse_head(self) -> None:
         end = self._head.find(b"\r\n\r\n", 0, self._head_len)
@@ -83,6 +137,8 @@ class _Conn(asyncio.BufferedProtocol):
                 length = int(value)
             elif name == b"connection" and value.strip().lower() == b"close":
                 self._keep_alive = False
+        if len(parts) >= 2 and parts[1] in (b"204", b"304") and length < 0:
+            length = 0  # a status that never has a body (and aiohttp sends no length for it)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() \
                 or length < 0:
             self._fail(PeerError(f"malformed response head {lines[0][:80]!r}"))
@@ -92,8 +148,7 @@ class _Conn(asyncio.BufferedProtocol):
             self._fail(PeerError("response longer than its Content-Length"))
             return
         self._status = int(parts[1])
-        # np.empty: no zero-fill of a buffer the socket overwrites anyway.
-        self._body = np.empty(length, dtype=np.uint8).data.cast("B")
+        self._body = self.buffers.take(length)
         self._body[:extra] = self._head[end + 4 : self._head_len]
         self._have = extra
 
@@ -139,11 +194,15 @@ class RawPool:
         Client TLS context, or ``None`` for plain TCP.
     limit
         Most connections in use at once.
+    buffer_budget
+        Most bytes of response buffers kept for reuse (see :class:`BodyBuffers`).
     """
 
     def __init__(self, host: str, port: int, *, token: str | None,
-                 ssl_context: ssl.SSLContext | None, limit: int) -> None:
+                 ssl_context: ssl.SSLContext | None, limit: int,
+                 buffer_budget: int = 256 << 20) -> None:
         self.host, self.port = host, port
+        self.buffers = BodyBuffers(buffer_budget)
         self._ssl = ssl_context
         self._idle: list[_Conn] = []
         self._sem = asyncio.Semaphore(limit)
@@ -154,7 +213,7 @@ class RawPool:
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(
-            _Conn, self.host, self.port, ssl=self._ssl,
+            lambda: _Conn(self.buffers), self.host, self.port, ssl=self._ssl,
             server_hostname=self.host if self._ssl is not None else None)
         return conn
 
