@@ -4,6 +4,7 @@ requests against a `kvtier serve` process (no 5xx, stays up, memory bounded)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import ssl
 import struct
@@ -207,7 +208,9 @@ async def _raw(host: str, port: int, payload: bytes) -> bytes:
         writer.write(payload)
         await writer.drain()
         if writer.can_write_eof():
-            writer.write_eof()
+            # The server may already have answered a bad request and closed (ENOTCONN).
+            with contextlib.suppress(OSError):
+                writer.write_eof()
         return await asyncio.wait_for(reader.readline(), 3)
     except (ConnectionError, TimeoutError):
         return b""
