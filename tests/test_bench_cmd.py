@@ -18,7 +18,8 @@ def run(quick: bool = False):
     lat, wall = time_sync(lambda: bytes(n), min_ops=5, min_time=0.001)
     base = Result("{name}", "baseline copy", "2KB", lat, n, wall)
     lat2, wall2 = time_sync(lambda: bytearray(n), min_ops=5, min_time=0.001)
-    return [base, with_ratio(Result("{name}", "candidate", "2KB", lat2, n, wall2), base)]
+    return [base, with_ratio(Result("{name}", "candidate", "2KB", lat2, n, wall2,
+                                    concurrency=8), base)]
 '''
 BROKEN = "def run(quick: bool = False):\n    raise RuntimeError('disk on fire')\n"
 
@@ -53,6 +54,8 @@ def test_discovery_and_summary(bench_dir: Path, tmp_path: Path,
     lines = [ln for ln in out.splitlines() if ln.startswith(("alpha", "beta"))]
     assert len(lines) == 4
     assert all("x  baseline copy" in ln for ln in lines if "candidate" in ln)
+    # Rows of one case at different concurrency must be told apart.
+    assert all(ln.split()[3] == "8" for ln in lines if "candidate" in ln)
     doc = json.loads(out_json.read_text())
     assert doc["quick"] is True and set(doc["benchmarks"]) == {"alpha", "beta"}
     rows = doc["benchmarks"]["alpha"]["results"]

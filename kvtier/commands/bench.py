@@ -71,12 +71,14 @@ def load(name: str, path: Path) -> ModuleType:
 
 def summary_lines(results: list[Any]) -> list[str]:
     """The summary table: one line per result, with its in-run baseline ratio."""
-    header = (f"{'bench':<10} {'case':<36} {'size':>6} {'ops/s':>10} {'GB/s':>8} {'p50 us':>9} "
+    header = (f"{'bench':<10} {'case':<36} {'size':>6} {'conc':>4} {'ops/s':>10} {'GB/s':>8} "
+              f"{'p50 us':>9} "
               f"{'p99 us':>9} {'ratio':>7}  baseline")
     lines = [header, "-" * len(header)]
     for r in results:
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else ""
-        lines.append(f"{r.bench:<10} {r.case[:36]:<36} {r.size:>6} {r.ops_per_s:>10.0f} "
+        lines.append(f"{r.bench:<10} {r.case[:36]:<36} {r.size:>6} {r.concurrency:>4} "
+                     f"{r.ops_per_s:>10.0f} "
                      f"{r.gbps:>8.2f} {r.pct(0.5) * 1e6:>9.1f} {r.pct(0.99) * 1e6:>9.1f} "
                      f"{ratio:>7}  {r.baseline or ''}")
     return lines
