@@ -1,5 +1,8 @@
 """kvtier: one logical KV-block pool over HBM, DRAM, peers' DRAM, NVMe and filesystems."""
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import (
     BackendUnavailableError,
@@ -7,19 +10,34 @@ from kvtier.errors import (
     ClosedError,
     ConfigError,
     CorruptBlockError,
+    DirectoryLockedError,
     InvalidKeyError,
     KVTierError,
+    LimitExceededError,
     PeerError,
+    ProtocolError,
     ShapeMismatchError,
     TierError,
     TierFullError,
     UnknownSchemeError,
+    WrongLoopError,
 )
 from kvtier.keys import KeyNamespace, prefix_keys
 from kvtier.store import TieredStore, open_store
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.registry import register_tier, tier_from_url
+
+if TYPE_CHECKING:
+    from kvtier.peer.tier import PeerTier
+    from kvtier.tiers.fsspec import FsspecTier
+    from kvtier.tiers.hbm import HBMTier
+    from kvtier.tiers.lmdb import LMDBTier
+
+# Tier classes whose modules pull in optional or heavy dependencies (aiohttp, lmdb, fsspec)
+# are imported on first access, so ``import kvtier`` stays light.
+_LAZY = {"FsspecTier": "kvtier.tiers.fsspec", "HBMTier": "kvtier.tiers.hbm",
+         "LMDBTier": "kvtier.tiers.lmdb", "PeerTier": "kvtier.peer.tier"}
 
 __version__ = "0.1.0"
 
@@ -30,16 +48,24 @@ __all__ = [
     "ConfigError",
     "CorruptBlockError",
     "DRAMTier",
+    "DirectoryLockedError",
+    "FsspecTier",
+    "HBMTier",
     "InvalidKeyError",
     "KVTierError",
     "KeyNamespace",
+    "LMDBTier",
+    "LimitExceededError",
     "PeerError",
+    "PeerTier",
+    "ProtocolError",
     "ShapeMismatchError",
     "Tier",
     "TierError",
     "TierFullError",
     "TieredStore",
     "UnknownSchemeError",
+    "WrongLoopError",
     "__version__",
     "decode_frame",
     "encode_frame",
@@ -48,3 +74,12 @@ __all__ = [
     "register_tier",
     "tier_from_url",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

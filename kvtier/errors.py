@@ -1,7 +1,24 @@
 """The kvtier error tree.
 
 Every error kvtier raises derives from :class:`KVTierError`. Argument errors also derive
-from the matching builtin (``TypeError``/``ValueError``) so callers may catch either.
+from the matching builtin (``TypeError``/``ValueError``) so callers may catch either::
+
+    KVTierError
+    ├── ConfigError (ValueError)
+    │   └── UnknownSchemeError
+    ├── InvalidKeyError (ValueError)
+    ├── BlockTooLargeError (ValueError)
+    ├── ShapeMismatchError (ValueError)
+    ├── CorruptBlockError
+    ├── TierError
+    │   ├── TierFullError
+    │   ├── PeerError
+    │   └── DirectoryLockedError
+    ├── ProtocolError (ValueError)
+    │   └── LimitExceededError
+    ├── ClosedError
+    ├── WrongLoopError (RuntimeError)
+    └── BackendUnavailableError (ImportError)
 """
 
 from __future__ import annotations
@@ -12,13 +29,17 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "CorruptBlockError",
+    "DirectoryLockedError",
     "InvalidKeyError",
     "KVTierError",
+    "LimitExceededError",
     "PeerError",
+    "ProtocolError",
     "ShapeMismatchError",
     "TierError",
     "TierFullError",
     "UnknownSchemeError",
+    "WrongLoopError",
 ]
 
 
@@ -62,8 +83,29 @@ class PeerError(TierError):
     """A peer answered with an error or could not be reached."""
 
 
+class DirectoryLockedError(TierError):
+    """Another process (or another tier object) already owns this LMDB directory."""
+
+
+class ProtocolError(KVTierError, ValueError):
+    """A peer protocol message (batch body, frame list) is malformed."""
+
+
+class LimitExceededError(ProtocolError):
+    """A batch body is well formed but holds more entries or a larger frame than allowed."""
+
+
 class ClosedError(KVTierError):
     """The tier or store was used after ``aclose()``."""
+
+
+class WrongLoopError(KVTierError, RuntimeError):
+    """A store was called from an event loop other than the one it was opened on.
+
+    A ``TieredStore`` belongs to one loop. Synchronous callers (scheduler threads) use
+    ``kvtier.BlockingStore``, which runs the store on its own loop thread; asyncio code on
+    another loop opens its own store.
+    """
 
 
 class BackendUnavailableError(KVTierError, ImportError):

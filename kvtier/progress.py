@@ -38,7 +38,6 @@ class Progress:
         self.done = 0.0
         self._start = time.perf_counter()
         self._last_draw = 0.0
-        self._drawn = False
 
     def update(self, n: float = 1.0, *, to: float | None = None, note: str = "") -> None:
         """Advance by ``n`` units (or set the position ``to``) and redraw if due."""
@@ -62,7 +61,6 @@ class Progress:
             text = f"\r{self.label} {self.done:,.0f} {elapsed:5.1f}s"
         self.stream.write(f"{text} {note}"[:120].ljust(80))
         self.stream.flush()
-        self._drawn = True
 
     def close(self) -> None:
         """Draw the final state and end the line."""

@@ -7,8 +7,12 @@ call on its hot path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.tiers.base import Tier
 
 __all__ = ["LatencyHistogram", "StoreCounters", "TierCounters"]
 
@@ -42,18 +46,16 @@ class LatencyHistogram:
     Samples are nanoseconds; :meth:`percentile` returns microseconds (bucket midpoint).
     """
 
-    __slots__ = ("_counts", "count", "total_ns")
+    __slots__ = ("_counts", "count")
 
     def __init__(self) -> None:
         self._counts = [0] * _BUCKETS
         self.count = 0
-        self.total_ns = 0
 
     def record(self, ns: int) -> None:
         """Add one sample of ``ns`` nanoseconds."""
         self._counts[_bucket(ns)] += 1
         self.count += 1
-        self.total_ns += ns
 
     def percentile(self, q: float) -> float | None:
         """The ``q``-quantile (0..1) in microseconds, or ``None`` without samples."""
@@ -112,8 +114,29 @@ class StoreCounters:
     dropped: int = 0
     write_through_writes: int = 0
     write_through_superseded: int = 0
+    pool_writes: int = 0
+    close_flushed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain figures, plus ``hit_rate`` (``None`` before the first get)."""
         return {**_counts(self),
                 "hit_rate": round(self.hits / self.gets, 4) if self.gets else None}
+
+
+def store_stats(tiers: Sequence[Tier], tier_counters: Sequence[TierCounters],
+                counters: StoreCounters) -> dict[str, Any]:
+    """The figures of :meth:`kvtier.store.TieredStore.stats` (its docstring lists them):
+    each tier's own ``stats()`` merged with what the store observed of it, then the
+    store-wide counters."""
+    out: list[dict[str, Any]] = []
+    for tier, observed_counters in zip(tiers, tier_counters, strict=True):
+        try:
+            own = tier.stats()
+        except Exception as exc:  # a broken tier must not break monitoring
+            own = {"scheme": tier.scheme, "name": tier.name, "capacity": None, "used": None,
+                   "evictions": tier.evictions, "stats_error": repr(exc)}
+        observed = observed_counters.as_dict()
+        # A tier's own figure of the same name (e.g. an LMDB tier's hits, which include
+        # reads that bypassed the store) stays visible as tier_<name>.
+        out.append({**own, **{f"tier_{k}": own[k] for k in observed if k in own}, **observed})
+    return {"tiers": out, **counters.as_dict()}

@@ -1,44 +1,48 @@
 """``TieredStore``: one async facade over a chain of tiers, fastest first.
 
-Reads walk the chain top-down and promote hits upward; writes land in the top tier (and, with
-``write_through``, in the background below it); a block a tier evicts by budget is demoted
-into the next tier before that tier stops serving it. See ``docs/architecture.md``.
+The facade validates arguments, checks that the store is open and used from its own event
+loop, and delegates to the parts it builds (see ``docs/architecture.md``):
 
-This module builds the store (constructor, :func:`open_store`) and holds its stats and
-lifecycle; the operations are mixins: ``kvtier/store_read.py`` (get, get_many, promotion),
-``kvtier/store_lookup.py`` (get_into, presence, prefix lookup), ``kvtier/store_write.py``
-(put, delete, demotion, pins), on the shared state of ``kvtier/store_core.py``.
+* :class:`~kvtier.tierchain.TierChain`: the tiers, their counters and guarded calls;
+* :class:`~kvtier.singleflight.KeyRegistry`: per-key generations, locks and shared fetches;
+* :class:`~kvtier.promotion.Promotion`: the ``promote=`` policy;
+* :class:`~kvtier.readpath.ReadPath`: get, batch and buffer reads, presence, promotion;
+* :class:`~kvtier.placement.Placement`: put placement, pool copies, demotion, delete;
+* :class:`~kvtier.writethrough.WriteThrough`: the byte-bounded write-through queue;
+* :class:`~kvtier.closeflush.CloseFlush`: the warm hand-off into persistent tiers at close;
+* :mod:`kvtier.stats`: the figures of :meth:`TieredStore.stats`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any, Self
+import asyncio
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any, Literal, Self
 
-from kvtier.errors import ConfigError
+from kvtier.closeflush import CloseFlush
+from kvtier.codec import as_block
+from kvtier.errors import ClosedError, ConfigError, WrongLoopError
+from kvtier.keys import validate_key
+from kvtier.placement import Placement
+from kvtier.promotion import Promote, Promotion
+from kvtier.readpath import ReadPath
 from kvtier.singleflight import KeyRegistry
-from kvtier.stats import StoreCounters, TierCounters
-from kvtier.store_core import (
-    Promote,
-    WritePolicy,
-    _check_positive_int,
-    _check_promote,
-    _check_timeout,
-)
-from kvtier.store_lookup import StoreLookups
-from kvtier.store_write import StoreWrites
-from kvtier.tiers.base import Tier
+from kvtier.stats import StoreCounters, store_stats
+from kvtier.tierchain import TierChain, check_positive_int, check_timeout, keys_list
+from kvtier.tiers.base import Block, Tier
 from kvtier.tiers.registry import tier_from_url
 from kvtier.writethrough import WriteThrough
 
-__all__ = ["TieredStore", "open_store"]
+__all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 
-_STORE_OPTIONS = ("promote", "write_policy", "timeout", "write_queue_size", "write_workers",
-                  "promote_counter_size")
+WritePolicy = Literal["write_back", "write_through"]
+
+_STORE_OPTIONS = ("promote", "write_policy", "timeout", "write_queue_size", "write_queue_bytes",
+                  "write_workers", "promote_counter_size", "pool_write_through", "close_flush",
+                  "close_flush_timeout")
 
 
-class TieredStore(StoreLookups, StoreWrites):
+class TieredStore:
     """A chain of tiers behind one async API (``get``/``put``/batch/prefix forms).
 
     Parameters
@@ -59,15 +63,36 @@ class TieredStore(StoreLookups, StoreWrites):
         Default deadline in seconds for read calls (``get``, ``get_many``, ``get_into``,
         ``get_many_into``, ``contains``, ``contains_many``, ``lookup_prefix``); ``None``: none.
         A tier that has not answered by the deadline counts as a miss.
-    write_queue_size, write_workers
-        Bound of the write-through queue and number of workers draining it.
+    write_queue_size, write_queue_bytes
+        Bounds of the write-through queue: blocks and bytes queued or being written
+        (default 256 blocks, 256 MiB; a larger block is written alone).
+    write_workers
+        Tasks draining the write-through queue.
     promote_counter_size
         Keys whose lower-tier hits are counted for ``promote=N``.
+    pool_write_through
+        With a shared tier (``peers://``) in the chain, a put that lands above it is also
+        written into it before ``put`` returns, so every store of the pool can read it
+        (default ``True``). If that copy fails, ``put`` raises :class:`TierError` (the
+        block stays in the private tier that took it).
+    close_flush
+        At :meth:`aclose`, copy what volatile tiers hold into the first persistent tier below
+        them (``lmdb://``, ``file://``), so the next open is warm (default ``True``; a no-op
+        without a persistent tier).
+    close_flush_timeout
+        Seconds that copy may take at most (default 30).
 
     Raises
     ------
     TypeError, ValueError
         For a malformed argument (the message names it).
+
+    Notes
+    -----
+    A store belongs to the event loop it is first used on (:func:`open_store`'s); a call
+    from another loop raises :class:`~kvtier.errors.WrongLoopError`. Synchronous callers use
+    ``kvtier.BlockingStore``. Calls may run concurrently on that loop; a cancelled call
+    leaves its full effect or none.
 
     Examples
     --------
@@ -83,8 +108,10 @@ class TieredStore(StoreLookups, StoreWrites):
 
     def __init__(self, tiers: Sequence[Tier], *, promote: Promote = "all",
                  write_policy: WritePolicy = "write_back", timeout: float | None = None,
-                 write_queue_size: int = 256, write_workers: int = 4,
-                 promote_counter_size: int = 65536) -> None:
+                 write_queue_size: int = 256, write_queue_bytes: int = 256 << 20,
+                 write_workers: int = 4, promote_counter_size: int = 65536,
+                 pool_write_through: bool = True, close_flush: bool = True,
+                 close_flush_timeout: float = 30.0) -> None:
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence) or not tiers:
             raise TypeError("tiers: expected a non-empty sequence of Tier objects")
         for i, tier in enumerate(tiers):
@@ -95,28 +122,38 @@ class TieredStore(StoreLookups, StoreWrites):
         if write_policy not in ("write_back", "write_through"):
             raise ValueError(f"write_policy: expected 'write_back' or 'write_through', "
                              f"got {write_policy!r}")
-        self._promote = _check_promote(promote)
-        self._timeout = _check_timeout(timeout)
-        self._write_policy = write_policy
-        self._counter_size = _check_positive_int(promote_counter_size, "promote_counter_size")
-        self._tiers = list(tiers)
-        self._tier_counters = [TierCounters() for _ in self._tiers]
-        self._counters = StoreCounters()
-        self._keys = KeyRegistry()
-        self._hit_counts = OrderedDict()
-        self._writes = WriteThrough(
-            keys=self._keys, write=self._write_through, n_tiers=len(self._tiers),
-            size=_check_positive_int(write_queue_size, "write_queue_size"),
-            workers=_check_positive_int(write_workers, "write_workers"), counters=self._counters)
+        for name, flag in (("pool_write_through", pool_write_through),
+                           ("close_flush", close_flush)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        flush_timeout = check_timeout(close_flush_timeout, "close_flush_timeout")
+        self._timeout = check_timeout(timeout)
+        self._write_policy: WritePolicy = write_policy
         self._closed = False
-        for i, tier in enumerate(self._tiers[:-1]):
-            tier.on_evict = self._demoter(i)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._chain = chain = TierChain(list(tiers), StoreCounters())
+        self._keys = KeyRegistry()
+        self._promotion = Promotion(promote, promote_counter_size)
+        self._writes = WriteThrough(
+            keys=self._keys, write=lambda i, k, b: chain.write(i, k, b, "write_through"),
+            n_tiers=len(chain), max_items=check_positive_int(write_queue_size, "write_queue_size"),
+            max_bytes=check_positive_int(write_queue_bytes, "write_queue_bytes"),
+            workers=check_positive_int(write_workers, "write_workers"), counters=chain.counters)
+        self._reads = ReadPath(chain, self._keys, self._promotion, lambda: self._closed)
+        self._placement = Placement(
+            chain, self._keys, self._promotion,
+            self._writes if write_policy == "write_through" else None,
+            pool_write_through=pool_write_through)
+        self._close_flush = CloseFlush(chain, flush_timeout or float("inf")) \
+            if close_flush else None
+        for i, tier in enumerate(chain.tiers[:-1]):
+            tier.on_evict = self._placement.demoter(i)
 
     # ------------------------------------------------------------------ properties
     @property
     def tiers(self) -> list[Tier]:
         """The tier objects, top (fastest) first."""
-        return list(self._tiers)
+        return list(self._chain.tiers)
 
     @property
     def closed(self) -> bool:
@@ -127,6 +164,248 @@ class TieredStore(StoreLookups, StoreWrites):
     def write_policy(self) -> WritePolicy:
         """``"write_back"`` or ``"write_through"``."""
         return self._write_policy
+
+    def _enter(self) -> None:
+        """Every call's entry check: open, and on the store's own event loop."""
+        if self._closed:
+            raise ClosedError("store is closed")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._bind(loop)
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None:
+            self._loop = loop
+            return
+        raise WrongLoopError(
+            "TieredStore was opened on another event loop; a store serves only the loop it "
+            "was opened on. From synchronous code or threads use kvtier.BlockingStore(urls), "
+            "which runs the store on its own loop; asyncio code on another loop opens its "
+            "own store.")
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        seconds = self._timeout if timeout is None else check_timeout(timeout)
+        return TierChain.deadline(seconds)
+
+    # ------------------------------------------------------------------ reads
+    async def get(self, key: bytes, *, timeout: float | None = None) -> Block | None:  # noqa: ASYNC109
+        """Return the block stored under ``key``, or ``None`` on a miss.
+
+        Walks the tiers top-down; a hit below the top is promoted per the ``promote`` policy.
+        Concurrent gets of one key that miss the top tier share one lower-tier fetch.
+
+        Parameters
+        ----------
+        key
+            ``bytes`` of 1..128 bytes.
+        timeout
+            Deadline in seconds for the whole call (default: the store's); ``math.inf``
+            disables the store default for this call.
+
+        Returns
+        -------
+        numpy.ndarray or None
+            The block (possibly a read-only zero-copy view) or ``None``.
+        """
+        self._enter()
+        validate_key(key)
+        return await self._reads.get(key, self._deadline(timeout))
+
+    async def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
+                       ) -> list[Block | None]:
+        """Batch :meth:`get`: one batch call per tier for the keys still missing.
+
+        Below the top tier, keys another call is already fetching are waited for instead of
+        read again (single flight). Hits below the top are promoted, and every tier that
+        served or received part of the chain has its recency refreshed tail-to-head (``keys``
+        is taken as a prefix chain).
+
+        Returns
+        -------
+        list
+            Blocks or ``None``, in the order of ``keys``.
+        """
+        self._enter()
+        key_list = keys_list(keys)
+        return await self._reads.get_many(key_list, self._deadline(timeout))
+
+    async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Copy the block into caller-owned ``out``; ``False`` on a miss.
+
+        The top tier copies straight into ``out``; a hit below it is read through the same
+        path as :meth:`get` (single flight, promotion) and copied.
+
+        Raises
+        ------
+        TypeError, ShapeMismatchError
+            If ``out`` does not fit the block; ``out`` is then left untouched.
+        """
+        self._enter()
+        validate_key(key)
+        return await self._reads.get_into(key, out, self._deadline(timeout))
+
+    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
+                            timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
+        """Batch :meth:`get_into`; ``outs[i]`` receives ``keys[i]``.
+
+        Raises
+        ------
+        ValueError
+            If ``keys`` and ``outs`` differ in length.
+        TypeError, ShapeMismatchError
+            If an ``out`` does not fit its block (earlier buffers may have been written).
+        """
+        self._enter()
+        key_list = keys_list(keys)
+        if isinstance(outs, bytes | str) or not isinstance(outs, Sequence):
+            raise TypeError(f"outs: expected a sequence of buffers, got {type(outs).__name__}")
+        if len(outs) != len(key_list):
+            raise ValueError(f"outs: expected {len(key_list)} buffers (one per key), "
+                             f"got {len(outs)}")
+        return await self._reads.get_many_into(key_list, list(outs), self._deadline(timeout))
+
+    async def contains(self, key: bytes, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Whether any tier holds ``key`` (refreshes no recency)."""
+        self._enter()
+        validate_key(key)
+        return (await self._reads.contains_many([key], self._deadline(timeout)))[0]
+
+    async def contains_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
+                            ) -> list[bool]:
+        """Batch :meth:`contains`: one batch call per tier for the keys not yet found."""
+        self._enter()
+        return await self._reads.contains_many(keys_list(keys), self._deadline(timeout))
+
+    async def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:  # noqa: ASYNC109
+        """How many leading ``keys`` (a prefix chain) are present in some tier.
+
+        One ``contains_many`` per tier for the keys still unaccounted for, up to the first
+        key no tier has. The found prefix's recency is then refreshed tail-to-head in every
+        tier, so eviction takes chain ends first.
+        """
+        self._enter()
+        return await self._reads.lookup_prefix(keys_list(keys), self._deadline(timeout))
+
+    # ------------------------------------------------------------------ writes
+    async def put(self, key: bytes, value: object) -> None:
+        """Store ``value`` under ``key`` in the top tier that can hold it.
+
+        The block goes into the first tier (top-down) whose capacity fits it; if that tier
+        fails, the next one is tried. Copies above it are deleted; an older copy below stays
+        shadowed and is never served again. With a shared tier below (``peers://``) the block
+        is also written there before ``put`` returns (``pool_write_through``). With
+        ``write_through`` the block is then queued for the tiers below (``put`` waits while
+        the queue is full).
+
+        Parameters
+        ----------
+        key
+            ``bytes`` of 1..128 bytes.
+        value
+            A C-contiguous numpy array of a fixed-size dtype, or a bytes-like object.
+
+        Raises
+        ------
+        TypeError, ValueError
+            For a bad key or value (nothing is written).
+        BlockTooLargeError
+            If the block exceeds every tier's capacity (nothing is written).
+        TierError
+            If every tier that could hold the block failed, or the pool copy failed.
+        """
+        self._enter()
+        validate_key(key)
+        block = as_block(value)
+        first = self._placement.first_fitting(block.nbytes, "value")
+        await self._placement.put(key, block, first)
+
+    async def put_many(self, items: Iterable[tuple[bytes, object]]) -> None:
+        """Store ``(key, value)`` pairs; all are validated before anything is written.
+
+        Blocks that fit the top tier go there in one batch call, and the chain's recency is
+        refreshed tail-to-head so eviction takes the end of a prefix chain first. A repeated
+        key keeps its last value.
+
+        Raises
+        ------
+        TypeError, ValueError, BlockTooLargeError
+            For a bad item (nothing is written); the message names it (``items[i]``).
+        TierError
+            If every tier that could hold one of the blocks failed, or the pool copy failed.
+        """
+        self._enter()
+        if isinstance(items, bytes | str | Mapping) or not isinstance(items, Iterable):
+            raise TypeError(f"items: expected an iterable of (key, value) pairs, "
+                            f"got {type(items).__name__}")
+        # Only a repeated key's last value is observable, and writing just that one keeps
+        # the order of puts into different tiers from mattering.
+        last: dict[bytes, tuple[Block, int]] = {}
+        count = 0
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise TypeError(f"items[{i}]: expected a (key, value) tuple")
+            key = validate_key(item[0], f"items[{i}] key")
+            block = as_block(item[1], f"items[{i}] value")
+            first = self._placement.first_fitting(block.nbytes, f"items[{i}] value")
+            last.pop(key, None)
+            last[key] = (block, first)
+            count += 1
+        if last:
+            await self._placement.put_many(last, count)
+
+    async def flush(self) -> None:
+        """Wait until every queued write-through write has been attempted."""
+        self._enter()
+        await self._writes.flush()
+
+    async def delete(self, key: bytes) -> bool:
+        """Remove ``key`` from every tier; returns whether any tier held it.
+
+        Once started, a delete completes even if the caller is cancelled (the cancellation
+        is raised afterwards), so no older value is ever exposed.
+        """
+        self._enter()
+        validate_key(key)
+        return (await self._placement.delete([key]))[0]
+
+    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Batch :meth:`delete`; one batch call per tier."""
+        self._enter()
+        return await self._placement.delete(keys_list(keys))
+
+    # ------------------------------------------------------------------ pins
+    async def pin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:
+        """Keep ``keys`` from eviction until :meth:`unpin`.
+
+        Parameters
+        ----------
+        keys
+            Keys of a running session (they need not be present yet).
+        tier
+            Index of the one tier to pin in; ``None`` (default) pins in every tier, so a
+            block stays in whichever tier holds it and is kept when promoted.
+        """
+        await self._pin_op("pin", keys, tier)
+
+    async def unpin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:
+        """Release one pin of each key (in the same tier(s) :meth:`pin` used)."""
+        await self._pin_op("unpin", keys, tier)
+
+    async def _pin_op(self, op: str, keys: Sequence[bytes], tier: int | None) -> None:
+        self._enter()
+        key_list = keys_list(keys)
+        n = len(self._chain)
+        if tier is None:
+            indexes = range(n)
+        elif isinstance(tier, bool) or not isinstance(tier, int) or not -n <= tier < n:
+            raise ValueError(f"tier: expected None or a tier index < {n}, got {tier!r}")
+        else:
+            indexes = range(tier % n, tier % n + 1)
+        for index in indexes:
+            try:
+                await getattr(self._chain.tiers[index], op)(key_list)
+            except Exception as exc:
+                self._chain.error(index, op, exc)
 
     # ------------------------------------------------------------------ stats / lifecycle
     def stats(self) -> dict[str, Any]:
@@ -142,57 +421,78 @@ class TieredStore(StoreLookups, StoreWrites):
             tier's own figure with one of these names is kept as ``tier_<name>``);
             plus ``gets``, ``hits``, ``misses``, ``hit_rate``, ``puts``, ``deletes``,
             ``single_flight_joins``, ``dropped`` (evicted blocks no lower tier took),
-            ``write_policy`` and ``write_queue_depth``.
+            ``pool_writes``, ``close_flushed``, ``write_policy``, ``write_queue_depth`` and
+            ``write_queue_bytes``.
         """
-        tiers: list[dict[str, Any]] = []
-        for tier, counters in zip(self._tiers, self._tier_counters, strict=True):
-            try:
-                own = tier.stats()
-            except Exception as exc:  # a broken tier must not break monitoring
-                own = {"scheme": tier.scheme, "name": tier.name, "capacity": None, "used": None,
-                       "evictions": tier.evictions, "stats_error": repr(exc)}
-            observed = counters.as_dict()
-            # A tier's own figure of the same name (e.g. an LMDB tier's hits, which include
-            # reads that bypassed the store) stays visible as tier_<name>.
-            tiers.append({**own, **{f"tier_{k}": own[k] for k in observed if k in own},
-                          **observed})
-        return {
-            "tiers": tiers,
-            **self._counters.as_dict(),
-            "write_policy": self._write_policy,
-            "write_queue_depth": self._writes.depth,
-        }
+        return {**store_stats(self._chain.tiers, self._chain.tier_counters,
+                              self._chain.counters),
+                "write_policy": self._write_policy,
+                "write_queue_depth": self._writes.depth,
+                "write_queue_bytes": self._writes.pending_bytes}
 
     async def aclose(self) -> None:
-        """Flush write-through writes, then close every tier. Calling it again does nothing."""
+        """Flush write-through writes, copy volatile tiers into persistent ones (bounded,
+        see ``close_flush``), then close every tier. Calling it again does nothing."""
         if self._closed:
             return
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and loop is not self._loop:
+            self._bind(loop)  # raises WrongLoopError: the tiers' resources live on that loop
         self._closed = True
         try:
             await self._writes.aclose()
+            if self._close_flush is not None and self._close_flush.active:
+                await self._close_flush.run()
         finally:
-            for index, tier in enumerate(self._tiers):
+            for index, tier in enumerate(self._chain.tiers):
                 try:
                     await tier.aclose()
                 except Exception as exc:
-                    self._tier_error(index, "aclose", exc)
+                    self._chain.error(index, "aclose", exc)
 
     async def __aenter__(self) -> Self:
-        self._check_open()
+        self._enter()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     def __repr__(self) -> str:
-        chain = " -> ".join(t.name for t in self._tiers)
-        return f"<TieredStore {chain} promote={self._promote!r} {self._write_policy}>"
+        chain = " -> ".join(t.name for t in self._chain.tiers)
+        return (f"<TieredStore {chain} promote={self._promotion.policy!r} "
+                f"{self._write_policy}>")
 
 
-async def open_store(urls: Sequence[str | Tier], *,
-                     tier_options: Mapping[int | str, Mapping[str, Any]] | None = None,
-                     **options: Any) -> TieredStore:
+class _OpeningStore:
+    """What :func:`open_store` returns: awaitable (``store = await open_store(...)``) and an
+    async context manager (``async with open_store(...) as store:``, closed on exit)."""
+
+    def __init__(self, urls: Sequence[str | Tier],
+                 tier_options: Mapping[int | str, Mapping[str, Any]] | None,
+                 options: dict[str, Any]) -> None:
+        _check_open_args(urls, tier_options, options)
+        self._args = (urls, tier_options, options)
+        self._store: TieredStore | None = None
+
+    def __await__(self) -> Generator[Any, None, TieredStore]:
+        return _open(*self._args).__await__()
+
+    async def __aenter__(self) -> TieredStore:
+        self._store = await _open(*self._args)
+        return self._store
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._store is not None:
+            await self._store.aclose()
+
+
+def open_store(urls: Sequence[str | Tier], *,
+               tier_options: Mapping[int | str, Mapping[str, Any]] | None = None,
+               **options: Any) -> _OpeningStore:
     """Build a :class:`TieredStore` from tier URLs (and/or tier objects), top first.
+
+    Use it as ``store = await open_store(urls)`` or ``async with open_store(urls) as store:``
+    (the store is closed when the block exits).
 
     Parameters
     ----------
@@ -203,13 +503,20 @@ async def open_store(urls: Sequence[str | Tier], *,
         string itself; they override the URL's query options (e.g. ``{0: {"clock": c}}``).
     **options
         Store options: ``promote``, ``write_policy``, ``timeout``, ``write_queue_size``,
-        ``write_workers``, ``promote_counter_size`` (see :class:`TieredStore`).
+        ``write_queue_bytes``, ``write_workers``, ``promote_counter_size``,
+        ``pool_write_through``, ``close_flush``, ``close_flush_timeout`` (see
+        :class:`TieredStore`).
 
     Raises
     ------
     ConfigError
         For a malformed URL, capacity or option, or an unknown scheme or store option.
     """
+    return _OpeningStore(urls, tier_options, options)
+
+
+def _check_open_args(urls: object, tier_options: Mapping[int | str, Mapping[str, Any]] | None,
+                     options: dict[str, Any]) -> None:
     if isinstance(urls, str | Tier) or not isinstance(urls, Sequence) or not urls:
         raise TypeError("urls: expected a non-empty list of tier URLs or Tier objects")
     unknown = sorted(set(options) - set(_STORE_OPTIONS))
@@ -217,11 +524,16 @@ async def open_store(urls: Sequence[str | Tier], *,
         raise ConfigError(f"open_store: unknown option(s) {', '.join(unknown)} "
                           f"(store options: {', '.join(_STORE_OPTIONS)}; per-tier options go "
                           "in the URL or tier_options)")
-    per_tier = dict(tier_options or {})
-    for ref in per_tier:
+    for ref in tier_options or {}:
         if not (isinstance(ref, str) and ref in urls) and not (
                 isinstance(ref, int) and not isinstance(ref, bool) and 0 <= ref < len(urls)):
             raise ConfigError(f"tier_options: {ref!r} is neither an index nor a URL in urls")
+
+
+async def _open(urls: Sequence[str | Tier],
+                tier_options: Mapping[int | str, Mapping[str, Any]] | None,
+                options: dict[str, Any]) -> TieredStore:
+    per_tier = dict(tier_options or {})
     tiers: list[Tier] = []
     owned: list[Tier] = []
     try:
@@ -236,8 +548,10 @@ async def open_store(urls: Sequence[str | Tier], *,
             tier = tier_from_url(url, **opts)
             owned.append(tier)
             tiers.append(tier)
-        return TieredStore(tiers, **options)
+        store = TieredStore(tiers, **options)
     except BaseException:
         for tier in owned:
             await tier.aclose()
         raise
+    store._enter()  # the store belongs to the loop that opened it
+    return store

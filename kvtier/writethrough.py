@@ -1,13 +1,17 @@
 """The write-through queue: background copies of puts into the lower tiers.
 
-Bounded: when the queue is full, ``enqueue`` waits (backpressure) - writes are never dropped.
-A queued write is skipped if the key was put again or deleted since (its generation moved),
-and writes of one key hold the key's lock, so an old value never lands after a newer one.
+Bounded by bytes (and by item count): when admitting a block would exceed the bound,
+``enqueue`` waits (backpressure); writes are never dropped. A block larger than the byte
+bound is admitted alone, when nothing else is pending. The bound covers blocks queued *and*
+being written, so it bounds the memory the queue holds. A queued write is skipped if the key
+was put again or deleted since (its generation moved), and writes of one key hold the key's
+lock, so an old value never lands after a newer one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,52 +41,89 @@ class _Item:
 class WriteThrough:
     """Queue + workers writing blocks into tiers ``first_tier..n_tiers-1``.
 
-    Workers start on the first :meth:`enqueue` (they need a running loop).
+    Parameters
+    ----------
+    keys
+        The store's per-key registry (generations and per-key locks).
+    write
+        Writes one block into one tier (the store's counted, guarded write).
+    n_tiers
+        Number of tiers in the chain.
+    max_bytes, max_items
+        Bounds of what is pending (queued or being written).
+    workers
+        Tasks draining the queue; they start on the first :meth:`enqueue` (they need a
+        running loop).
+    counters
+        Store-wide counters (``write_through_writes``, ``write_through_superseded``).
     """
 
-    def __init__(self, *, keys: KeyRegistry, write: TierWrite, n_tiers: int, size: int,
-                 workers: int, counters: StoreCounters) -> None:
+    def __init__(self, *, keys: KeyRegistry, write: TierWrite, n_tiers: int, max_bytes: int,
+                 max_items: int, workers: int, counters: StoreCounters) -> None:
         self._keys = keys
         self._write = write
         self._n_tiers = n_tiers
-        self._size = size
+        self._max_bytes = max_bytes
+        self._max_items = max_items
         self._n_workers = workers
         self._counters = counters
-        self._queue: asyncio.Queue[_Item] | None = None
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._pending_bytes = 0
+        self._pending_items = 0
+        self._changed: asyncio.Condition | None = None
         self._workers: list[asyncio.Task[None]] = []
 
     @property
     def depth(self) -> int:
         """Writes queued and not yet picked up by a worker."""
-        return self._queue.qsize() if self._queue is not None else 0
+        return len(self._queue)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of blocks queued or being written."""
+        return self._pending_bytes
+
+    def _fits(self, nbytes: int) -> bool:
+        if self._pending_items == 0:
+            return True  # alone, any block fits (else a big one would wait forever)
+        return (self._pending_items < self._max_items
+                and self._pending_bytes + nbytes <= self._max_bytes)
 
     async def enqueue(self, key: bytes, block: Block, first_tier: int) -> None:
-        """Queue ``block`` for the tiers from ``first_tier`` down; waits while the queue is full."""
+        """Queue ``block`` for the tiers from ``first_tier`` down; waits while full."""
         if first_tier >= self._n_tiers:
             return
-        if self._queue is None:
-            self._queue = asyncio.Queue(self._size)
-            self._workers = [asyncio.create_task(self._worker(self._queue), name=f"kvtier-wt-{i}")
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+            self._workers = [asyncio.create_task(self._worker(self._changed), name=f"kvtier-wt-{i}")
                              for i in range(self._n_workers)]
-        state = self._keys.watch(key)
-        # The caller may reuse its buffer once put returns; the queue needs its own copy.
-        item = _Item(key, np.array(block, copy=True), state.gen, state, first_tier)
-        try:
-            await self._queue.put(item)
-        except BaseException:
-            self._keys.unwatch(key, state)
-            raise
+        changed = self._changed
+        nbytes = block.nbytes
+        async with changed:
+            await changed.wait_for(lambda: self._fits(nbytes))
+            state = self._keys.watch(key)
+            # The caller may reuse its buffer once put returns; the queue needs its own copy.
+            self._queue.append(_Item(key, np.array(block, copy=True), state.gen, state,
+                                     first_tier))
+            self._pending_bytes += nbytes
+            self._pending_items += 1
+            changed.notify_all()
 
-    async def _worker(self, queue: asyncio.Queue[_Item]) -> None:
+    async def _worker(self, changed: asyncio.Condition) -> None:
         while True:
-            item = await queue.get()
+            async with changed:
+                await changed.wait_for(lambda: bool(self._queue))
+                item = self._queue.popleft()
             try:
                 await self._write_below(item)
             except Exception:  # pragma: no cover - the write callback already catches
                 log.exception("write-through of %s failed", item.key.hex())
             finally:
                 self._keys.unwatch(item.key, item.state)
-                queue.task_done()
+                async with changed:
+                    self._pending_bytes -= item.block.nbytes
+                    self._pending_items -= 1
+                    changed.notify_all()
 
     async def _write_below(self, item: _Item) -> None:
         async with item.state.lock:
@@ -95,8 +136,11 @@ class WriteThrough:
 
     async def flush(self) -> None:
         """Wait until every queued write has been attempted."""
-        if self._queue is not None:
-            await self._queue.join()
+        changed = self._changed
+        if changed is None:
+            return
+        async with changed:
+            await changed.wait_for(lambda: self._pending_items == 0)
 
     async def aclose(self) -> None:
         """Flush, then stop the workers."""

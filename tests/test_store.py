@@ -100,7 +100,7 @@ async def test_promote_counter_is_bounded() -> None:
         for i in range(10):
             await store.tiers[1].put(key_of(i), sample_block(i, 64))
             await store.get(key_of(i))
-        assert len(store._hit_counts) <= 4
+        assert len(store._promotion) <= 4
         # key 0's count was forgotten: one more hit is again the first.
         await store.get(key_of(0))
         assert await holders(store, key_of(0)) == [1]
@@ -451,7 +451,7 @@ def test_latency_histogram_percentiles_within_bucket_resolution() -> None:
         exact_us = ordered[int(q * (len(ordered) - 1))] / 1000
         got = hist.percentile(q)
         assert got is not None and abs(got - exact_us) <= 0.13 * exact_us + 0.01, q
-    assert hist.count == len(samples) and hist.total_ns == sum(samples)
+    assert hist.count == len(samples)
 
 
 async def test_get_many_follower_gives_up_at_its_own_deadline() -> None:

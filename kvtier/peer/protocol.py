@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.codec import MAX_HEADER_BYTES, EncodedFrame
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError, LimitExceededError, ProtocolError
 from kvtier.keys import MAX_KEY_BYTES
 
 __all__ = [
@@ -60,14 +60,6 @@ CONTENT_TYPE = "application/octet-stream"
 _COUNT = struct.Struct("<I")
 _KEY_LEN = struct.Struct("<H")
 _FRAME_LEN = struct.Struct("<Q")
-
-
-class ProtocolError(KVTierError, ValueError):
-    """A batch body is malformed."""
-
-
-class LimitExceededError(ProtocolError):
-    """A batch body is well formed but holds more entries or a larger frame than allowed."""
 
 
 @dataclass(frozen=True)

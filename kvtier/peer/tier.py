@@ -100,6 +100,7 @@ class PeerTier(Tier):
     """
 
     scheme = "peers"
+    shared = True
 
     def __init__(self, members: Sequence[str] | None = None, *,
                  dns: tuple[str, int] | None = None, replicas: int = 1,

@@ -110,7 +110,7 @@ class LatencyTier(_Wrapper):
 
     def __init__(self, inner: Tier | None = None, *, delay: float = 0.01,
                  name: str | None = None) -> None:
-        super().__init__(inner or DRAMTier(), name=name)
+        super().__init__(inner if inner is not None else DRAMTier(), name=name)
         self.delay = delay
         self.calls: dict[str, int] = {}
 
@@ -127,7 +127,7 @@ class FailingTier(_Wrapper):
 
     def __init__(self, inner: Tier | None = None, *, fail: set[str] | None = None,
                  name: str | None = None) -> None:
-        super().__init__(inner or DRAMTier(), name=name)
+        super().__init__(inner if inner is not None else DRAMTier(), name=name)
         self.fail: set[str] = set(fail or ())
         self.failures = 0
 

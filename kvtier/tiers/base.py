@@ -114,6 +114,12 @@ class Tier(abc.ABC):
     """
 
     scheme: ClassVar[str] = ""
+    #: Capability: blocks survive a restart of this process (the store's close flush moves
+    #: volatile tiers' blocks into the first persistent tier below them).
+    persistent: ClassVar[bool] = False
+    #: Capability: other processes read this tier (a pool, e.g. ``peers://``); private tiers
+    #: above it are write-through into it, so a put is readable pool-wide once it returns.
+    shared: ClassVar[bool] = False
 
     def __init__(self, *, name: str | None = None, max_concurrency: int = 16) -> None:
         if max_concurrency < 1:
@@ -158,17 +164,20 @@ class Tier(abc.ABC):
         """Whether ``key`` is present; never refreshes recency and never pins."""
 
     # ---------------------------------------------------------- batch defaults
-    async def _bounded(self, coros: Iterable[Awaitable[Any]]) -> list[Any]:
+    async def _bounded(self, op: Callable[[bytes], Awaitable[Any]],
+                       keys: Sequence[bytes]) -> list[Any]:
+        """``op(key)`` for every key, at most ``max_concurrency`` at once. Each coroutine is
+        created only once its slot is taken, so a cancellation leaves none unawaited."""
         sem = asyncio.Semaphore(self._max_concurrency)
 
-        async def run(coro: Awaitable[Any]) -> Any:
+        async def run(key: bytes) -> Any:
             async with sem:
-                return await coro
+                return await op(key)
 
-        return list(await asyncio.gather(*(run(c) for c in coros)))
+        return list(await asyncio.gather(*(run(k) for k in keys)))
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
-        return await self._bounded(self._get(k) for k in keys)
+        return await self._bounded(self._get, keys)
 
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         # In order, so that for a repeated key the last value wins.
@@ -176,10 +185,10 @@ class Tier(abc.ABC):
             await self._put(key, block)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return await self._bounded(self._contains(k) for k in keys)
+        return await self._bounded(self._contains, keys)
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return await self._bounded(self._delete(k) for k in keys)
+        return await self._bounded(self._delete, keys)
 
     async def _get_into(self, key: bytes, out: Block) -> bool:
         block = await self._get(key)
@@ -199,6 +208,11 @@ class Tier(abc.ABC):
 
     async def _aclose(self) -> None:
         """Release resources; called once."""
+
+    def resident_keys(self) -> list[bytes] | None:
+        """Keys this tier holds, least recently used first, or ``None`` if it cannot list
+        them cheaply (the store's close flush skips such a tier)."""
+        return None
 
     # ------------------------------------------------------------- public API
     def _check_open(self) -> None:

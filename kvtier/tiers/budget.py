@@ -41,6 +41,10 @@ class BudgetedTier(Tier):
         for key in keys:
             self._policy.unpin(key)
 
+    def resident_keys(self) -> list[bytes] | None:
+        """Keys held, least recently used first (from the recency policy)."""
+        return list(self._policy.lru_order())
+
     def stats(self) -> dict[str, Any]:
         """Tier figures plus ``blocks`` (held now) and ``pinned_bytes``."""
         return {**super().stats(), "blocks": len(self._policy),

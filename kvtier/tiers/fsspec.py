@@ -92,6 +92,7 @@ class FsspecTier(BudgetedTier):
     """
 
     scheme = "fsspec"
+    persistent = True
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  capacity: int | None = None, compress_level: int | None = None,

@@ -31,7 +31,13 @@ from urllib.parse import unquote
 import lmdb
 
 from kvtier.codec import dtype_descriptor, encode_frame
-from kvtier.errors import ConfigError, CorruptBlockError, TierError, TierFullError
+from kvtier.errors import (
+    ConfigError,
+    CorruptBlockError,
+    DirectoryLockedError,
+    TierError,
+    TierFullError,
+)
 from kvtier.policy import Clock, RecencyPolicy
 from kvtier.tiers.base import Block
 from kvtier.tiers.budget import BudgetedTier
@@ -54,10 +60,6 @@ _DIRTY_NAME = "kvtier.open"
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 _SYNC_VALUES = {"0": "0", "false": "0", "off": "0", "no": "0", "meta": "meta",
                 "1": "1", "true": "1", "on": "1", "yes": "1"}
-
-
-class DirectoryLockedError(TierError):
-    """Another process (or another tier object) already owns this LMDB directory."""
 
 
 def _boot_id() -> str | None:
@@ -136,6 +138,7 @@ class LMDBTier(BudgetedTier):
     """
 
     scheme = "lmdb"
+    persistent = True
 
     def __init__(self, path: str | os.PathLike[str], *, capacity: int | None = None,
                  compress_level: int | None = None, shuffle: bool = False,

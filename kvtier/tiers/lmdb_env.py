@@ -257,14 +257,6 @@ class BlockEnv:
                 total += (self.path / name).stat().st_blocks * 512
         return total
 
-    def info(self) -> dict[str, int]:
-        """Map size and pages in use (from LMDB itself)."""
-        info = self.env.info()
-        stat = self.env.stat()
-        return {"map_size": int(info["map_size"]),
-                "last_page": int(info["last_pgno"]),
-                "page_size": int(stat["psize"])}
-
     def close(self) -> None:
         """Flush (whatever the durability setting) and close."""
         self.env.sync(True)

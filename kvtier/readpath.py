@@ -1,0 +1,379 @@
+"""The store's read path: the top-down walk, single flight below the top tier, promotion of
+lower-tier hits, and the buffer (``get_into``) and presence forms that share them.
+
+Every read of a block below the top tier goes through :meth:`ReadPath.fetch_lower` (one key)
+or :meth:`ReadPath.fetch_lower_many` (a batch): concurrent readers of one key share one
+fetch, and the fetch decides promotion once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.promotion import Promotion
+from kvtier.singleflight import Flight, KeyRegistry, KeyState, LeaderGone
+from kvtier.tierchain import TierChain
+from kvtier.tiers.base import Block, copy_into
+
+__all__ = ["ReadPath"]
+
+
+class ReadPath:
+    """Reads of a :class:`~kvtier.store.TieredStore`.
+
+    Parameters
+    ----------
+    chain
+        The tiers and their counters.
+    keys
+        The store's per-key registry (flights, generations).
+    promotion
+        The ``promote=`` policy.
+    is_closed
+        Whether the store is closing (promotions stop then).
+
+    Notes
+    -----
+    Callers validate keys and arguments; every method here runs on the store's loop.
+    Deadlines are loop times (``None``: none). A tier that fails or misses its deadline is a
+    miss for that tier, counted in its stats.
+
+    Single flight: the first reader of a key below the top leads the fetch, later ones join
+    it with their *own* deadline. A leader that runs out of time or is cancelled hands the
+    fetch on (its followers fetch again within their deadlines): a fetch never resolves to a
+    miss just because its leader gave up.
+    """
+
+    def __init__(self, chain: TierChain, keys: KeyRegistry, promotion: Promotion,
+                 is_closed: Callable[[], bool]) -> None:
+        self._chain = chain
+        self._keys = keys
+        self._promotion = promotion
+        self._is_closed = is_closed
+
+    # ------------------------------------------------------------------ one key
+    async def get(self, key: bytes, deadline: float | None) -> Block | None:
+        """The block under ``key`` (top-down, promoted per policy) or ``None``."""
+        chain = self._chain
+        counters = chain.counters
+        counters.gets += 1
+        block = await self.tier_get(0, key, deadline)
+        if block is None and len(chain) > 1:
+            block = await self.fetch_lower(key, deadline)
+        if block is None:
+            counters.misses += 1
+        else:
+            counters.hits += 1
+        return block
+
+    async def tier_get(self, index: int, key: bytes, deadline: float | None) -> Block | None:
+        """One tier's get with stats; errors and timeouts are misses."""
+        tier = self._chain.tiers[index]
+        c = self._chain.tier_counters[index]
+        start = time.perf_counter_ns()
+        try:
+            if deadline is None:
+                block = await tier._get(key)
+            else:
+                block = await TierChain.bounded(deadline, tier._get, key)
+        except TimeoutError:
+            c.timeouts += 1
+            return None
+        except Exception as exc:
+            self._chain.error(index, "get", exc)
+            return None
+        c.get_latency.record(time.perf_counter_ns() - start)
+        if block is None:
+            c.misses += 1
+        else:
+            c.hits += 1
+            c.bytes_out += block.nbytes
+        return block
+
+    async def fetch_lower(self, key: bytes, deadline: float | None) -> Block | None:
+        """Below the top tier, with single flight: one fetch per key at a time."""
+        while True:
+            flight = self._keys.flight(key)
+            if flight is None:
+                return await self._lead(key, deadline)
+            self._chain.counters.single_flight_joins += 1
+            result = await KeyRegistry.join(flight, deadline)
+            if not isinstance(result, LeaderGone):
+                return result
+            # The leader gave up (its deadline or cancellation): fetch within ours.
+
+    async def _lead(self, key: bytes, deadline: float | None) -> Block | None:
+        flight = self._keys.lead(key)
+        state = self._keys.watch(key)
+        gen = state.gen
+        try:
+            block, index = await self._walk(key, deadline)
+            if block is None and _expired(deadline):
+                return None  # out of time: followers with more of it fetch themselves
+            flight.set_result(block)
+            if block is not None:
+                await self._promote_one(key, block, index, state, gen)
+            return block
+        finally:
+            self._keys.finish(key, flight)
+            self._keys.unwatch(key, state)
+
+    async def _walk(self, key: bytes, deadline: float | None) -> tuple[Block | None, int]:
+        for index in range(1, len(self._chain)):
+            if _expired(deadline):
+                break  # out of budget: the remaining tiers are misses, not timeouts
+            block = await self.tier_get(index, key, deadline)
+            if block is not None:
+                return block, index
+        return None, -1
+
+    async def _promote_one(self, key: bytes, block: Block, found: int, state: KeyState,
+                           gen: int) -> None:
+        for index in self._promotion.targets(key, found):
+            if state.gen != gen or self._is_closed():
+                return  # put/deleted meanwhile: this value is stale
+            await self._chain.write(index, key, block, "promote")
+
+    # ------------------------------------------------------------------ batches
+    async def get_many(self, keys: list[bytes], deadline: float | None) -> list[Block | None]:
+        """Batch :meth:`get`: one batch call per tier for the keys still missing; every tier
+        that served or received part of the chain is touched tail-to-head."""
+        results: list[Block | None] = [None] * len(keys)
+        held: list[list[int]] = [[] for _ in self._chain.tiers]
+        missing = await self._read_batch(0, keys, list(range(len(keys))), results, held,
+                                         [], deadline)
+        if missing and len(self._chain) > 1:
+            await self.fetch_lower_many(keys, missing, results, held, deadline)
+        await self._touch_held(keys, held)
+        self._count(results)
+        return results
+
+    async def fetch_lower_many(self, keys: list[bytes], missing: list[int],
+                               results: list[Block | None], held: list[list[int]],
+                               deadline: float | None) -> None:
+        """Below the top tier for ``keys[j] for j in missing``, single flight per key: keys
+        another call is already fetching are joined, this call leads (batch-fetches) the
+        rest. Fills ``results``; ``held[i]`` gets the indices tier ``i`` served or received."""
+        registry = self._keys
+        mine: dict[bytes, Flight] = {}
+        lead: list[int] = []
+        first: dict[bytes, int] = {}  # a key repeated in this batch: its leading index
+        joined: list[tuple[int, Flight]] = []
+        repeated: list[int] = []
+        for j in missing:
+            key = keys[j]
+            if key in mine:
+                repeated.append(j)
+                continue
+            other = registry.flight(key)
+            if other is not None:
+                self._chain.counters.single_flight_joins += 1
+                joined.append((j, other))
+                continue
+            mine[key] = registry.lead(key)
+            first[key] = j
+            lead.append(j)
+        states: dict[bytes, tuple[KeyState, int]] = {}
+        found_at: list[tuple[int, int]] = []
+        try:
+            for j in lead:
+                state = registry.watch(keys[j])
+                states[keys[j]] = (state, state.gen)
+            remaining: list[int] | None = lead
+            for index in range(1, len(self._chain)):
+                if not remaining:
+                    break
+                remaining = await self._read_batch(index, keys, remaining, results, held,
+                                                   found_at, deadline)
+                if remaining is None:
+                    break
+            expired = remaining is None or _expired(deadline)
+            for j in lead:  # followers get their blocks before this call promotes
+                flight = mine[keys[j]]
+                if not flight.done() and not (expired and results[j] is None):
+                    flight.set_result(results[j])
+            await self._promote_batch(keys, results, found_at, states, held)
+        finally:
+            for key, flight in mine.items():
+                registry.finish(key, flight)
+            for key, (state, _) in states.items():
+                registry.unwatch(key, state)
+        for j in repeated:
+            results[j] = results[first[keys[j]]]
+        for j, other in joined:
+            result = await KeyRegistry.join(other, deadline)
+            results[j] = (await self.fetch_lower(keys[j], deadline)
+                          if isinstance(result, LeaderGone) else result)
+
+    async def _read_batch(self, index: int, keys: list[bytes], idxs: list[int],
+                          results: list[Block | None], held: list[list[int]],
+                          found_at: list[tuple[int, int]], deadline: float | None
+                          ) -> list[int] | None:
+        """One tier's batch get for ``keys[j] for j in idxs``; returns the indices still
+        missing (all of them if the tier failed), or ``None`` when the deadline passed."""
+        c = self._chain.tier_counters[index]
+        start = time.perf_counter_ns()
+        try:
+            blocks = await TierChain.bounded(deadline, self._chain.tiers[index]._get_many,
+                                             [keys[j] for j in idxs])
+        except TimeoutError:
+            c.timeouts += 1
+            return None
+        except Exception as exc:
+            self._chain.error(index, "get_many", exc)
+            return idxs
+        c.get_latency.record(time.perf_counter_ns() - start)
+        still: list[int] = []
+        for j, block in zip(idxs, blocks, strict=True):
+            if block is None:
+                still.append(j)
+                continue
+            results[j] = block
+            held[index].append(j)
+            c.bytes_out += block.nbytes
+            if index:
+                found_at.append((j, index))
+        c.hits += len(idxs) - len(still)
+        c.misses += len(still)
+        return still
+
+    async def _promote_batch(self, keys: list[bytes], results: list[Block | None],
+                             found_at: list[tuple[int, int]],
+                             states: dict[bytes, tuple[KeyState, int]],
+                             held: list[list[int]]) -> None:
+        per_target: dict[int, list[int]] = {}
+        for j, found in found_at:
+            for target in self._promotion.targets(keys[j], found):
+                per_target.setdefault(target, []).append(j)
+        for target in sorted(per_target):
+            fresh = [j for j in per_target[target]
+                     if states[keys[j]][0].gen == states[keys[j]][1]]
+            if not fresh or self._is_closed():
+                continue
+            items = [(keys[j], block) for j in fresh if (block := results[j]) is not None]
+            try:
+                await self._chain.tiers[target]._put_many(items)
+            except Exception as exc:
+                # One refused block must not stop the others: count it, then one by one.
+                self._chain.error(target, "promote_many", exc)
+                for key, block in items:
+                    await self._chain.write(target, key, block, "promote")
+            else:
+                c = self._chain.tier_counters[target]
+                c.promotions += len(items)
+                c.bytes_in += sum(b.nbytes for _, b in items)
+            held[target].extend(fresh)
+
+    async def _touch_held(self, keys: list[bytes], held: list[list[int]]) -> None:
+        for index, idxs in enumerate(held):
+            if idxs:
+                await self._chain.touch(index, [keys[j] for j in sorted(set(idxs))])
+
+    def _count(self, hits: list[Any]) -> None:
+        counters = self._chain.counters
+        misses = sum(1 for h in hits if h is None or h is False)
+        counters.gets += len(hits)
+        counters.misses += misses
+        counters.hits += len(hits) - misses
+
+    # ------------------------------------------------------------------ into buffers
+    async def get_into(self, key: bytes, out: Any, deadline: float | None) -> bool:
+        """Copy the block into ``out``; ``False`` on a miss.
+
+        The top tier copies straight into ``out`` (its own ``get_into``); below it the read is
+        the shared one of :meth:`fetch_lower` (single flight, promotion), then copied.
+        A bad ``out`` (``TypeError``/``ValueError``) propagates with ``out`` untouched.
+        """
+        counters = self._chain.counters
+        counters.gets += 1
+        hit = await self._top_into(key, out, deadline)
+        if hit is None and len(self._chain) > 1:
+            block = await self.fetch_lower(key, deadline)
+            if block is not None:
+                copy_into(block, out)
+                hit = True
+        if hit:
+            counters.hits += 1
+            return True
+        counters.misses += 1
+        return False
+
+    async def _top_into(self, key: bytes, out: Any, deadline: float | None) -> bool | None:
+        """The top tier's ``get_into``: ``True`` on a hit, ``None`` on a miss/failure."""
+        c = self._chain.tier_counters[0]
+        start = time.perf_counter_ns()
+        try:
+            hit = await TierChain.bounded(deadline, self._chain.tiers[0]._get_into, key, out)
+        except (TypeError, ValueError):
+            raise  # a bad ``out`` is the caller's error (ShapeMismatchError too)
+        except TimeoutError:
+            c.timeouts += 1
+            return None
+        except Exception as exc:
+            self._chain.error(0, "get_into", exc)
+            return None
+        c.get_latency.record(time.perf_counter_ns() - start)
+        if hit:
+            c.hits += 1
+            return True
+        c.misses += 1
+        return None
+
+    async def get_many_into(self, keys: list[bytes], outs: list[Any], deadline: float | None
+                            ) -> list[bool]:
+        """Batch :meth:`get_into`: the top tier per key, then one shared batch fetch below
+        for the misses; the hits are touched tail-to-head in the top tier."""
+        hits: list[bool] = []
+        for key, out in zip(keys, outs, strict=True):
+            hits.append(bool(await self._top_into(key, out, deadline)))
+        missing = [j for j, hit in enumerate(hits) if not hit]
+        if missing and len(self._chain) > 1:
+            results: list[Block | None] = [None] * len(keys)
+            held: list[list[int]] = [[] for _ in self._chain.tiers]
+            await self.fetch_lower_many(keys, missing, results, held, deadline)
+            for j in missing:
+                block = results[j]
+                if block is not None:
+                    copy_into(block, outs[j], f"outs[{j}]")
+                    hits[j] = True
+            await self._touch_held(keys, [[], *held[1:]])
+        self._count(hits)
+        await self._chain.touch(0, [k for k, h in zip(keys, hits, strict=True) if h])
+        return hits
+
+    # ------------------------------------------------------------------ presence
+    async def contains_many(self, keys: list[bytes], deadline: float | None) -> list[bool]:
+        """Whether some tier holds each key: one batch call per tier for those not found."""
+        present = [False] * len(keys)
+        for index, tier in enumerate(self._chain.tiers):
+            todo = [j for j, p in enumerate(present) if not p]
+            if not todo:
+                break
+            try:
+                found = await TierChain.bounded(deadline, tier._contains_many,
+                                                [keys[j] for j in todo])
+            except TimeoutError:
+                self._chain.tier_counters[index].timeouts += 1
+                break
+            except Exception as exc:
+                self._chain.error(index, "contains_many", exc)
+                continue
+            for j, yes in zip(todo, found, strict=True):
+                present[j] = present[j] or bool(yes)
+        return present
+
+    async def lookup_prefix(self, keys: list[bytes], deadline: float | None) -> int:
+        """Leading ``keys`` present somewhere; that prefix is touched in every tier."""
+        present = await self.contains_many(keys, deadline)
+        hit = next((i for i, p in enumerate(present) if not p), len(present))
+        if hit:
+            for index in range(len(self._chain)):
+                await self._chain.touch(index, keys[:hit])
+        return hit
+
+
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and asyncio.get_running_loop().time() >= deadline

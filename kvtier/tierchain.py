@@ -1,0 +1,161 @@
+"""The tier chain as every store part sees it: the tiers, what the store observed of each,
+and the few guarded calls all parts make (one tier write, one quiet delete, a chain touch,
+deadlines).
+
+A :class:`TierChain` is built once by :class:`~kvtier.store.TieredStore` and handed to each
+part (read path, placement, write-through, close flush); it owns no policy of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, Literal, TypeVar
+
+from kvtier.errors import BlockTooLargeError, TierFullError
+from kvtier.keys import validate_key
+from kvtier.stats import StoreCounters, TierCounters
+from kvtier.tiers.base import Block, Tier
+
+__all__ = ["NOT_HERE", "TierChain", "finish_even_if_cancelled", "keys_list", "log"]
+
+# The store's logger for every store part (tests and users filter on this name).
+log = logging.getLogger("kvtier.store")
+T = TypeVar("T")
+WriteKind = Literal["promote", "demote", "write_through", "pool", "close_flush"]
+
+#: Raised by a tier when a block cannot go *there* (too big, everything pinned): the store
+#: moves on to another tier without counting a tier error.
+NOT_HERE = (BlockTooLargeError, TierFullError)
+
+
+def check_timeout(value: object, name: str = "timeout") -> float | None:
+    """Seconds as a positive float, ``None`` for no limit (``math.inf`` too)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected seconds as a number or None, got {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name}: expected > 0 seconds (math.inf: no limit), got {value!r}")
+    return None if math.isinf(value) else float(value)
+
+
+def check_positive_int(value: object, name: str) -> int:
+    """``value`` if it is an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return value
+
+
+def keys_list(keys: object, name: str = "keys") -> list[bytes]:
+    """Validate a sequence of keys (the message names the bad one)."""
+    if isinstance(keys, bytes | str) or not isinstance(keys, Iterable):
+        raise TypeError(f"{name}: expected a sequence of bytes keys, got {type(keys).__name__}")
+    return [validate_key(k, f"{name}[{i}]") for i, k in enumerate(keys)]
+
+
+async def finish_even_if_cancelled(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion even if the caller is cancelled meanwhile.
+
+    For multi-step changes (a delete over every tier, a put and its pool copy) whose partial
+    effect could expose an older value: a cancellation waits for the steps already started
+    to finish, then propagates. Cancelling costs at most the steps' own duration, which each
+    tier bounds by its timeouts.
+    """
+    task = asyncio.get_running_loop().create_task(coro)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise  # the work itself was cancelled (the loop is shutting down)
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
+
+
+class TierChain:
+    """The tiers (top first) with the store's per-tier counters and guarded calls.
+
+    Parameters
+    ----------
+    tiers
+        Tier objects, fastest first.
+    counters
+        The store-wide counters (shared with every part).
+
+    Notes
+    -----
+    Every method runs on the store's event loop; none takes a lock. The guarded calls turn a
+    tier's failure into a counted, logged error and a ``False``/``None`` result, never an
+    exception, except for the caller's own cancellation.
+    """
+
+    def __init__(self, tiers: list[Tier], counters: StoreCounters) -> None:
+        self.tiers = tiers
+        self.counters = counters
+        self.tier_counters = [TierCounters() for _ in tiers]
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    @staticmethod
+    def deadline(seconds: float | None) -> float | None:
+        """Loop time ``seconds`` from now (``None`` stays ``None``)."""
+        return None if seconds is None else asyncio.get_running_loop().time() + seconds
+
+    @staticmethod
+    async def bounded(deadline: float | None, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Await ``fn(*args)`` within ``deadline``; ``TimeoutError`` if none is left."""
+        if deadline is None:
+            return await fn(*args)
+        if asyncio.get_running_loop().time() >= deadline:
+            raise TimeoutError
+        async with asyncio.timeout_at(deadline):
+            return await fn(*args)
+
+    def error(self, index: int, op: str, exc: BaseException) -> None:
+        """Count and log one tier failure."""
+        self.tier_counters[index].errors += 1
+        log.warning("tier %s (%d) failed %s: %s: %s", self.tiers[index].name, index, op,
+                    type(exc).__name__, exc)
+
+    async def write(self, index: int, key: bytes, block: Block, why: WriteKind) -> bool:
+        """Put into one tier, counted by ``why``; ``False`` if it refused or failed."""
+        try:
+            await self.tiers[index]._put(key, block)  # keys and blocks reach here validated
+        except NOT_HERE:
+            return False
+        except Exception as exc:
+            self.error(index, why, exc)
+            return False
+        c = self.tier_counters[index]
+        if why == "promote":
+            c.promotions += 1
+        elif why == "demote":
+            c.demotions += 1
+        c.bytes_in += block.nbytes
+        return True
+
+    async def quiet_delete(self, index: int, keys: list[bytes]) -> bool:
+        """Delete ``keys`` from one tier; ``False`` (counted) if the tier failed."""
+        try:
+            await self.tiers[index]._delete_many(keys)
+        except Exception as exc:
+            self.error(index, "delete", exc)
+            return False
+        return True
+
+    async def touch(self, index: int, keys: list[bytes]) -> None:
+        """Refresh a chain's recency in one tier, tail to head."""
+        if not keys:
+            return
+        try:
+            await self.tiers[index]._touch_chain(keys)
+        except Exception as exc:
+            self.error(index, "touch_chain", exc)
