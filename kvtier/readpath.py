@@ -60,7 +60,26 @@ class ReadPath:
         chain = self._chain
         counters = chain.counters
         counters.gets += 1
-        block = await self.tier_get(0, key, deadline)
+        if deadline is None:
+            # Hot path (a top-tier hit without a deadline), inlined: each coroutine frame
+            # costs ~0.3 us against a ~1 us DRAM hit.
+            c = chain.tier_counters[0]
+            start = time.perf_counter_ns()
+            try:
+                block = await chain.tiers[0]._get(key)
+            except Exception as exc:
+                chain.error(0, "get", exc)
+                block = None
+            else:
+                c.get_latency.record(time.perf_counter_ns() - start)
+                if block is not None:
+                    c.hits += 1
+                    c.bytes_out += block.nbytes
+                    counters.hits += 1
+                    return block
+                c.misses += 1
+        else:
+            block = await self.tier_get(0, key, deadline)
         if block is None and len(chain) > 1:
             block = await self.fetch_lower(key, deadline)
         if block is None:

@@ -209,7 +209,8 @@ class TieredStore:
         """
         self._enter()
         validate_key(key)
-        return await self._reads.get(key, self._deadline(timeout))
+        deadline = None if timeout is None and self._timeout is None else self._deadline(timeout)
+        return await self._reads.get(key, deadline)
 
     async def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                        ) -> list[Block | None]:

@@ -25,3 +25,8 @@ def test_readme_quickstart_runs(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["(0, 16)", "(16, 24)", "16"]
+    # aclose() copied DRAM into LMDB: the second run is warm (issue 9, bug 14).
+    again = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[:2] == ["(16, 16)", "(24, 24)"]
