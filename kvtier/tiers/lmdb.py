@@ -30,13 +30,12 @@ from urllib.parse import unquote
 
 import lmdb
 
-from kvtier.codec import dtype_descriptor, encode_frame
+from kvtier.codec import encode_frame, frame_size_bound, parse_compress
 from kvtier.errors import ConfigError, CorruptBlockError, TierError, TierFullError
 from kvtier.policy import Clock, RecencyPolicy
 from kvtier.tiers.base import Block
 from kvtier.tiers.budget import BudgetedTier
 from kvtier.tiers.lmdb_env import BlockEnv, Durability, PendingPut
-from kvtier.tiers.persist_options import parse_compress
 from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
 
 __all__ = ["DEFAULT_OVERHEAD_FIXED", "DirectoryLockedError", "LMDBTier", "default_overhead"]
@@ -75,13 +74,6 @@ def default_overhead(capacity: int) -> int:
     commits, which LMDB cannot reuse yet.
     """
     return capacity // 8 + DEFAULT_OVERHEAD_FIXED
-
-
-def _frame_bound(block: Block) -> int:
-    # Exact frame size when uncompressed; an upper bound when compressed (zstd output is
-    # only kept when smaller than the raw payload).
-    descriptor = dtype_descriptor(block.dtype, "value")
-    return 24 + 8 * block.ndim + len(descriptor) + 8 + block.nbytes
 
 
 def _lock_directory(path: Path) -> int:
@@ -361,7 +353,7 @@ class LMDBTier(BudgetedTier):
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._ready()
         batch = dict(items)  # a repeated key: the last value wins
-        bounds = {k: _frame_bound(b) for k, b in batch.items()}
+        bounds = {k: frame_size_bound(b) for k, b in batch.items()}
         for key, bound in bounds.items():
             self._policy.check_fits(bound, f"value for key {key.hex()}")
         capacity = self._policy.capacity
