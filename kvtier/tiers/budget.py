@@ -339,6 +339,36 @@ class BudgetedTier(Tier):
             self._policy.admit(key, size)
         self._room_changed()
 
+    async def _evict_more(self, nbytes: int) -> bool:
+        """Evict about ``nbytes`` more than the budget asks for (a store that ran out of
+        room before its budget did), through the same detach/demote/drop steps. Returns
+        whether anything was evicted."""
+        chosen: list[bytes] = []
+        for key in self._policy.lru_order():
+            if nbytes <= 0:
+                break
+            if not self._policy.is_pinned(key):
+                chosen.append(key)
+                nbytes -= self._policy.size_of(key) or 0
+        entries = self._detach_all(chosen)
+        try:
+            await self._demote(entries)
+        except BaseException:
+            for entry in entries:
+                self._end_leaving(entry, keep=True)
+            raise
+        kept = [e for e in entries if self._policy.is_pinned(e.key)]
+        rest = [e for e in entries if e not in kept]
+        for entry in kept:
+            self._end_leaving(entry, keep=True)
+        try:
+            await self._drop_stored([e.key for e in rest])
+        finally:
+            for entry in rest:
+                self._end_leaving(entry, keep=False)
+            self._room_changed()
+        return bool(rest)
+
     async def _commits_done(self) -> None:
         """Wait for shielded commits still running (call from ``_aclose``)."""
         while self._commits:
