@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -171,6 +171,10 @@ class BudgetedTier(Tier):
     async def _drop_stored(self, keys: list[bytes]) -> None:
         """Remove victims from storage outside a commit (when a kept victim cut it short)."""
 
+    def _unavailable(self) -> int:
+        """Bytes of the capacity the tier cannot use now (hbm: engine-reserved slots)."""
+        return 0
+
     # ----------------------------------------------------------------- template
     async def _settled(self, keys: Sequence[bytes]) -> None:
         """Wait until none of ``keys`` is leaving (its demotion and drop have finished)."""
@@ -197,7 +201,8 @@ class BudgetedTier(Tier):
             return True
         policy = self._policy
         incoming = sum(sizes.values()) - sum(policy.size_of(k) or 0 for k in sizes)
-        return policy.used + self._leaving_bytes + self._claimed + incoming <= capacity
+        return (policy.used + self._leaving_bytes + self._claimed + self._unavailable()
+                + incoming <= capacity)
 
     def _choose(self, sizes: Mapping[bytes, int]) -> tuple[list[bytes], int] | None:
         """Victims that make room for ``sizes`` and the bytes the put claims beyond them;
@@ -209,7 +214,7 @@ class BudgetedTier(Tier):
             return [], max(0, incoming)
         in_flight = self._leaving_bytes + self._claimed
         try:
-            victims = policy.victims(incoming + in_flight)
+            victims = policy.victims(incoming + in_flight + self._unavailable())
         except (TierFullError, BlockTooLargeError):
             if in_flight:
                 return None
@@ -271,16 +276,34 @@ class BudgetedTier(Tier):
             for key, size in wanted.items():
                 self._policy.admit(key, size)
             return
+        await self._evict_and_commit(items, wanted)
+
+    def _unpin_all(self, keys: Iterable[bytes]) -> None:
         for key in keys:
-            self._policy.pin(key)  # never a victim of a concurrent put while written
-        try:
-            await self._evict_and_commit(items, wanted)
-        finally:
-            for key in keys:
-                self._policy.unpin(key)
+            self._policy.unpin(key)
 
     async def _evict_and_commit(self, items: Sequence[tuple[bytes, Block]],
                                 wanted: dict[bytes, int]) -> None:
+        for key in wanted:
+            self._policy.pin(key)  # never a victim of a concurrent put while written
+        try:
+            entries, claim = await self._make_room(wanted)
+        except BaseException:
+            self._unpin_all(wanted)
+            raise
+        finish = self._finish(items, wanted, entries, claim)  # unpins
+        if self._atomic_commit:
+            await finish
+            return
+        # Shielded: a cancelled put must not leave storage and accounting apart.
+        task = asyncio.ensure_future(finish)
+        self._commits.add(task)
+        task.add_done_callback(self._commits.discard)
+        await asyncio.shield(task)
+
+    async def _make_room(self, wanted: dict[bytes, int]) -> tuple[list[Leaving], int]:
+        """Choose, detach and demote victims until the ones left are enough; return them
+        (still leaving) and the bytes claimed beyond them."""
         while True:
             chosen = self._choose(wanted)
             if chosen is None:
@@ -312,32 +335,20 @@ class BudgetedTier(Tier):
                 for entry in rest:
                     self._end_leaving(entry, keep=False)
                 self._room_changed()
-        finish = self._finish(items, wanted, entries, claim)
-        if self._atomic_commit:
-            await finish
-            return
-        # Shielded: a cancelled put must not leave storage and accounting apart.
-        task = asyncio.ensure_future(finish)
-        self._commits.add(task)
-        task.add_done_callback(self._commits.discard)
-        await asyncio.shield(task)
+        return entries, claim
 
     async def _finish(self, items: Sequence[tuple[bytes, Block]], wanted: dict[bytes, int],
                       entries: list[Leaving], claim: int) -> None:
         try:
             actual = await self._commit(items, [e.key for e in entries])
-        except BaseException:
+            for (key, _), size in zip(items, actual or wanted.values(), strict=True):
+                self._policy.admit(key, size)
+        finally:
             self._claimed -= claim
             for entry in entries:
                 self._end_leaving(entry, keep=False)
+            self._unpin_all(wanted)
             self._room_changed()
-            raise
-        self._claimed -= claim
-        for entry in entries:
-            self._end_leaving(entry, keep=False)
-        for (key, _), size in zip(items, actual or wanted.values(), strict=True):
-            self._policy.admit(key, size)
-        self._room_changed()
 
     async def _evict_more(self, nbytes: int) -> bool:
         """Evict about ``nbytes`` more than the budget asks for (a store that ran out of
@@ -350,7 +361,12 @@ class BudgetedTier(Tier):
             if not self._policy.is_pinned(key):
                 chosen.append(key)
                 nbytes -= self._policy.size_of(key) or 0
-        entries = self._detach_all(chosen)
+        return await self._evict_keys(chosen)
+
+    async def _evict_keys(self, keys: list[bytes]) -> bool:
+        """Evict these (present, unpinned) keys through the detach/demote/drop steps; a key
+        pinned meanwhile is kept. Returns whether anything was evicted."""
+        entries = self._detach_all([k for k in keys if k in self._policy])
         try:
             await self._demote(entries)
         except BaseException:
