@@ -31,8 +31,8 @@ from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.policy import ARCPolicy, Clock, RecencyPolicy, S3FIFOPolicy
 from kvtier.tiers.base import Block, Tier
 
-__all__ = ["POLICIES", "STEP_BLOCKS", "STEP_BYTES", "BudgetedTier", "Leaving", "Policy", "make_policy",
-           "parse_policy"]
+__all__ = ["POLICIES", "STEP_BLOCKS", "STEP_BYTES", "BudgetedTier", "Leaving", "Policy",
+           "make_policy", "parse_policy"]
 
 Policy = RecencyPolicy | S3FIFOPolicy | ARCPolicy
 #: ``policy=`` URL option values of every budgeted tier.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -54,14 +55,11 @@ def _io_error_types() -> tuple[type[BaseException], ...]:
     and aiohttp where installed. Counted and reported as TierError; anything else (a
     TypeError, say) is a bug and propagates as itself."""
     types: list[type[BaseException]] = [OSError, TimeoutError]
-    with contextlib.suppress(ImportError):
-        import botocore.exceptions
-
-        types += [botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError]
-    with contextlib.suppress(ImportError):
-        import aiohttp
-
-        types.append(aiohttp.ClientError)
+    for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")),
+                          ("aiohttp", ("ClientError",))):
+        with contextlib.suppress(ImportError):
+            found = importlib.import_module(module)
+            types += [getattr(found, name) for name in names]
     return tuple(types)
 
 
@@ -175,7 +173,8 @@ class FsspecTier(BudgetedTier):
             compress_level=parse_compress(merged.get("compress")),
             shuffle=parse_bool(merged.get("shuffle", False), "shuffle"),
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
-            timeout=timeout, policy=parse_policy(merged.get("policy")), name=str(merged["name"]) if "name" in merged else None, **kwargs)
+            timeout=timeout, policy=parse_policy(merged.get("policy")),
+            name=str(merged["name"]) if "name" in merged else None, **kwargs)
 
     def _make_sync_backend(self) -> tuple[Backend, str]:
         try:
@@ -274,22 +273,23 @@ class FsspecTier(BudgetedTier):
     async def _commit(self, items: Sequence[tuple[bytes, Block]],
                       dropped: list[bytes]) -> list[int]:
         await self._drop_stored(dropped)
-        sizes = []
-        for key, block in items:
-            path = await self._path(key)
-            frames: list[EncodedFrame] = []
+        return [await self._write(key, block) for key, block in items]
 
-            def encode(block: Block = block) -> EncodedFrame:
-                frames.append(self._encoder(block)())
-                return frames[-1]
+    async def _write(self, key: bytes, block: Block) -> int:
+        """Encode and publish one block; returns its frame bytes."""
+        path = await self._path(key)
+        frames: list[EncodedFrame] = []
 
-            try:
-                await self._io(lambda b: b.write(path, encode))
-            except _IO_ERRORS as exc:
-                self.io_errors += 1
-                raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
-            sizes.append(frames[-1].nbytes if frames else frame_size_bound(block))
-        return sizes
+        def encode() -> EncodedFrame:
+            frames.append(self._encoder(block)())
+            return frames[-1]
+
+        try:
+            await self._io(lambda b: b.write(path, encode))
+        except _IO_ERRORS as exc:
+            self.io_errors += 1
+            raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
+        return frames[-1].nbytes if frames else frame_size_bound(block)
 
     async def _read_leaving(self, keys: list[bytes]) -> list[Block | None]:
         blocks: list[Block | None] = []

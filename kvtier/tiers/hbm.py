@@ -443,7 +443,7 @@ class HBMTier(BudgetedTier):
             slot, key = pinned[0]
             raise TierFullError(f"slot_ids: slot {slot} holds pinned block {key.hex()}")
         while True:
-            owners = [key for slot in ids if (key := self._owner.get(slot)) is not None]
+            owners = [owner for slot in ids if (owner := self._owner.get(slot)) is not None]
             if not owners:
                 break
             if self._leaving:

@@ -542,7 +542,7 @@ class LMDBTier(BudgetedTier):
             now = self._clock()
             pending: list[PendingPut] | None = None
             try:
-                for attempt in range(_MAP_FULL_RETRIES + 1):
+                for _ in range(_MAP_FULL_RETRIES + 1):
                     touches = self._touch_records()
                     try:
                         pending = await asyncio.to_thread(
