@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
@@ -69,8 +69,7 @@ class Leaving:
     key: bytes
     size: int
     block: Block | None  # held in memory by the tier (dram), else read back from storage
-    done: asyncio.Future[None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Future[None] | None = None  # made when someone waits (_settled)
 
 
 def _steps(entries: list[Leaving]) -> list[list[Leaving]]:
@@ -182,6 +181,8 @@ class BudgetedTier(Tier):
             entry = next((self._leaving[k] for k in keys if k in self._leaving), None)
             if entry is None:
                 return
+            if entry.done is None:
+                entry.done = asyncio.get_running_loop().create_future()
             await asyncio.shield(entry.done)
 
     def _room_changed(self) -> None:
@@ -242,7 +243,7 @@ class BudgetedTier(Tier):
             else:
                 self._dropped(entry)
         entry.block = None
-        if not entry.done.done():
+        if entry.done is not None and not entry.done.done():
             entry.done.set_result(None)
 
     async def _demote(self, entries: list[Leaving]) -> None:
@@ -266,16 +267,36 @@ class BudgetedTier(Tier):
         TierFullError
             If pinned blocks leave no room (nothing changes).
         """
+        if (self._atomic_commit and len(items) == 1 and not self._leaving
+                and not self._claimed):
+            # The hot path (one block into a tier that holds blocks in memory): nothing in
+            # flight, so choosing, evicting (when there is nothing to demote to) and
+            # committing are one synchronous step.
+            key = items[0][0]
+            size = sizes[0]
+            policy = self._policy
+            capacity = policy.capacity
+            if capacity is None or policy.used + size - (policy.size_of(key) or 0) <= capacity:
+                await self._commit(items, [])
+                policy.admit(key, size)
+                return
+            if self.on_evict is None:
+                for victim in policy.victims(size, replacing=key):
+                    self.evictions += 1
+                    victim_size = policy.remove(victim) or 0
+                    self._dropped(Leaving(victim, victim_size, self._detach(victim)))
+                await self._commit(items, [])
+                policy.admit(key, size)
+                return
         keys = [k for k, _ in items]
         wanted = dict(zip(keys, sizes, strict=True))
         if self._leaving:
             await self._settled(keys)
-        if self._atomic_commit and self._fits_now(wanted):
-            # Room already, and no await between this check and the commit.
-            await self._commit(items, [])
-            for key, size in wanted.items():
-                self._policy.admit(key, size)
-            return
+            if self._atomic_commit and self._fits_now(wanted):
+                await self._commit(items, [])
+                for key, size in wanted.items():
+                    self._policy.admit(key, size)
+                return
         await self._evict_and_commit(items, wanted)
 
     def _unpin_all(self, keys: Iterable[bytes]) -> None:
