@@ -319,8 +319,13 @@ class BudgetedTier(Tier):
         # Shielded: a cancelled put must not leave storage and accounting apart.
         task = asyncio.ensure_future(finish)
         self._commits.add(task)
-        task.add_done_callback(self._commits.discard)
+        task.add_done_callback(self._commit_done)
         await asyncio.shield(task)
+
+    def _commit_done(self, task: asyncio.Future[None]) -> None:
+        self._commits.discard(task)
+        if not task.cancelled():
+            task.exception()  # the put that awaited it raised it, or was cancelled first
 
     async def _make_room(self, wanted: dict[bytes, int]) -> tuple[list[Leaving], int]:
         """Choose, detach and demote victims until the ones left are enough; return them
