@@ -35,7 +35,7 @@ import numpy.typing as npt
 import xxhash
 import zstandard
 
-from kvtier.errors import CorruptBlockError
+from kvtier.errors import ConfigError, CorruptBlockError
 
 __all__ = [
     "FLAG_SHUFFLE",
@@ -50,6 +50,8 @@ __all__ = [
     "decode_frame",
     "dtype_descriptor",
     "encode_frame",
+    "frame_size_bound",
+    "parse_compress",
     "parse_header",
 ]
 
@@ -353,3 +355,41 @@ def decode_frame(buf: bytes | bytearray | memoryview) -> npt.NDArray[np.generic]
         raise CorruptBlockError("frame: decompressed size mismatch")
     data = _unshuffle(raw, head.dtype.itemsize) if head.flags & FLAG_SHUFFLE else raw
     return np.frombuffer(data, dtype=head.dtype).reshape(head.shape)
+
+
+def frame_size_bound(block: npt.NDArray[np.generic]) -> int:
+    """Bytes of the frame :func:`encode_frame` makes of ``block``: exact when uncompressed,
+    an upper bound when compressed (zstd output is kept only when smaller than the raw
+    payload). Tiers budget a block by it before encoding."""
+    descriptor = dtype_descriptor(block.dtype, "block")
+    return _FIXED.size + 8 * block.ndim + len(descriptor) + 8 + block.nbytes
+
+
+_DEFAULT_ZSTD_LEVEL = 1
+
+
+def parse_compress(value: object, name: str = "compress") -> int | None:
+    """Parse a ``compress=`` option (every tier that stores frames uses this one parser):
+    ``zstd:LEVEL`` (1..22), ``zstd`` (level 1), or ``none``/``0``/``off``/``false``/empty
+    for no compression. Returns the zstd level or ``None``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the option, for anything else.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ConfigError(f"{name}: expected 'zstd:LEVEL' or 'none', got {value!r}")
+    text = str(value).strip().lower()
+    if text in ("", "0", "none", "false", "off"):
+        return None
+    codec, _, level_text = text.partition(":")
+    if codec != "zstd":
+        raise ConfigError(f"{name}: unknown codec {codec!r} (supported: zstd:LEVEL, none)")
+    if not level_text:
+        return _DEFAULT_ZSTD_LEVEL
+    if not level_text.isdigit() or not 1 <= int(level_text) <= 22:
+        raise ConfigError(f"{name}: zstd level must be 1..22, got {level_text!r}")
+    return int(level_text)

@@ -327,10 +327,12 @@ class S3FIFOPolicy(_PinsAndBudget):
         # Each key is looked at a bounded number of times (3 chances in main, one move out
         # of small, one pass over pinned keys) so the loop ends even when all are pinned.
         budget = 5 * (len(self._small) + len(self._main)) + 1
+        held_in_small = 0  # pinned (or replaced) keys rotated in small since one left it
         while excess > 0 and budget > 0:
             budget -= 1
-            from_small = bool(self._small) and (self._small_used > self._small_target
-                                                or not self._main)
+            # Once a whole pass over small found only keys it must keep, main gives instead.
+            from_small = (bool(self._small) and held_in_small < len(self._small)
+                          and (self._small_used > self._small_target or not self._main))
             queue = self._small if from_small else self._main
             if not queue:
                 break
@@ -342,7 +344,10 @@ class S3FIFOPolicy(_PinsAndBudget):
                 queue[key] = None
                 if from_small:
                     self._small_used += size
+                    held_in_small += 1
                 continue
+            if from_small:
+                held_in_small = 0
             freq = self._freq[key]
             if from_small and freq >= self._promote_after:
                 self._freq[key] = 0

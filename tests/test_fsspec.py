@@ -261,3 +261,46 @@ def test_gc_refuses_bad_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
     assert main(["gc", f"file://{tmp_path}", "--capacity", "lots"]) == 2
     assert "--capacity" in capsys.readouterr().out
+
+
+async def test_read_of_old_block_on_read_only_mount(tiny_tmpfs: Path) -> None:
+    # Issue 9, bug 6: a hit on a block whose atime is older than an hour called os.utime,
+    # which fails with EROFS on a read-only mount (EPERM on a file another user owns).
+    tier = FsspecTier(f"file://{tiny_tmpfs}/kv")
+    await tier.put(key_of(1), sample_block(1))
+    path = tier.path_of(key_of(1))
+    os.utime(path, (1_000_000, 1_000_000))  # an old block
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_tmpfs)], check=True)
+    got = await tier.get(key_of(1))
+    assert got is not None and got.tobytes() == sample_block(1).tobytes()
+    assert tier.stats()["io_errors"] == 0
+    assert os.stat(path).st_atime == 1_000_000  # the read wrote no metadata
+    await tier.aclose()
+
+
+class _BuggyMemoryFS(MemoryFileSystem):
+    """A memory filesystem with a programming error in its read path."""
+
+    protocol = "buggymem"
+
+    def cat_file(self, path: str, *args: Any, **kwargs: Any) -> bytes:
+        raise AttributeError("'NoneType' object has no attribute 'read'")
+
+
+async def test_programming_error_is_not_a_miss() -> None:
+    # Issue 9, bug 9: `_IO_ERRORS = (Exception,)` turned bugs into counted misses.
+    register_implementation("buggymem", _BuggyMemoryFS, clobber=True)
+    tier = tier_from_url(f"buggymem://kv-{uuid.uuid4().hex}")
+    await tier.put(key_of(1), sample_block(1))
+    with pytest.raises(AttributeError):
+        await tier.get(key_of(1))
+    assert tier.stats()["io_errors"] == 0
+    await tier.aclose()
+
+
+def test_policy_option(tmp_path: Path) -> None:
+    for name in ("lru", "s3fifo", "arc"):
+        tier = tier_from_url(f"file://{tmp_path}/kv?capacity=1MiB&policy={name}")
+        assert isinstance(tier, FsspecTier) and tier.stats()["policy"] == name
+    with pytest.raises(ConfigError, match="policy"):
+        tier_from_url(f"file://{tmp_path}/kv?capacity=1MiB&policy=mru")

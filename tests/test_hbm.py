@@ -3,9 +3,13 @@ torch is installed), plus what is specific to slots, URLs and device outputs."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from kvtier.backends.numpy_backend import NumpyBackend
 from kvtier.errors import (
     BackendUnavailableError,
     BlockTooLargeError,
@@ -148,3 +152,51 @@ async def test_get_into_cpu_dlpack_object() -> None:
     assert (wrong == 3).all()
     with pytest.raises(TypeError, match="out"):
         await tier.get_into(key_of(1), [0] * 512)  # type: ignore[arg-type]
+
+
+class _DeviceLikeBackend(NumpyBackend):
+    """numpy memory behind a backend that, like a GPU's, needs ``synchronize()`` to finish
+    its copies; it records the thread each synchronize ran on and takes a while."""
+
+    name = "devicelike"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sync_threads: list[int] = []
+
+    def synchronize(self) -> None:
+        self.sync_threads.append(threading.get_ident())
+        time.sleep(0.01)  # a device still copying
+
+
+async def test_device_synchronize_runs_off_the_event_loop() -> None:
+    # Issue 9, bug 7: HBMTier called synchronize() inline, blocking the loop for as long as
+    # the device took.
+    backend = _DeviceLikeBackend()
+    tier = HBMTier(4 * BLOCK_BYTES, block_bytes=BLOCK_BYTES, backend=backend)
+    loop_thread = threading.get_ident()
+    await tier.put(key_of(1), sample_block(1))
+    got = await tier.get(key_of(1))
+    assert got is not None and got.tobytes() == sample_block(1).tobytes()
+    out = np.empty(BLOCK_BYTES, np.uint8)
+    assert await tier.get_into(key_of(1), out)
+    assert out.tobytes() == sample_block(1).tobytes()
+    for i in range(2, 8):  # evictions read victims back from the device
+        await tier.put(key_of(i), sample_block(i))
+    assert len(backend.sync_threads) >= 3
+    assert loop_thread not in backend.sync_threads
+    await tier.aclose()
+
+
+async def test_host_backends_copy_inline_without_synchronize() -> None:
+    tier = HBMTier(4 * BLOCK_BYTES, block_bytes=BLOCK_BYTES, backend="numpy")
+    await tier.put(key_of(1), sample_block(1))
+    got = await tier.get(key_of(1))
+    assert got is not None and got.tobytes() == sample_block(1).tobytes()
+    await tier.aclose()
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc"])
+def test_policy_option(policy: str) -> None:
+    tier = tier_from_url(f"hbm://?capacity=4KiB&block_bytes=1KiB&backend=numpy&policy={policy}")
+    assert tier.stats()["policy"] == policy

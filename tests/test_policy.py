@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.errors import BlockTooLargeError, TierError, TierFullError
-from kvtier.policy import RecencyPolicy
+from kvtier.policy import RecencyPolicy, S3FIFOPolicy
 from kvtier.testing.fakes import FakeClock
 
 
@@ -298,3 +298,15 @@ class LRUModel(RuleBasedStateMachine):
 
 TestLRUModel = LRUModel.TestCase
 TestLRUModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_s3fifo_takes_from_main_when_small_holds_only_the_replaced_key() -> None:
+    # Found by the chain machine with policy=s3fifo: once small held only the key being
+    # replaced (or pinned keys) and more than its target, victims() rotated that key until
+    # its step budget ran out and raised TierFullError with main full of evictable blocks.
+    policy = S3FIFOPolicy(8192)
+    for key, size in [(b"a", 512), (b"b", 2048), (b"c", 3584), (b"d", 2048)]:
+        policy.admit(key, size)
+    for key in (b"a", b"b", b"c"):
+        policy.touch(key)  # reused: each moves to main when small is trimmed
+    assert policy.victims(3584, replacing=b"d") == [b"a", b"b"]

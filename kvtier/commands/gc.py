@@ -3,8 +3,10 @@
 Several nodes may write one directory (``file:///mnt/weka/kvtier``, ``s3://bucket/kv``); each
 node's ``capacity=`` only trims its own writes. This command is the operator's tool for the
 whole directory: it lists every block file of the tier layout (``ab/cd/<hex>.kvb``), orders
-them by last use (the later of access and modification time; kvtier refreshes a file's atime
-on a hit at most hourly) and deletes the least recently used until the total fits. It also
+them by last use (the later of access and modification time; reads never write metadata,
+so access times are the kernel's: relatime refreshes them at most daily, noatime never, and
+then a block ages from when it was written) and deletes the least recently used until the
+total fits. It also
 removes temp files that writers left behind (a writer killed between create and rename)
 once they are older than ``--tmp-age``. Nothing outside the layout is touched.
 """

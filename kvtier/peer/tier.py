@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any, Self, TypeVar, cast
 
 from kvtier.codec import EncodedFrame, decode_frame, encode_frame
+from kvtier.codec import parse_compress as _compress_level
 from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError
 from kvtier.peer import protocol as proto
 from kvtier.peer.client import PeerClient
@@ -47,16 +48,6 @@ def _number(value: object, name: str, cast: Callable[[str], T], low: float) -> T
     if out < low:  # type: ignore[operator]
         raise ConfigError(f"{name}: expected >= {low}, got {value!r}")
     return out
-
-
-def _compress_level(value: object) -> int | None:
-    text = str(value).strip().lower()
-    if text in ("", "none", "0", "off"):
-        return None
-    algo, _, level = text.partition(":")
-    if algo != "zstd" or (level and not level.isdigit()) or not 1 <= int(level or 1) <= 22:
-        raise ConfigError(f"compress: expected zstd or zstd:1..22, got {value!r}")
-    return int(level or 1)
 
 
 class PeerTier(Tier):

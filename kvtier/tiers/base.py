@@ -26,12 +26,15 @@ if TYPE_CHECKING:
     from kvtier.backends import DeviceOutput
 
 __all__ = [
+    "BATCH_CONCURRENCY",
     "Block", "EvictionCallback", "Tier", "check_output_buffer", "check_output_spec", "copy_into",
 ]
 
 Block = npt.NDArray[np.generic]
 EvictionCallback = Callable[[bytes, Block], Awaitable[None]]
 log = logging.getLogger("kvtier.tiers")
+#: Operations the default batch implementations run at once.
+BATCH_CONCURRENCY = 16
 
 
 @overload
@@ -105,12 +108,13 @@ class Tier(abc.ABC):
     A tier with a byte budget calls :meth:`_evict` for every block it drops by its budget,
     *before* the block stops being readable, so the store can demote it.
 
+    The default batch implementations run at most :data:`BATCH_CONCURRENCY` operations at
+    once.
+
     Parameters
     ----------
     name
         Label used in stats and logs (defaults to the scheme).
-    max_concurrency
-        Bound on concurrent operations in the default batch implementations.
     """
 
     scheme: ClassVar[str] = ""
@@ -121,14 +125,11 @@ class Tier(abc.ABC):
     #: above it are write-through into it, so a put is readable pool-wide once it returns.
     shared: ClassVar[bool] = False
 
-    def __init__(self, *, name: str | None = None, max_concurrency: int = 16) -> None:
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency: expected >= 1, got {max_concurrency}")
+    def __init__(self, *, name: str | None = None) -> None:
         self.name = name or self.scheme
         self.on_evict: EvictionCallback | None = None
         self.evictions = 0
         self.eviction_errors = 0
-        self._max_concurrency = max_concurrency
         self._closed = False
 
     # ----------------------------------------------------------------- contract
@@ -166,9 +167,9 @@ class Tier(abc.ABC):
     # ---------------------------------------------------------- batch defaults
     async def _bounded(self, op: Callable[[bytes], Awaitable[Any]],
                        keys: Sequence[bytes]) -> list[Any]:
-        """``op(key)`` for every key, at most ``max_concurrency`` at once. Each coroutine is
+        """``op(key)`` for every key, at most :data:`BATCH_CONCURRENCY` at once. Each coroutine is
         created only once its slot is taken, so a cancellation leaves none unawaited."""
-        sem = asyncio.Semaphore(self._max_concurrency)
+        sem = asyncio.Semaphore(BATCH_CONCURRENCY)
 
         async def run(key: bytes) -> Any:
             async with sem:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from collections.abc import Sequence
@@ -12,9 +11,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import ConfigError
-from kvtier.policy import Clock, RecencyPolicy
+from kvtier.policy import Clock
 from kvtier.tiers.base import Block
-from kvtier.tiers.budget import BudgetedTier
+from kvtier.tiers.budget import BudgetedTier, Leaving, make_policy, parse_policy
 from kvtier.urls import merge_options, parse_size, parse_tier_url
 
 __all__ = ["DRAMTier"]
@@ -93,6 +92,8 @@ class DRAMTier(BudgetedTier):
     ----------
     capacity
         Byte budget (``None``: unbounded).
+    policy
+        Eviction policy: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
         Time source for the recency policy (tests inject a fake clock).
     name
@@ -100,33 +101,34 @@ class DRAMTier(BudgetedTier):
 
     Examples
     --------
-    URL form: ``dram://?capacity=8GiB``.
+    URL form: ``dram://?capacity=8GiB&policy=lru``.
     """
 
     scheme = "dram"
 
-    def __init__(self, capacity: int | None = None, *, clock: Clock = time.monotonic,
-                 name: str | None = None) -> None:
+    _atomic_commit = True
+
+    def __init__(self, capacity: int | None = None, *, policy: str = "lru",
+                 clock: Clock = time.monotonic, name: str | None = None) -> None:
         super().__init__(name=name)
-        self._policy = RecencyPolicy(capacity, clock)
+        self._policy = make_policy(policy, capacity, clock)
         # A large stored block is a read-only view of its own uint8 buffer (``block.base``),
         # so a dropped block's buffer can go to the spare pool whatever its dtype and shape.
         self._blocks: dict[bytes, Block] = {}
         self._spare = _SparePool(_SPARE_MAX_BYTES if capacity is None
                                  else min(_SPARE_MAX_BYTES, capacity // 8))
-        # Serialises eviction+admission: a victim must reach the next tier before it goes.
-        self._lock = asyncio.Lock()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """``dram://?capacity=SIZE[&name=LABEL]``."""
+        """``dram://?capacity=SIZE[&policy=lru|s3fifo|arc][&name=LABEL]``."""
         parsed = parse_tier_url(url)
         if parsed.netloc or parsed.path not in ("", "/"):
             raise ConfigError(f"url: dram:// takes no host or path, got {url!r}")
-        opts = merge_options(parsed, options, {"capacity", "name", "clock"})
+        opts = merge_options(parsed, options, {"capacity", "name", "clock", "policy"})
         capacity = opts.get("capacity")
         return cls(
             capacity=None if capacity in (None, "") else parse_size(capacity),  # type: ignore[arg-type]
+            policy=parse_policy(opts.get("policy")),
             name=str(opts["name"]) if "name" in opts else None,
             **({"clock": opts["clock"]} if "clock" in opts else {}),  # type: ignore[arg-type]
         )
@@ -138,34 +140,43 @@ class DRAMTier(BudgetedTier):
         block = self._blocks.get(key)
         if block is not None:
             self._policy.touch(key)
-        return block
+            return block
+        leaving = self._leaving.get(key)  # being demoted: still readable
+        return None if leaving is None else leaving.block
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         return [await self._get(k) for k in keys]
 
     async def _contains(self, key: bytes) -> bool:
-        return key in self._blocks
+        return key in self._blocks or key in self._leaving
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return [k in self._blocks for k in keys]
+        return [k in self._blocks or k in self._leaving for k in keys]
 
     async def _put(self, key: bytes, block: Block) -> None:
         self._policy.check_fits(block.nbytes)
-        async with self._lock:
-            for victim in self._policy.victims(block.nbytes, replacing=key):
-                old = self._blocks.get(victim)
-                if old is not None:
-                    await self._evict(victim, old)
-                self._blocks.pop(victim, None)
-                self._policy.remove(victim)
-                if old is not None:
-                    self._reclaim(old)
-            # No await from here on: readers see the old block until the new one is in.
+        await self._store_evicting(((key, block),), (block.nbytes,))
+
+    async def _commit(self, items: Sequence[tuple[bytes, Block]],
+                      dropped: list[bytes]) -> None:
+        # Never yields: readers see the old block until the new one is in.
+        for key, block in items:
             old = self._blocks.pop(key, None)
             if old is not None:
                 self._reclaim(old)  # an unread overwritten block lends its buffer to the copy
             self._blocks[key] = self._copy(block)
-            self._policy.admit(key, block.nbytes)
+
+    def _detach(self, key: bytes) -> Block | None:
+        return self._blocks.pop(key, None)
+
+    def _reattach(self, entry: Leaving) -> None:
+        if entry.block is not None:
+            self._blocks.setdefault(entry.key, entry.block)
+
+    def _dropped(self, entry: Leaving) -> None:
+        old, entry.block = entry.block, None
+        if old is not None:
+            self._reclaim(old)
 
     def _copy(self, block: Block) -> Block:
         """A read-only copy of ``block``; a large one goes into a spare buffer of its size
@@ -201,9 +212,10 @@ class DRAMTier(BudgetedTier):
 
     async def _delete(self, key: bytes) -> bool:
         # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
-        async with self._lock:
-            self._policy.remove(key)
-            old = self._blocks.pop(key, None)
+        if self._leaving:
+            await self._settled([key])
+        self._policy.remove(key)
+        old = self._blocks.pop(key, None)
         if old is None:
             return False
         self._reclaim(old)
@@ -211,6 +223,7 @@ class DRAMTier(BudgetedTier):
 
     async def _aclose(self) -> None:
         self._blocks.clear()
+        self._leaving.clear()
         self._spare.clear()
         for key in list(self._policy.lru_order()):
             self._policy.remove(key)

@@ -16,21 +16,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from kvtier.codec import EncodedFrame, decode_frame, dtype_descriptor, encode_frame
+from kvtier.codec import (
+    EncodedFrame,
+    decode_frame,
+    encode_frame,
+    frame_size_bound,
+    parse_compress,
+)
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
-from kvtier.policy import Clock, RecencyPolicy
+from kvtier.policy import Clock
 from kvtier.tiers.base import Block
-from kvtier.tiers.budget import BudgetedTier
+from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
-from kvtier.tiers.persist_options import parse_compress
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
 
 __all__ = ["BLOCK_SUFFIX", "FsspecTier", "key_path"]
@@ -40,11 +46,24 @@ T = TypeVar("T")
 
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
-                "storage_options", "clock"}
-# What a storage back end raises for a failed operation: OSError from files and from s3fs's
-# error translation, timeouts, and anything else a third-party filesystem raises (botocore
-# connection errors, for example). Counted and reported as TierError.
-_IO_ERRORS = (Exception,)
+                "storage_options", "clock", "policy"}
+
+
+def _io_error_types() -> tuple[type[BaseException], ...]:
+    """What a storage back end raises for a failed operation: OSError (files, s3fs's error
+    translation, aiohttp's connection errors), timeouts, and the client errors of botocore
+    and aiohttp where installed. Counted and reported as TierError; anything else (a
+    TypeError, say) is a bug and propagates as itself."""
+    types: list[type[BaseException]] = [OSError, TimeoutError]
+    for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")),
+                          ("aiohttp", ("ClientError",))):
+        with contextlib.suppress(ImportError):
+            found = importlib.import_module(module)
+            types += [getattr(found, name) for name in names]
+    return tuple(types)
+
+
+_IO_ERRORS = _io_error_types()
 # Keys up to this many bytes are named by their hex; longer ones by a digest, so a name
 # stays under NAME_MAX (255) whatever the key length.
 _MAX_HEX_KEY_BYTES = 100
@@ -85,6 +104,8 @@ class FsspecTier(BudgetedTier):
         ``file://`` only: fsync the block and its directory before publishing.
     timeout
         Seconds after which one storage operation is abandoned (a miss or a put error).
+    policy
+        Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
         Time source for the recency policy.
     name
@@ -97,7 +118,7 @@ class FsspecTier(BudgetedTier):
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
-                 timeout: float = 30.0, clock: Clock = time.monotonic,
+                 timeout: float = 30.0, policy: str = "lru", clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
@@ -112,8 +133,7 @@ class FsspecTier(BudgetedTier):
         self.fanout = fanout
         self.fsync = fsync
         self.timeout = timeout
-        self._policy = RecencyPolicy(capacity, clock)
-        self._lock = asyncio.Lock()
+        self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
         self._root = ""
         self._opening = asyncio.Lock()
@@ -129,8 +149,8 @@ class FsspecTier(BudgetedTier):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """``PROTO://LOCATION?capacity=SIZE&compress=zstd:1&shuffle=1&fanout=2&fsync=0
-        &timeout=30&name=LABEL&<storage options>``; other query options and the
+        """``PROTO://LOCATION?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&fanout=2
+        &fsync=0&timeout=30&name=LABEL&<storage options>``; other query options and the
         ``storage_options`` keyword go to the fsspec filesystem."""
         parsed = parse_tier_url(url)
         merged: dict[str, Any] = {**parsed.params, **options}
@@ -154,7 +174,8 @@ class FsspecTier(BudgetedTier):
             compress_level=parse_compress(merged.get("compress")),
             shuffle=parse_bool(merged.get("shuffle", False), "shuffle"),
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
-            timeout=timeout, name=str(merged["name"]) if "name" in merged else None, **kwargs)
+            timeout=timeout, policy=parse_policy(merged.get("policy")),
+            name=str(merged["name"]) if "name" in merged else None, **kwargs)
 
     def _make_sync_backend(self) -> tuple[Backend, str]:
         try:
@@ -214,7 +235,7 @@ class FsspecTier(BudgetedTier):
             log.warning("%s tier: corrupt block %s deleted: %s", self.name, path, exc)
             try:
                 await self._io(lambda b: b.delete(path))
-            except Exception as del_exc:  # a read-only mount cannot delete it: still a miss
+            except _IO_ERRORS as del_exc:  # a read-only mount cannot delete it: still a miss
                 log.warning("%s tier: cannot delete corrupt %s: %s", self.name, path, del_exc)
             self._policy.remove(key)
         except _IO_ERRORS as exc:
@@ -232,7 +253,7 @@ class FsspecTier(BudgetedTier):
         return block
 
     async def _contains(self, key: bytes) -> bool:
-        if key in self._policy:
+        if key in self._policy or key in self._leaving:
             return True
         path = await self._path(key)
         try:
@@ -246,28 +267,47 @@ class FsspecTier(BudgetedTier):
                                     shuffle=self.shuffle)
 
     async def _put(self, key: bytes, block: Block) -> None:
-        bound = 24 + 8 * block.ndim + len(dtype_descriptor(block.dtype, "value")) + 8 \
-            + block.nbytes
+        bound = frame_size_bound(block)
         self._policy.check_fits(bound)
-        async with self._budget_lock():
-            for victim in self._policy.victims(bound, replacing=key):
-                old = await self._read(victim)
-                if old is not None:
-                    await self._evict(victim, old)
-                await self._remove(victim)
-            path = await self._path(key)
-            frames: list[EncodedFrame] = []
+        await self._store_evicting(((key, block),), (bound,))
 
-            def encode() -> EncodedFrame:
-                frames.append(self._encoder(block)())
-                return frames[-1]
+    async def _commit(self, items: Sequence[tuple[bytes, Block]],
+                      dropped: list[bytes]) -> list[int]:
+        await self._drop_stored(dropped)
+        return [await self._write(key, block) for key, block in items]
 
+    async def _write(self, key: bytes, block: Block) -> int:
+        """Encode and publish one block; returns its frame bytes."""
+        path = await self._path(key)
+        frames: list[EncodedFrame] = []
+
+        def encode() -> EncodedFrame:
+            frames.append(self._encoder(block)())
+            return frames[-1]
+
+        try:
+            await self._io(lambda b: b.write(path, encode))
+        except _IO_ERRORS as exc:
+            self.io_errors += 1
+            raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
+        return frames[-1].nbytes if frames else frame_size_bound(block)
+
+    async def _read_leaving(self, keys: list[bytes]) -> list[Block | None]:
+        blocks: list[Block | None] = []
+        for key in keys:
             try:
-                await self._io(lambda b: b.write(path, encode))
-            except _IO_ERRORS as exc:
-                self.io_errors += 1
-                raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
-            self._policy.admit(key, frames[-1].nbytes if frames else bound)
+                blocks.append(await self._read(key))
+            except TierError as exc:  # counted; the victim is dropped undemoted
+                log.warning("%s tier: victim %s unreadable: %s", self.name, key.hex(), exc)
+                blocks.append(None)
+        return blocks
+
+    async def _drop_stored(self, keys: list[bytes]) -> None:
+        for key in keys:
+            try:
+                await self._remove(key)
+            except TierError as exc:  # counted; the file stays until a delete or gc
+                log.warning("%s tier: %s", self.name, exc)
 
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
@@ -281,21 +321,16 @@ class FsspecTier(BudgetedTier):
         return found
 
     async def _delete(self, key: bytes) -> bool:
-        async with self._budget_lock():
-            return await self._remove(key)
-
-    def _budget_lock(self) -> contextlib.AbstractAsyncContextManager[object]:
-        # Only a budget needs eviction and admission serialised (a victim must reach the next
-        # tier before it goes); without one, puts to a shared mount or bucket run in parallel.
-        if self._policy.capacity is None:
-            return contextlib.nullcontext()
-        return self._lock
+        # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
+        if self._leaving:
+            await self._settled([key])
+        return await self._remove(key)
 
     async def _aclose(self) -> None:
-        async with self._lock:
-            if self._backend is not None:
-                await self._backend.close()
-                self._backend = None
+        await self._commits_done()
+        if self._backend is not None:
+            await self._backend.close()
+            self._backend = None
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,

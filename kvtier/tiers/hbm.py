@@ -10,29 +10,42 @@ Inference engines keep their paged KV cache as one device tensor of ``num_slots`
 Slots the engine uses are never written: slots it allocated itself are declared with
 :meth:`HBMTier.reserve_slots` (and given back with :meth:`HBMTier.release_slots`), and blocks
 kvtier placed that the engine reads in place are protected with :meth:`~Tier.pin`. A put
-that finds no free slot evicts the least recently used unpinned block (demoting it through
-the eviction callback first) or, when every slot is reserved or pinned, raises
-:class:`~kvtier.errors.TierFullError`.
+that finds no free slot evicts by the tier's policy (demoting the victim through the eviction
+callback first, see :mod:`kvtier.tiers.budget`) or, when every slot is reserved or pinned,
+raises :class:`~kvtier.errors.TierFullError`.
+
+Device copies never block the event loop: with a device backend (CUDA through torch or
+CuPy, or a third-party backend) each copy and the ``synchronize()`` that waits for it run in a
+worker thread; host-memory backends (numpy, torch on CPU) copy synchronously and inline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import numpy as np
 
 from kvtier.backends import DeviceBackend, backend_for, get_backend
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
-from kvtier.policy import Clock, RecencyPolicy
+from kvtier.policy import Clock
 from kvtier.tiers.base import Block, check_output_spec
-from kvtier.tiers.budget import BudgetedTier
+from kvtier.tiers.budget import BudgetedTier, Leaving, make_policy, parse_policy
 from kvtier.urls import merge_options, parse_size, parse_tier_url
 
 __all__ = ["HBMTier"]
+
+T = TypeVar("T")
+
+
+def _copies_are_synchronous(backend: DeviceBackend) -> bool:
+    """Whether ``backend`` copies host memory synchronously (numpy, torch on CPU), so a copy
+    may run inline on the loop and there is nothing to synchronize."""
+    return backend.name == "numpy" or (backend.name == "torch"
+                                       and getattr(backend, "is_cuda", True) is False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +73,8 @@ class HBMTier(BudgetedTier):
         Device string for the backend (``"cuda:0"``); ``None`` picks the backend's default.
     buffer
         An engine-owned buffer to attach to instead of allocating (see :meth:`attach`).
+    policy
+        Eviction policy: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
         Time source of the recency policy.
     name
@@ -74,8 +89,8 @@ class HBMTier(BudgetedTier):
 
     def __init__(self, capacity: int | None = None, *, block_bytes: int | None = None,
                  backend: str | DeviceBackend | None = None, device: str | None = None,
-                 buffer: object | None = None, clock: Clock = time.monotonic,
-                 name: str | None = None) -> None:
+                 buffer: object | None = None, policy: str = "lru",
+                 clock: Clock = time.monotonic, name: str | None = None) -> None:
         super().__init__(name=name)
         if block_bytes is not None and (type(block_bytes) is not int or block_bytes < 1):
             raise ConfigError(f"block_bytes: expected an int >= 1, got {block_bytes!r}")
@@ -117,10 +132,9 @@ class HBMTier(BudgetedTier):
         self._reserved: set[int] = set()
         self._entries: dict[bytes, _Entry] = {}
         self._owner: dict[int, bytes] = {}
-        # LRU order and pins over keys; every block is charged a whole slot.
-        self._policy = RecencyPolicy(None, clock)
-        # Serialises slot allocation with eviction: a victim must reach the next tier first.
-        self._lock = asyncio.Lock()
+        # Eviction order and pins over keys; every block is charged a whole slot.
+        self._policy = make_policy(policy, num_slots * block_bytes, clock)
+        self._inline_copies = _copies_are_synchronous(self._backend)
 
     @staticmethod
     def _attach_backend(buffer: object, backend: str | DeviceBackend | None,
@@ -138,8 +152,8 @@ class HBMTier(BudgetedTier):
 
     @classmethod
     def attach(cls, buffer: object, *, block_bytes: int | None = None,
-               backend: str | DeviceBackend | None = None, clock: Clock = time.monotonic,
-               name: str | None = None) -> Self:
+               backend: str | DeviceBackend | None = None, policy: str = "lru",
+               clock: Clock = time.monotonic, name: str | None = None) -> Self:
         """Adapt an engine-owned paged KV buffer: ``[num_slots, ...]`` C-contiguous memory.
 
         kvtier writes blocks only into slots that are neither reserved by the engine
@@ -154,17 +168,19 @@ class HBMTier(BudgetedTier):
         backend
             Backend name or object; default inferred from the buffer's type.
         """
-        return cls(block_bytes=block_bytes, backend=backend, buffer=buffer, clock=clock,
-                   name=name)
+        return cls(block_bytes=block_bytes, backend=backend, buffer=buffer, policy=policy,
+                   clock=clock, name=name)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """``hbm://?capacity=SIZE&block_bytes=SIZE[&backend=torch][&device=cuda:0][&name=]``."""
+        """``hbm://?capacity=SIZE&block_bytes=SIZE[&backend=torch][&device=cuda:0]
+        [&policy=lru|s3fifo|arc][&name=]``."""
         parsed = parse_tier_url(url)
         if parsed.netloc or parsed.path not in ("", "/"):
             raise ConfigError(f"url: hbm:// takes no host or path, got {url!r}")
         opts = merge_options(parsed, options,
-                             {"capacity", "block_bytes", "backend", "device", "name", "clock"})
+                             {"capacity", "block_bytes", "backend", "device", "name", "clock",
+                              "policy"})
         if "capacity" not in opts:
             raise ConfigError(f"url: hbm:// needs capacity= (e.g. capacity=8GiB), got {url!r}")
         if "block_bytes" not in opts:
@@ -175,6 +191,7 @@ class HBMTier(BudgetedTier):
             block_bytes=parse_size(opts["block_bytes"], "block_bytes"),  # type: ignore[arg-type]
             backend=opts.get("backend", "torch"),  # type: ignore[arg-type]
             device=None if device in (None, "") else str(device),
+            policy=parse_policy(opts.get("policy")),
             name=str(opts["name"]) if "name" in opts else None,
             **({"clock": opts["clock"]} if "clock" in opts else {}),  # type: ignore[arg-type]
         )
@@ -223,16 +240,37 @@ class HBMTier(BudgetedTier):
         return None if entry is None else entry.slot
 
     # ---------------------------------------------------------------- copies
-    def _read(self, entry: _Entry) -> Block:
+    async def _device(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a copy (and the wait for it) inline for host backends, else off the loop."""
+        if self._inline_copies:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
+    def _read_sync(self, entry: _Entry) -> Block:
         host = self._backend.empty_host(entry.nbytes)
         self._backend.to_host(self._buffer, entry.slot * self._slot_bytes, host)
-        self._backend.synchronize()
+        if not self._inline_copies:
+            self._backend.synchronize()
         return host.view(entry.dtype).reshape(entry.shape)
 
-    def _write(self, slot: int, block: Block) -> None:
+    def _write_sync(self, slot: int, block: Block) -> None:
         self._backend.to_device(block.reshape(-1).view(np.uint8), self._buffer,
                                 slot * self._slot_bytes)
-        self._backend.synchronize()
+        if not self._inline_copies:
+            self._backend.synchronize()
+
+    def _get_into_sync(self, entry: _Entry, target: Any) -> None:
+        offset = entry.slot * self._slot_bytes
+        if isinstance(target, np.ndarray):
+            self._backend.to_host(self._buffer, offset, target.reshape(-1).view(np.uint8))
+        elif (target.backend.name, target.backend.device) == \
+                (self._backend.name, self._backend.device):
+            self._backend.copy(self._buffer, offset, target.flat, 0, entry.nbytes)
+        else:
+            # Across backends (a numpy pool into a torch tensor, say): through host memory.
+            target.write(self._read_sync(entry))
+        if not self._inline_copies:
+            self._backend.synchronize()
 
     # ------------------------------------------------------------- slot state
     def _drop(self, key: bytes) -> _Entry | None:
@@ -243,26 +281,49 @@ class HBMTier(BudgetedTier):
             self._free[entry.slot] = None
         return entry
 
-    async def _take_slot(self) -> int:
-        """A free slot, evicting (and demoting) the least recently used unpinned block if
-        there is none. Call with the lock held."""
-        if not self._free:
-            for victim in self._policy.lru_order():
-                if self._policy.is_pinned(victim):
-                    continue
-                await self._evict(victim, self._read(self._entries[victim]))
-                if self._policy.is_pinned(victim):
-                    continue  # pinned while it was being demoted: the engine uses it now
-                self._drop(victim)
-                break
-            else:
-                raise TierFullError(
-                    f"tier {self.name!r}: no free slot (of {self._num_slots}: "
-                    f"{len(self._reserved)} reserved by the engine, {len(self._entries)} "
-                    f"holding blocks, all of them pinned)")
-        slot = next(iter(self._free))
-        del self._free[slot]
-        return slot
+    # ------------------------------------------------- eviction template hooks
+    def _unavailable(self) -> int:
+        return len(self._reserved) * self._slot_bytes
+
+    async def _read_leaving(self, keys: list[bytes]) -> list[Block | None]:
+        blocks: list[Block | None] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            blocks.append(None if entry is None else await self._device(self._read_sync, entry))
+        return blocks
+
+    def _dropped(self, entry: Leaving) -> None:
+        self._drop(entry.key)
+
+    async def _drop_stored(self, keys: list[bytes]) -> None:
+        for key in keys:
+            self._drop(key)
+
+    async def _commit(self, items: Sequence[tuple[bytes, Block]],
+                      dropped: list[bytes]) -> None:
+        for key in dropped:
+            self._drop(key)
+        for key, block in items:
+            old = self._entries.get(key)
+            # A key is a content digest, so rewriting its own slot in place is safe.
+            if old is not None:
+                slot = old.slot
+            elif self._free:
+                slot = next(iter(self._free))
+                del self._free[slot]
+            else:  # the engine reserved the slot this put had room for
+                raise TierFullError(f"tier {self.name!r}: no free slot (of {self._num_slots}: "
+                                    f"{len(self._reserved)} reserved by the engine)")
+            try:
+                await self._device(self._write_sync, slot, block)
+            except BaseException:
+                if old is not None:
+                    self._drop(key)
+                else:
+                    self._free[slot] = None
+                raise
+            self._entries[key] = _Entry(slot, block.dtype, tuple(block.shape), block.nbytes)
+            self._owner[slot] = key
 
     # --------------------------------------------------------------- contract
     async def _get(self, key: bytes) -> Block | None:
@@ -270,7 +331,7 @@ class HBMTier(BudgetedTier):
         if entry is None:
             return None
         self._policy.touch(key)
-        return self._read(entry)
+        return await self._device(self._read_sync, entry)
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         return [await self._get(k) for k in keys]
@@ -280,16 +341,7 @@ class HBMTier(BudgetedTier):
         if entry is None:
             return False
         target = check_output_spec(entry.dtype, entry.shape, out)
-        offset = entry.slot * self._slot_bytes
-        if isinstance(target, np.ndarray):
-            self._backend.to_host(self._buffer, offset, target.reshape(-1).view(np.uint8))
-        elif (target.backend.name, target.backend.device) == \
-                (self._backend.name, self._backend.device):
-            self._backend.copy(self._buffer, offset, target.flat, 0, entry.nbytes)
-        else:
-            # Across backends (a numpy pool into a torch tensor, say): through host memory.
-            target.write(self._read(entry))
-        self._backend.synchronize()
+        await self._device(self._get_into_sync, entry, target)
         self._policy.touch(key)
         return True
 
@@ -304,28 +356,22 @@ class HBMTier(BudgetedTier):
             raise BlockTooLargeError(
                 f"block: {block.nbytes} bytes exceed the {self._slot_bytes}-byte slot of tier "
                 f"{self.name!r}")
-        async with self._lock:
-            old = self._entries.get(key)
-            # A key is a content digest, so rewriting its own slot in place is safe.
-            slot = old.slot if old is not None else await self._take_slot()
-            try:
-                self._write(slot, block)
-            except BaseException:
-                if old is not None:
-                    self._drop(key)
-                else:
-                    self._free[slot] = None
-                raise
-            self._entries[key] = _Entry(slot, block.dtype, tuple(block.shape), block.nbytes)
-            self._owner[slot] = key
-            self._policy.admit(key, self._slot_bytes)
+        try:
+            await self._store_evicting(((key, block),), (self._slot_bytes,))
+        except TierFullError as exc:
+            raise TierFullError(
+                f"tier {self.name!r}: no free slot (of {self._num_slots}: "
+                f"{len(self._reserved)} reserved by the engine, {len(self._entries)} "
+                f"holding blocks, all of them pinned)") from exc
 
     async def _delete(self, key: bytes) -> bool:
         # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
-        async with self._lock:
-            return self._drop(key) is not None
+        if self._leaving:
+            await self._settled([key])
+        return self._drop(key) is not None
 
     async def _aclose(self) -> None:
+        await self._commits_done()
         for key in list(self._entries):
             self._drop(key)
         self._reserved.clear()
@@ -358,21 +404,21 @@ class HBMTier(BudgetedTier):
         self._check_open()
         if type(count) is not int or count < 0:
             raise ValueError(f"count: expected an int >= 0, got {count!r}")
-        async with self._lock:
-            unpinned = sum(1 for k in self._entries if not self._policy.is_pinned(k))
-            if count > len(self._free) + unpinned:
-                raise TierFullError(
-                    f"count: {count} slots wanted, {len(self._free)} free and {unpinned} "
-                    f"holding unpinned blocks")
-            taken: list[int] = []
-            try:
-                while len(taken) < count:
-                    taken.append(await self._take_slot())
-            except BaseException:
-                self._free.update(dict.fromkeys(taken))
-                raise
-            self._reserved.update(taken)
-            return taken
+        unpinned = sum(1 for k in self._entries if not self._policy.is_pinned(k)
+                       and k not in self._leaving)
+        if count > len(self._free) + unpinned:
+            raise TierFullError(
+                f"count: {count} slots wanted, {len(self._free)} free and {unpinned} "
+                f"holding unpinned blocks")
+        while len(self._free) < count:
+            if not await self._evict_more((count - len(self._free)) * self._slot_bytes):
+                raise TierFullError(f"count: {count} slots wanted, {len(self._free)} free "
+                                    "and the rest pinned meanwhile")
+        taken = list(self._free)[:count]
+        for slot in taken:
+            del self._free[slot]
+        self._reserved.update(taken)
+        return taken
 
     async def reserve_slots(self, slot_ids: Iterable[int]) -> None:
         """Hand slots to the engine: kvtier will not write them until :meth:`release_slots`.
@@ -387,18 +433,29 @@ class HBMTier(BudgetedTier):
         """
         self._check_open()
         ids = self._slot_ids(slot_ids)
-        async with self._lock:
-            for slot in ids:
-                key = self._owner.get(slot)
-                if key is not None and self._policy.is_pinned(key):
-                    raise TierFullError(f"slot_ids: slot {slot} holds pinned block {key.hex()}")
-            for slot in ids:
-                key = self._owner.get(slot)
-                if key is not None:
-                    await self._evict(key, self._read(self._entries[key]))
-                    self._drop(key)
-                self._free.pop(slot, None)
-                self._reserved.add(slot)
+
+        def pinned_owners() -> list[tuple[int, bytes]]:
+            owners = [(slot, self._owner.get(slot)) for slot in ids]
+            return [(slot, key) for slot, key in owners
+                    if key is not None and self._policy.is_pinned(key)]
+
+        if pinned := pinned_owners():
+            slot, key = pinned[0]
+            raise TierFullError(f"slot_ids: slot {slot} holds pinned block {key.hex()}")
+        while True:
+            owners = [owner for slot in ids if (owner := self._owner.get(slot)) is not None]
+            if not owners:
+                break
+            if self._leaving:
+                await self._settled(owners)
+            await self._evict_keys([k for k in owners if k in self._entries])
+            if pinned := pinned_owners():
+                slot, key = pinned[0]
+                raise TierFullError(f"slot_ids: slot {slot} holds block {key.hex()}, "
+                                    "pinned while it was being demoted")
+        for slot in ids:
+            self._free.pop(slot, None)
+            self._reserved.add(slot)
 
     def release_slots(self, slot_ids: Iterable[int]) -> None:
         """Return engine-reserved slots to kvtier's free pool.

@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 import lmdb
 
-from kvtier.codec import dtype_descriptor, encode_frame
+from kvtier.codec import encode_frame, frame_size_bound, parse_compress
 from kvtier.errors import (
     ConfigError,
     CorruptBlockError,
@@ -40,9 +40,8 @@ from kvtier.errors import (
 )
 from kvtier.policy import Clock, RecencyPolicy
 from kvtier.tiers.base import Block
-from kvtier.tiers.budget import BudgetedTier
+from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.lmdb_env import BlockEnv, Durability, PendingPut
-from kvtier.tiers.persist_options import parse_compress
 from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
 
 __all__ = ["DEFAULT_OVERHEAD_FIXED", "DirectoryLockedError", "LMDBTier", "default_overhead"]
@@ -52,9 +51,8 @@ T = TypeVar("T")
 
 DEFAULT_OVERHEAD_FIXED = 8 << 20
 _UNBOUNDED_MAP_SIZE = 1 << 40
-_STEP_BLOCKS = 64
-_STEP_BYTES = 64 << 20
 _MAX_ROOM_ATTEMPTS = 64
+_MAP_FULL_RETRIES = 2
 _LOCK_NAME = "kvtier.lock"
 _DIRTY_NAME = "kvtier.open"
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -62,11 +60,43 @@ _SYNC_VALUES = {"0": "0", "false": "0", "off": "0", "no": "0", "meta": "meta",
                 "1": "1", "true": "1", "on": "1", "yes": "1"}
 
 
+class _MapFull(Exception):
+    """LMDB has no page left for a commit although the budget has room (its victims are
+    deleted; the put evicts more and retries)."""
+
+
 def _boot_id() -> str | None:
     try:
         return _BOOT_ID.read_text(encoding="ascii").strip() or None
     except OSError:
         return None
+
+
+def _read_marker(marker: Path) -> str | None:
+    """The boot id recorded in the open marker; ``None`` if absent or unreadable."""
+    try:
+        text = marker.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):  # FileNotFoundError: a clean close
+        return None
+    if not text or text == "unknown" or not all(c in "0123456789abcdef-" for c in text):
+        return None
+    return text
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write", str(tmp))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def default_overhead(capacity: int) -> int:
@@ -77,13 +107,6 @@ def default_overhead(capacity: int) -> int:
     commits, which LMDB cannot reuse yet.
     """
     return capacity // 8 + DEFAULT_OVERHEAD_FIXED
-
-
-def _frame_bound(block: Block) -> int:
-    # Exact frame size when uncompressed; an upper bound when compressed (zstd output is
-    # only kept when smaller than the raw payload).
-    descriptor = dtype_descriptor(block.dtype, "value")
-    return 24 + 8 * block.ndim + len(descriptor) + 8 + block.nbytes
 
 
 def _lock_directory(path: Path) -> int:
@@ -121,9 +144,14 @@ class LMDBTier(BudgetedTier):
         crash or power loss may lose or corrupt the cache (delete the directory after one).
         ``"meta"``: fsync data but not the meta page; ``"1"``: fsync every commit.
     writemap
-        Let LMDB write through its shared memory map (faster large puts).
+        Let LMDB write through its shared memory map (faster large puts). ``data.mdb`` is
+        then preallocated to ``map_size`` at open (``posix_fallocate``), so a full disk
+        cannot kill the process with ``SIGBUS`` later; where it cannot be preallocated the
+        open fails with :class:`~kvtier.errors.ConfigError`.
     overhead
         Bytes of ``data.mdb`` on top of ``capacity`` (default :func:`default_overhead`).
+    policy
+        Eviction policy: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
         Wall-clock time source for recency (persisted, so it must survive restarts).
     touch_flush
@@ -143,7 +171,7 @@ class LMDBTier(BudgetedTier):
     def __init__(self, path: str | os.PathLike[str], *, capacity: int | None = None,
                  compress_level: int | None = None, shuffle: bool = False,
                  sync: Durability = "0", writemap: bool = False, overhead: int | None = None,
-                 clock: Clock = time.time, touch_flush: int = 1024,
+                 policy: str = "lru", clock: Clock = time.time, touch_flush: int = 1024,
                  name: str | None = None) -> None:
         super().__init__(name=name)
         if sync not in ("0", "meta", "1"):
@@ -152,7 +180,7 @@ class LMDBTier(BudgetedTier):
             raise ConfigError(f"overhead: expected >= 0, got {overhead}")
         if touch_flush < 1:
             raise ValueError(f"touch_flush: expected >= 1, got {touch_flush}")
-        self._policy = RecencyPolicy(capacity, clock)
+        self._policy = make_policy(policy, capacity, clock)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = _lock_directory(self.path)
@@ -169,9 +197,9 @@ class LMDBTier(BudgetedTier):
         self._clock = clock
         self._touch_flush = touch_flush
         self._env: BlockEnv | None = None
-        self._opening = asyncio.Lock()
-        # Serialises writers (LMDB has one writer anyway) and eviction+admission: a victim
-        # must reach the next tier before it leaves this one.
+        self._opening: asyncio.Future[BlockEnv] | None = None
+        # Serialises write transactions (LMDB has one writer anyway); never held across a
+        # demotion (see kvtier.tiers.budget).
         self._lock = asyncio.Lock()
         self._touched: set[bytes] = set()
         self._inflight: set[asyncio.Future[Any]] = set()
@@ -181,8 +209,8 @@ class LMDBTier(BudgetedTier):
     # ------------------------------------------------------------------ set-up
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """``lmdb:///DIR?capacity=SIZE&compress=zstd:1&shuffle=1&sync=0|meta|1&writemap=0
-        &overhead=SIZE&name=LABEL``."""
+        """``lmdb:///DIR?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&sync=0|meta|1
+        &writemap=0&overhead=SIZE&name=LABEL``."""
         parsed = parse_tier_url(url)
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"url: lmdb:// takes an absolute path (lmdb:///dir), got {url!r}")
@@ -192,7 +220,7 @@ class LMDBTier(BudgetedTier):
                               f"{url!r}")
         opts = merge_options(parsed, options, {"capacity", "compress", "shuffle", "sync",
                                                "writemap", "overhead", "name", "clock",
-                                               "touch_flush"})
+                                               "touch_flush", "policy"})
         capacity = opts.get("capacity")
         overhead = opts.get("overhead")
         sync_text = str(opts.get("sync", "0")).strip().lower()
@@ -211,6 +239,7 @@ class LMDBTier(BudgetedTier):
             sync=_SYNC_VALUES[sync_text],
             writemap=parse_bool(opts.get("writemap", False), "writemap"),  # type: ignore[arg-type]
             overhead=None if overhead in (None, "") else parse_size(overhead, "overhead"),  # type: ignore[arg-type]
+            policy=parse_policy(opts.get("policy")),
             name=str(opts["name"]) if "name" in opts else None,
             **extra,
         )
@@ -218,19 +247,58 @@ class LMDBTier(BudgetedTier):
     async def _ready(self) -> BlockEnv:
         if self._env is not None:
             return self._env
-        async with self._opening:
-            if self._env is None:
-                env, entries = await asyncio.to_thread(self._open_env)
-                for key, size, last in entries:
-                    self._policy.admit(key, size, last_access=last)
-                self._env = env
-        return self._env
+        if self._opening is None:
+            # One tracked, shielded open: a caller cancelled mid-open (a store timeout)
+            # leaves it running, and the next caller awaits the same open. LMDB forbids
+            # opening one environment twice in a process.
+            self._opening = asyncio.ensure_future(self._open())
+            self._inflight.add(self._opening)
+            self._opening.add_done_callback(self._opened)
+        return await asyncio.shield(self._opening)
+
+    async def _open(self) -> BlockEnv:
+        env, entries = await asyncio.to_thread(self._open_env)
+        for key, size, last in entries:
+            if isinstance(self._policy, RecencyPolicy):
+                self._policy.admit(key, size, last_access=last)
+            else:  # oldest first, as the saved order says
+                self._policy.admit(key, size)
+        self._env = env
+        return env
+
+    def _opened(self, task: asyncio.Future[BlockEnv]) -> None:
+        self._inflight.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            self._opening = None  # nothing opened: the next call tries again
 
     def _open_env(self) -> tuple[BlockEnv, list[tuple[bytes, int, float]]]:
         self._check_unclean_shutdown()
         env = BlockEnv(self.path, map_size=self.map_size, durability=self.sync,
                        writemap=self.writemap)
+        if self.writemap:
+            try:
+                self._preallocate()
+            except BaseException:
+                env.close()
+                raise
         return env, env.load_index()
+
+    def _preallocate(self) -> None:
+        """With ``writemap`` LMDB writes into a shared mapping of a sparse file, and a write
+        that finds the disk full is a SIGBUS. Reserve the whole map on disk before the first
+        write (the file exists: LMDB created its meta pages)."""
+        data = self.path / "data.mdb"
+        fd = os.open(data, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, self.map_size)
+        except OSError as exc:
+            raise ConfigError(
+                f"writemap: cannot preallocate {self.map_size} bytes for {str(data)!r} "
+                f"({exc.strerror}); writemap=1 needs the whole map reserved on disk (a full "
+                "disk would otherwise kill the process with SIGBUS) - free space, lower "
+                "capacity, or use writemap=0") from None
+        finally:
+            os.close(fd)
 
     def _close_env(self, env: BlockEnv) -> None:
         env.close()  # flushes to disk whatever sync= says
@@ -242,13 +310,12 @@ class LMDBTier(BudgetedTier):
         A marker holding the kernel boot id exists while the tier is open; finding one from
         an earlier boot means the machine went down with the tier open, so the cache is
         discarded. A marker from this boot is only a process crash: committed pages were in
-        the page cache and survive, so the data is kept."""
+        the page cache and survive, so the data is kept. A marker that cannot be read (empty,
+        garbled, unreadable) proves nothing and keeps the data too. The marker is replaced
+        atomically; when it cannot be written (a full disk) the tier opens anyway."""
         marker = self.path / _DIRTY_NAME
         boot = _boot_id()
-        try:
-            recorded = marker.read_text(encoding="ascii").strip()
-        except (FileNotFoundError, UnicodeDecodeError):
-            recorded = None
+        recorded = _read_marker(marker)
         if (self.sync == "0" and recorded is not None and boot is not None
                 and recorded != boot):
             log.warning("lmdb tier %s: %s was open (sync=0) when the machine went down; "
@@ -256,12 +323,17 @@ class LMDBTier(BudgetedTier):
             for name in ("data.mdb", "lock.mdb"):
                 (self.path / name).unlink(missing_ok=True)
             self.discarded_after_os_crash = True
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, (boot or "unknown").encode("ascii"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            _write_atomically(marker, (boot or "unknown").encode("ascii"))
+        except OSError as exc:
+            log.warning("lmdb tier %s: cannot write the open marker %s (%s); an OS crash "
+                        "before the next clean close will not be detected", self.name,
+                        marker, exc)
+
+    def _live_env(self) -> BlockEnv:
+        if self._env is None:
+            raise TierError(f"lmdb tier {self.name}: environment is not open")
+        return self._env
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         # asyncio.to_thread without its Task wrapper (one loop hop less per read). Shielded
@@ -292,7 +364,7 @@ class LMDBTier(BudgetedTier):
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         env = await self._ready()
-        wanted = [k for k in dict.fromkeys(keys) if k in self._policy]
+        wanted = [k for k in dict.fromkeys(keys) if k in self._policy or k in self._leaving]
         found: dict[bytes, Block] = {}
         if wanted:
             try:
@@ -327,7 +399,7 @@ class LMDBTier(BudgetedTier):
 
     async def _get_into(self, key: bytes, out: Block) -> bool:
         env = await self._ready()
-        if key not in self._policy:
+        if key not in self._policy and key not in self._leaving:
             self.misses += 1
             return False
         try:
@@ -352,11 +424,11 @@ class LMDBTier(BudgetedTier):
 
     async def _contains(self, key: bytes) -> bool:
         await self._ready()
-        return key in self._policy
+        return key in self._policy or key in self._leaving
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         await self._ready()
-        return [k in self._policy for k in keys]
+        return [k in self._policy or k in self._leaving for k in keys]
 
     async def _put(self, key: bytes, block: Block) -> None:
         await self._put_many([(key, block)])
@@ -364,7 +436,7 @@ class LMDBTier(BudgetedTier):
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._ready()
         batch = dict(items)  # a repeated key: the last value wins
-        bounds = {k: _frame_bound(b) for k, b in batch.items()}
+        bounds = {k: frame_size_bound(b) for k, b in batch.items()}
         for key, bound in bounds.items():
             self._policy.check_fits(bound, f"value for key {key.hex()}")
         capacity = self._policy.capacity
@@ -374,13 +446,25 @@ class LMDBTier(BudgetedTier):
             for key, block in batch.items():
                 await self._put_many([(key, block)])
             return
-        await self._locked(self._put_locked(batch, bounds))
+        for _ in range(_MAX_ROOM_ATTEMPTS):
+            try:
+                await self._store_evicting(list(batch.items()), list(bounds.values()))
+                return
+            except _MapFull:
+                # LMDB ran out of pages before the budget did (page rounding, fragmentation,
+                # pages the last commits freed): evict more, then retry.
+                if not await self._evict_more(sum(bounds.values())):
+                    break
+        raise TierFullError(f"lmdb tier {self.name}: map of {self.map_size} bytes stays "
+                            "full after evicting every unpinned block")
 
     async def _delete(self, key: bytes) -> bool:
         return (await self._delete_many([key]))[0]
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         await self._ready()
+        if self._leaving:  # a deleted key is not demoted afterwards
+            await self._settled(keys)
         present = await self._locked(self._delete_locked(list(dict.fromkeys(keys))))
         return [present.pop(k, False) for k in keys]
 
@@ -390,8 +474,9 @@ class LMDBTier(BudgetedTier):
         self._touched.update(k for k in keys if k in self._policy)
 
     async def _aclose(self) -> None:
-        while self._inflight:
+        while self._inflight or self._commits:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
+            await self._commits_done()
         try:
             if self._env is not None:
                 async with self._lock:
@@ -406,8 +491,11 @@ class LMDBTier(BudgetedTier):
     # ------------------------------------------------------------ write path
     def _touch_records(self) -> list[tuple[bytes, int, float]]:
         records = []
+        now = self._clock()
         for key in self._touched:
-            size, last = self._policy.size_of(key), self._policy.last_access(key)
+            size = self._policy.size_of(key)
+            last = self._policy.last_access(key) if isinstance(self._policy, RecencyPolicy) \
+                else now
             if size is not None and last is not None:
                 records.append((key, size, last))
         self._touched.clear()
@@ -419,8 +507,7 @@ class LMDBTier(BudgetedTier):
             await asyncio.to_thread(self._env.write, [], [], records)
 
     async def _delete_locked(self, keys: list[bytes]) -> dict[bytes, bool]:
-        env = self._env
-        assert env is not None
+        env = self._live_env()
         try:
             present = await asyncio.to_thread(env.write, [], keys, [])
         except lmdb.Error as exc:
@@ -431,119 +518,59 @@ class LMDBTier(BudgetedTier):
             self._touched.discard(key)
         return dict(zip(keys, present, strict=True))
 
-    def _victims(self, need: int, exclude: set[bytes]) -> list[bytes]:
-        """LRU keys (not pinned, not in ``exclude``) adding up to at least ``need`` bytes."""
-        chosen: list[bytes] = []
-        for key in self._policy.lru_order():
-            if need <= 0:
-                break
-            if key in exclude or self._policy.is_pinned(key):
-                continue
-            chosen.append(key)
-            need -= self._policy.size_of(key) or 0
-        return chosen
-
-    async def _demote(self, keys: list[bytes]) -> None:
-        """Read ``keys`` (one transaction) and hand each block to the demotion callback."""
-        env = self._env
-        assert env is not None
-        results = await asyncio.to_thread(env.read, keys)
+    # ------------------------------------------------- eviction template hooks
+    async def _read_leaving(self, keys: list[bytes]) -> list[Block | None]:
+        env = self._live_env()
+        results = await self._in_thread(env.read, keys)
+        blocks: list[Block | None] = []
         for key, res in zip(keys, results, strict=True):
             if isinstance(res, CorruptBlockError):
                 self.corrupt += 1
                 log.warning("lmdb tier %s: corrupt victim %s dropped", self.name, key.hex())
-            elif res is not None:
-                await self._evict(key, res)
+                res = None
+            blocks.append(res)
+        return blocks
 
-    @staticmethod
-    def _steps(keys: list[bytes], sizes: Callable[[bytes], int]) -> list[list[bytes]]:
-        steps: list[list[bytes]] = []
-        current: list[bytes] = []
-        nbytes = 0
-        for key in keys:
-            if current and (len(current) >= _STEP_BLOCKS or nbytes >= _STEP_BYTES):
-                steps.append(current)
-                current, nbytes = [], 0
-            current.append(key)
-            nbytes += sizes(key)
-        if current:
-            steps.append(current)
-        return steps
+    async def _drop_stored(self, keys: list[bytes]) -> None:
+        if keys:
+            await self._locked(self._delete_locked(keys))
 
-    async def _evict_keys(self, keys: list[bytes]) -> list[bytes]:
-        """Demote ``keys`` step by step; delete every step but the last, which is returned
-        so the caller can delete it in the same transaction as its put."""
-        steps = self._steps(keys, lambda k: self._policy.size_of(k) or 0)
-        for i, step in enumerate(steps):
-            await self._demote(step)
-            if i < len(steps) - 1:
-                await self._delete_locked(step)
-        return steps[-1] if steps else []
-
-    async def _put_locked(self, batch: dict[bytes, Block], bounds: dict[bytes, int]) -> None:
-        env = self._env
-        assert env is not None
-        capacity = self._policy.capacity
-        deletes: list[bytes] = []
-        if capacity is not None:
-            freed = sum(self._policy.size_of(k) or 0 for k in batch)
-            need = self._policy.used - freed + sum(bounds.values()) - capacity
-            if need > 0:
-                victims = self._victims(need, set(batch))
-                if sum(self._policy.size_of(k) or 0 for k in victims) < need:
-                    raise TierFullError(
-                        f"lmdb tier {self.name}: cannot fit {sum(bounds.values())} bytes: "
-                        f"{self._policy.pinned_bytes} of {capacity} bytes pinned")
-                deletes = await self._evict_keys(victims)
-        now = self._clock()
-        pending: list[PendingPut] | None = None
-        stuck = 0
-        written = False
-        for _ in range(_MAX_ROOM_ATTEMPTS):
-            touches = self._touch_records()
+    async def _commit(self, items: Sequence[tuple[bytes, Block]],
+                      dropped: list[bytes]) -> list[int]:
+        """Delete the demoted victims and write ``items`` in one write transaction."""
+        async with self._lock:
+            env = self._live_env()
+            batch = dict(items)
+            deletes = list(dropped)
+            now = self._clock()
+            pending: list[PendingPut] | None = None
             try:
-                pending = await asyncio.to_thread(
-                    self._encode_and_write, env, batch, pending, now, deletes, touches)
-                written = True
-                break
-            except lmdb.MapFullError as exc:
-                self.map_full += 1
-                self._touched.update(k for k, _, _ in touches)
-                pending = getattr(exc, "kvtier_pending", pending)
-                freed = await self._make_map_room(deletes, sum(bounds.values()), set(batch))
-                deletes = []
-                # Nothing left to evict: one retry after the ticks, then give up.
-                stuck = 0 if freed else stuck + 1
-                if stuck > 1:
-                    break
+                for _ in range(_MAP_FULL_RETRIES + 1):
+                    touches = self._touch_records()
+                    try:
+                        pending = await asyncio.to_thread(
+                            self._encode_and_write, env, batch, pending, now, deletes, touches)
+                        break
+                    except lmdb.MapFullError as exc:
+                        self.map_full += 1
+                        self._touched.update(k for k, _, _ in touches)
+                        pending = getattr(exc, "kvtier_pending", pending)
+                        if deletes:  # the victims go anyway: they were demoted
+                            await self._delete_locked(deletes)
+                            deletes = []
+                        # Pages freed by the last commits become reusable two commits later.
+                        await asyncio.to_thread(env.tick)
+                        await asyncio.to_thread(env.tick)
+                else:
+                    raise _MapFull
             except lmdb.Error as exc:
                 self.io_errors += 1
+                if deletes:
+                    await self._delete_locked(deletes)
                 raise TierError(f"lmdb tier {self.name}: put failed: {exc}") from exc
-        if not written or pending is None:
-            raise TierFullError(f"lmdb tier {self.name}: map of {self.map_size} bytes stays "
-                                "full after evicting every unpinned block")
-        for key in deletes:
-            self._policy.remove(key)
-            self._touched.discard(key)
-        for put in pending:
-            self._policy.admit(put.key, put.nbytes, last_access=put.last_access)
-
-    async def _make_map_room(self, deletes: list[bytes], incoming: int,
-                             exclude: set[bytes]) -> bool:
-        """LMDB ran out of pages before the budget did (page rounding, fragmentation, pages
-        the last commits freed): delete pending victims, evict ``incoming`` more bytes, and
-        commit twice so the freed pages become reusable."""
-        if deletes:
-            await self._delete_locked(deletes)
-        extra = self._victims(incoming, exclude)
-        if extra:
-            log.info("lmdb tier %s: map full, evicting %d more blocks", self.name, len(extra))
-            await self._delete_locked(await self._evict_keys(extra))
-        env = self._env
-        assert env is not None
-        await asyncio.to_thread(env.tick)
-        await asyncio.to_thread(env.tick)
-        return bool(deletes or extra)
+            for key in dropped:
+                self._touched.discard(key)
+            return [put.nbytes for put in pending or ()]
 
     def _encode_and_write(self, env: BlockEnv, batch: dict[bytes, Block],
                           pending: list[PendingPut] | None, now: float,

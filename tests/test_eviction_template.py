@@ -1,0 +1,137 @@
+"""The budgeted tiers' one eviction template: victims are demoted outside any lock, stay
+readable while they leave, and pins taken meanwhile keep them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvtier.store import TieredStore
+from kvtier.testing.conformance import key_of, sample_block
+from kvtier.testing.fakes import LatencyTier
+from kvtier.tiers.base import Block
+from kvtier.tiers.dram import DRAMTier
+
+BLOCK = 1024
+
+
+class OverlapTier(LatencyTier):
+    """A :class:`LatencyTier` that records how many of its puts were in flight at once."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay=delay)
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def _put(self, key: bytes, block: Block) -> None:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await super()._put(key, block)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_concurrent_puts_into_full_dram_demote_concurrently() -> None:
+    # Issue 9, bug 3: the DRAM lock was held across demotion, so 8 puts into a full DRAM
+    # above a 100 ms tier ran one after another (0.8 s). Their demotions must overlap.
+    slow = OverlapTier(delay=0.1)
+    store = TieredStore([DRAMTier(capacity=8 * BLOCK), slow])
+    async with store:
+        for i in range(8):
+            await store.put(key_of(i), sample_block(i))
+        await asyncio.gather(*(store.put(key_of(100 + i), sample_block(100 + i))
+                               for i in range(8)))
+        assert slow.max_in_flight == 8
+        for i in [*range(8), *range(100, 108)]:
+            got = await store.get(key_of(i))
+            assert got is not None and got.tobytes() == sample_block(i).tobytes()
+
+
+async def _demoting(tier: DRAMTier) -> tuple[asyncio.Event, asyncio.Event, list[bytes]]:
+    entered, release = asyncio.Event(), asyncio.Event()
+    demoted: list[bytes] = []
+
+    async def on_evict(key: bytes, block: Block) -> None:
+        entered.set()
+        await release.wait()
+        demoted.append(key)
+
+    tier.on_evict = on_evict
+    return entered, release, demoted
+
+
+async def test_victim_stays_readable_while_demoted() -> None:
+    tier = DRAMTier(capacity=2 * BLOCK)
+    await tier.put(key_of(0), sample_block(0))
+    await tier.put(key_of(1), sample_block(1))
+    entered, release, demoted = await _demoting(tier)
+    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
+    await entered.wait()
+    got = await tier.get(key_of(0))  # the victim, mid-demotion
+    assert got is not None and got.tobytes() == sample_block(0).tobytes()
+    assert await tier.contains(key_of(0))
+    assert tier.used <= 2 * BLOCK
+    release.set()
+    await put
+    assert demoted == [key_of(0)]
+    assert await tier.contains_many([key_of(i) for i in range(3)]) == [False, True, True]
+    assert tier.used == 2 * BLOCK
+    await tier.aclose()
+
+
+async def test_victim_pinned_while_leaving_is_kept() -> None:
+    tier = DRAMTier(capacity=2 * BLOCK)
+    await tier.put(key_of(0), sample_block(0))
+    await tier.put(key_of(1), sample_block(1))
+    entered, release, demoted = await _demoting(tier)
+    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
+    await entered.wait()
+    await tier.pin([key_of(0)])  # the engine starts using the victim
+    release.set()
+    await put
+    # 0 was kept; the put chose the next victim instead.
+    assert demoted == [key_of(0), key_of(1)]
+    assert await tier.contains_many([key_of(i) for i in range(3)]) == [True, False, True]
+    got = await tier.get(key_of(0))
+    assert got is not None and got.tobytes() == sample_block(0).tobytes()
+    assert tier.used == 2 * BLOCK
+    await tier.aclose()
+
+
+async def test_delete_of_leaving_victim_waits_and_stays_deleted() -> None:
+    tier = DRAMTier(capacity=2 * BLOCK)
+    await tier.put(key_of(0), sample_block(0))
+    await tier.put(key_of(1), sample_block(1))
+    entered, release, _ = await _demoting(tier)
+    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
+    await entered.wait()
+    delete = asyncio.create_task(tier.delete(key_of(0)))
+    await asyncio.sleep(0.01)
+    assert not delete.done()  # waits for the demotion in flight
+    release.set()
+    await put
+    await delete
+    assert not await tier.contains(key_of(0))
+    assert tier.used == 2 * BLOCK
+    await tier.aclose()
+
+
+async def test_cancelled_put_while_demoting_changes_nothing() -> None:
+    tier = DRAMTier(capacity=2 * BLOCK)
+    await tier.put(key_of(0), sample_block(0))
+    await tier.put(key_of(1), sample_block(1))
+    entered, _, _ = await _demoting(tier)
+    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
+    await entered.wait()
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    assert await tier.contains_many([key_of(i) for i in range(3)]) == [True, True, False]
+    assert tier.used == 2 * BLOCK
+    tier.on_evict = None
+    await tier.put(key_of(3), np.zeros(BLOCK, np.uint8))
+    assert tier.used == 2 * BLOCK
+    await tier.aclose()
