@@ -2,9 +2,12 @@
 
 Every error kvtier raises derives from :class:`KVTierError`. Argument errors also derive
 from the matching builtin (``TypeError``/``ValueError``) so callers may catch either.
+Messages never show a secret: string arguments pass through :func:`kvtier.redact.mask_secrets`.
 """
 
 from __future__ import annotations
+
+from kvtier.redact import mask_secrets
 
 __all__ = [
     "BackendUnavailableError",
@@ -23,7 +26,10 @@ __all__ = [
 
 
 class KVTierError(Exception):
-    """Base class of every kvtier error."""
+    """Base class of every kvtier error (its message is stripped of secrets)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(mask_secrets(a) if isinstance(a, str) else a for a in args))
 
 
 class ConfigError(KVTierError, ValueError):
