@@ -15,8 +15,8 @@ MASK = "***"
 # token=, secret=, password= and friends in URL queries (up to the next separator); the
 # password of URL user info (scheme://user:password@host); bearer credentials.
 _PATTERNS = (
-    re.compile(r"(?i)(\b(?:token|secret|password|passwd|api_key|access_key|secret_key)=)"
-               r"[^&\s'\"<>,;)]+"),
+    re.compile(r"(?i)((?<![\w.-])(?:[\w.-]*(?:token|secret|password|passwd|credentials?)"
+               r"|[\w.-]*_key|key)=)[^&\s'\"<>,;)]+"),
     re.compile(r"(://[^/:@\s'\"]*:)[^/@\s'\"]+(@)"),
     re.compile(r"(?i)(\bBearer\s+)[^\s'\",;)]+"),
 )
