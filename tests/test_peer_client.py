@@ -322,6 +322,28 @@ async def test_redirects_are_never_followed_and_the_token_never_logged(
     assert "Authorization" not in caplog.text
 
 
+async def test_a_peer_echoing_the_request_cannot_put_the_token_in_errors_or_logs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def echo(head: bytes) -> bytes:
+        return b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n" % len(head) + head
+
+    caplog.set_level(logging.DEBUG)
+    async with RawPeer(echo) as member:
+        client = PeerClient(member, token=SECRET, timeout=2)
+        try:
+            with pytest.raises(PeerError) as raised:
+                await client.get(key_of(1))
+        finally:
+            await client.close()
+        tier = PeerTier.from_url(f"peers://{member}?token={SECRET}&timeout=2")
+        async with tier:
+            with pytest.raises(PeerError):
+                await tier.put(key_of(1), sample_block(1))
+    assert "Authorization" in str(raised.value)  # the echo is quoted...
+    assert SECRET not in str(raised.value) and SECRET not in repr(raised.value)  # ...masked
+    assert SECRET not in caplog.text
+
+
 async def test_kvtier_stats_does_not_follow_redirects(redirecting: tuple[str, list[str]],
                                                       tmp_path: Path) -> None:
     member, followed = redirecting

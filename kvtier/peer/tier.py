@@ -161,7 +161,9 @@ class PeerTier(Tier):
             if len(entries) != 1:
                 raise ConfigError(f"url: peers+dns:// takes one name:port, got {parsed.netloc!r}")
             dns = split_member(entries[0], "url")
-        tls = {k: str(opts[k]) for k in ("tls_ca", "tls_cert", "tls_key") if opts.get(k)}
+        tls = {k: str(opts[k]) for k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")
+               if opts.get(k)}
+        # Any TLS option, a server name included, means https (system roots without tls_ca).
         ctx = client_context(tls.get("tls_ca"), tls.get("tls_cert"), tls.get("tls_key")) \
             if tls else None
         token = opts.get("token")
@@ -186,7 +188,7 @@ class PeerTier(Tier):
             pool_limit=_number(opts.get("pool", 64), "pool", int, 1),
             limits=limits,
             name=str(opts["name"]) if opts.get("name") else None,
-            tls_server_name=str(opts["tls_server_name"]) if opts.get("tls_server_name") else None,
+            tls_server_name=tls.get("tls_server_name"),
         )
 
     @property
