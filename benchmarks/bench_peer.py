@@ -250,7 +250,8 @@ class _Profiler:
                 self.prof.disable()
 
 
-async def _run_all(quick: bool, profile: bool, sizes: dict[str, int]) -> list[Result]:
+async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
+                   server_loop: str = "auto") -> list[Result]:
     """All servers up at once; for each size and concurrency the systems run back to back,
     round robin for 3 repetitions (the median is kept), so every ratio compares cells
     measured seconds apart (the machine drifts up to 2x between periods)."""
@@ -270,7 +271,7 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int]) -> list[Re
         token_file = Path(tmp) / "token"
         token_file.write_text(TOKEN)
         serve = [py, "-m", "kvtier.cli", "serve", "--listen", f"{HOST}:0", "--tier", "dram://",
-                 "--token-file", str(token_file)]
+                 "--token-file", str(token_file), "--loop", server_loop]
         server_prof = Path(tmp) / "server.prof"
         if profile:
             serve[1:1] = ["-m", "cProfile", "-o", str(server_prof)]
@@ -392,17 +393,18 @@ def _targets(results: list[Result]) -> list[str]:
 
 
 def run(quick: bool = False, profile: bool = False,
-        sizes: dict[str, int] | None = None) -> list[Result]:
-    """Run every cell (for ``sizes``, default all of SIZES) and return the results (ratios
-    attached)."""
-    results = asyncio.run(_run_all(quick, profile, SIZES if sizes is None else sizes))
+        sizes: dict[str, int] | None = None, server_loop: str = "auto") -> list[Result]:
+    """Run every cell (for ``sizes``, default all of SIZES; ``kvtier serve --loop
+    server_loop``) and return the results (ratios attached)."""
+    results = asyncio.run(_run_all(quick, profile, SIZES if sizes is None else sizes,
+                                   server_loop))
     _attach_ratios(results)
     return results
 
 
 def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     sizes = {label: SIZES[label] for label in args.sizes}
-    results = run(args.quick, args.profile, sizes)
+    results = run(args.quick, args.profile, sizes, args.server_loop)
     for label in sizes:
         rows = sorted((r for r in results if r.size == label),
                       key=lambda r: (r.concurrency, r.case))
@@ -418,6 +420,8 @@ def _options(parser: argparse.ArgumentParser) -> None:
                         help="cProfile the peer cells (client and server)")
     parser.add_argument("--sizes", type=_sizes, default=list(SIZES), metavar="LIST",
                         help=f"comma-separated block sizes to run (of {', '.join(SIZES)})")
+    parser.add_argument("--server-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                        help="event loop of the kvtier serve child (kvtier serve --loop)")
 
 
 def _sizes(text: str) -> list[str]:

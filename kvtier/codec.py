@@ -4,7 +4,7 @@ Layout (all integers little-endian)::
 
     offset          size        field
     0               4           magic b"KVTB"
-    4               1           version (1)
+    4               1           version (1, or 2 for a frame bound to its key)
     5               1           flags: bit 0 = zstd, bit 1 = byte-shuffle; others 0
     6               1           ndim (0..32)
     7               1           dtype descriptor length D (1..64)
@@ -14,10 +14,14 @@ Layout (all integers little-endian)::
     24+8*ndim       D           dtype descriptor, ASCII: numpy ``dtype.str`` (``<u2``)
                                 or a registered name (``bfloat16`` from ml_dtypes)
     24+8*ndim+D     8           checksum: xxh3_64 of every header byte before it
-                                followed by the stored payload
+                                followed by the stored payload; version 2 first
+                                hashes u8 key_len and the key
     header_len      stored_size payload
 
-One checksum covers header and payload, so any flipped bit anywhere is detected.
+One checksum covers header and payload, so any flipped bit anywhere is detected. A version-2
+frame also binds the block's key: the key is not stored in the frame, but it is hashed in
+front of the header, so the frame verifies only against the key it was written for (a peer
+answering with another key's valid frame is caught). Version-1 frames stay readable.
 Byte-shuffle (bytes of each element grouped by significance) is only applied together
 with zstd, and zstd is only kept when it saves at least 3% (otherwise the frame is raw
 and decodes zero-copy).
@@ -41,6 +45,7 @@ __all__ = [
     "FLAG_SHUFFLE",
     "FLAG_ZSTD",
     "FORMAT_VERSION",
+    "KEYED_FORMAT_VERSION",
     "MAGIC",
     "MAX_HEADER_BYTES",
     "MIN_HEADER_BYTES",
@@ -57,6 +62,9 @@ __all__ = [
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
+KEYED_FORMAT_VERSION = 2
+_VERSIONS = (FORMAT_VERSION, KEYED_FORMAT_VERSION)
+_MAX_KEY_LEN = 255
 FLAG_ZSTD = 0x01
 FLAG_SHUFFLE = 0x02
 _KNOWN_FLAGS = FLAG_ZSTD | FLAG_SHUFFLE
@@ -152,6 +160,7 @@ class FrameHeader:
     stored_size: int
     header_len: int
     checksum: int
+    version: int = FORMAT_VERSION
 
     @property
     def frame_len(self) -> int:
@@ -214,11 +223,31 @@ def _unshuffle(data: bytes, itemsize: int) -> npt.NDArray[np.uint8]:
     return out.reshape(-1)
 
 
+def _checksum(key: bytes | None, prefix: bytes | memoryview,
+              payload: bytes | memoryview) -> int:
+    digest = xxhash.xxh3_64()
+    if key is not None:
+        digest.update(bytes((len(key),)))
+        digest.update(key)
+    digest.update(prefix)
+    digest.update(payload)
+    return digest.intdigest()
+
+
+def _check_key(key: object) -> bytes:
+    if not isinstance(key, bytes):
+        raise TypeError(f"key: expected bytes, got {type(key).__name__}")
+    if not 1 <= len(key) <= _MAX_KEY_LEN:
+        raise ValueError(f"key: expected 1..{_MAX_KEY_LEN} bytes, got {len(key)}")
+    return key
+
+
 def encode_frame(
     block: npt.NDArray[np.generic],
     *,
     compress_level: int | None = None,
     shuffle: bool = False,
+    key: bytes | None = None,
 ) -> EncodedFrame:
     """Encode a block into a checksummed frame.
 
@@ -231,6 +260,9 @@ def encode_frame(
     shuffle
         Byte-shuffle elements before compressing (pays for fp16/bf16 KV); ignored without
         compression or for 1-byte dtypes.
+    key
+        Bind the frame to this key (a version-2 frame, which only :func:`decode_frame` given
+        the same key accepts); ``None`` writes a version-1 frame.
 
     Returns
     -------
@@ -239,6 +271,8 @@ def encode_frame(
         ``block`` (no copy), so keep ``block`` alive and unchanged until the frame is sent.
     """
     arr = as_block(block, "block")
+    if key is not None:
+        _check_key(key)
     descriptor = dtype_descriptor(arr.dtype, "block").encode("ascii")
     if arr.ndim > _MAX_NDIM:
         raise ValueError(f"block: at most {_MAX_NDIM} dimensions, got {arr.ndim}")
@@ -255,14 +289,13 @@ def encode_frame(
             payload = memoryview(packed)
             flags = FLAG_ZSTD | (FLAG_SHUFFLE if use_shuffle else 0)
     prefix = b"".join((
-        _FIXED.pack(MAGIC, FORMAT_VERSION, flags, arr.ndim, len(descriptor),
-                    raw.nbytes, payload.nbytes),
+        _FIXED.pack(MAGIC, FORMAT_VERSION if key is None else KEYED_FORMAT_VERSION, flags,
+                    arr.ndim, len(descriptor), raw.nbytes, payload.nbytes),
         struct.pack(f"<{arr.ndim}Q", *arr.shape),
         descriptor,
     ))
-    digest = xxhash.xxh3_64(prefix)
-    digest.update(payload)
-    return EncodedFrame(header=prefix + digest.intdigest().to_bytes(8, "little"), payload=payload)
+    checksum = _checksum(key, prefix, payload)
+    return EncodedFrame(header=prefix + checksum.to_bytes(8, "little"), payload=payload)
 
 
 def parse_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
@@ -282,7 +315,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
     magic, version, flags, ndim, dlen, raw_size, stored_size = _FIXED.unpack_from(view, 0)
     if magic != MAGIC:
         raise CorruptBlockError(f"frame: bad magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
+    if version not in _VERSIONS:
         raise CorruptBlockError(f"frame: unsupported version {version}")
     if flags & ~_KNOWN_FLAGS or (flags & FLAG_SHUFFLE and not flags & FLAG_ZSTD):
         raise CorruptBlockError(f"frame: bad flags 0x{flags:02x}")
@@ -312,11 +345,22 @@ def parse_header(buf: bytes | bytearray | memoryview) -> FrameHeader:
         raise CorruptBlockError(f"frame: zstd raw_size {raw_size} impossible for "
                                 f"stored_size {stored_size}")
     (checksum,) = struct.unpack_from("<Q", view, header_len - 8)
-    return FrameHeader(flags, dtype, tuple(shape), raw_size, stored_size, header_len, checksum)
+    return FrameHeader(flags, dtype, tuple(shape), raw_size, stored_size, header_len, checksum,
+                       version)
 
 
-def decode_frame(buf: bytes | bytearray | memoryview) -> npt.NDArray[np.generic]:
+def decode_frame(buf: bytes | bytearray | memoryview, *,
+                 key: bytes | None = None) -> npt.NDArray[np.generic]:
     """Verify and decode one whole frame.
+
+    Parameters
+    ----------
+    buf
+        The frame, exactly.
+    key
+        The key the frame was read under. A version-2 frame verifies only with the key it was
+        written for; a version-1 frame carries no key binding and ignores it (callers that
+        must know the block is the one they asked for check ``parse_header(buf).version``).
 
     Returns
     -------
@@ -327,8 +371,11 @@ def decode_frame(buf: bytes | bytearray | memoryview) -> npt.NDArray[np.generic]
     Raises
     ------
     CorruptBlockError
-        On any header error, length mismatch or checksum failure.
+        On any header error, length mismatch or checksum failure, and for a version-2 frame
+        read without its key or under another key.
     """
+    if key is not None:
+        _check_key(key)
     view = memoryview(buf)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
@@ -336,10 +383,12 @@ def decode_frame(buf: bytes | bytearray | memoryview) -> npt.NDArray[np.generic]
     if view.nbytes != head.frame_len:
         raise CorruptBlockError(f"frame: length {view.nbytes} != declared {head.frame_len}")
     payload = view[head.header_len :]
-    digest = xxhash.xxh3_64(view[: head.header_len - 8])
-    digest.update(payload)
-    if digest.intdigest() != head.checksum:
-        raise CorruptBlockError("frame: checksum mismatch")
+    if head.version == KEYED_FORMAT_VERSION and key is None:
+        raise CorruptBlockError("frame: bound to a key (version 2): read it with key=")
+    bound = key if head.version == KEYED_FORMAT_VERSION else None
+    if _checksum(bound, view[: head.header_len - 8], payload) != head.checksum:
+        raise CorruptBlockError("frame: checksum mismatch (or written for another key)"
+                                if bound is not None else "frame: checksum mismatch")
     if not head.flags & FLAG_ZSTD:
         return np.frombuffer(view, dtype=head.dtype, count=head.raw_size // head.dtype.itemsize,
                              offset=head.header_len).reshape(head.shape)

@@ -1,7 +1,9 @@
 """The kvtier error tree.
 
 Every error kvtier raises derives from :class:`KVTierError`. Argument errors also derive
-from the matching builtin (``TypeError``/``ValueError``) so callers may catch either::
+from the matching builtin (``TypeError``/``ValueError``) so callers may catch either.
+Messages never show a secret: string arguments pass through
+:func:`kvtier.redact.mask_secrets`::
 
     KVTierError
     ├── ConfigError (ValueError)
@@ -22,6 +24,8 @@ from the matching builtin (``TypeError``/``ValueError``) so callers may catch ei
 """
 
 from __future__ import annotations
+
+from kvtier.redact import mask_secrets
 
 __all__ = [
     "BackendUnavailableError",
@@ -44,7 +48,10 @@ __all__ = [
 
 
 class KVTierError(Exception):
-    """Base class of every kvtier error."""
+    """Base class of every kvtier error (its message is stripped of secrets)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(mask_secrets(a) if isinstance(a, str) else a for a in args))
 
 
 class ConfigError(KVTierError, ValueError):

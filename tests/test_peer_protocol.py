@@ -21,12 +21,15 @@ from kvtier.tiers.dram import DRAMTier
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def doc_frame(payload: bytes, dtype: str, shape: tuple[int, ...]) -> bytes:
-    """A raw (uncompressed) frame exactly as the doc's table lays it out."""
-    head = b"KVTB" + bytes([1, 0, len(shape), len(dtype)])
+def doc_frame(payload: bytes, dtype: str, shape: tuple[int, ...],
+              key: bytes | None = None) -> bytes:
+    """A raw (uncompressed) frame exactly as the doc's table lays it out: version 1, or
+    version 2 bound to ``key`` (u8 key length and the key hashed in front of the header)."""
+    head = b"KVTB" + bytes([1 if key is None else 2, 0, len(shape), len(dtype)])
     head += struct.pack("<QQ", len(payload), len(payload))
     head += b"".join(struct.pack("<Q", d) for d in shape) + dtype.encode("ascii")
-    checksum = xxhash.xxh3_64(head + payload).intdigest()
+    bound = b"" if key is None else bytes([len(key)]) + key
+    checksum = xxhash.xxh3_64(bound + head + payload).intdigest()
     return head + struct.pack("<Q", checksum) + payload
 
 
@@ -73,6 +76,10 @@ def test_doc_frame_example_matches_codec() -> None:
     assert frame[:8].hex() == "4b56544201000103"
     assert frame == encode_frame(np.arange(8, dtype=np.uint8)).to_bytes()
     assert decode_frame(frame).tolist() == list(range(8))
+    keyed = doc_frame(bytes(range(8)), "|u1", (8,), key=b"\xaa\xbb")
+    assert keyed[:8].hex() == "4b56544202000103"
+    assert keyed == encode_frame(np.arange(8, dtype=np.uint8), key=b"\xaa\xbb").to_bytes()
+    assert decode_frame(keyed, key=b"\xaa\xbb").tolist() == list(range(8))
 
 
 async def test_single_block_routes(served: tuple[PeerServer, aiohttp.ClientSession]) -> None:
@@ -82,7 +89,9 @@ async def test_single_block_routes(served: tuple[PeerServer, aiohttp.ClientSessi
     async with http.put("/v1/blocks/0a0b0c", data=frame) as r:
         assert r.status == 204
     async with http.get("/v1/blocks/0a0b0c") as r:
-        assert r.status == 200 and await r.read() == frame
+        # Answers are version-2 frames, bound to the key asked for.
+        assert r.status == 200 and await r.read() == doc_frame(payload, "<u2", (4, 16),
+                                                                key=b"\x0a\x0b\x0c")
         assert r.headers["Content-Type"] == "application/octet-stream"
     async with http.head("/v1/blocks/0a0b0c") as r:
         assert r.status == 200
@@ -93,6 +102,14 @@ async def test_single_block_routes(served: tuple[PeerServer, aiohttp.ClientSessi
     async with http.delete("/v1/blocks/0a0b0c") as r:
         assert r.status == 404
     assert await server.segment.get(b"\x0a\x0b\x0c") is None
+    # A version-2 frame is accepted under its own key only.
+    async with http.put("/v1/blocks/0a0b0d", data=doc_frame(payload, "<u2", (4, 16),
+                                                            key=b"\x0a\x0b\x0c")) as r:
+        assert r.status == 400
+    async with http.put("/v1/blocks/0a0b0c", data=doc_frame(payload, "<u2", (4, 16),
+                                                            key=b"\x0a\x0b\x0c")) as r:
+        assert r.status == 204
+    assert len(server.segment) == 1  # type: ignore[arg-type]
 
 
 async def test_batch_routes(served: tuple[PeerServer, aiohttp.ClientSession]) -> None:
@@ -105,7 +122,8 @@ async def test_batch_routes(served: tuple[PeerServer, aiohttp.ClientSession]) ->
         assert r.status == 200
         got = parse_block_list(await r.read())
     assert [k for k, _ in got] == ask
-    assert got[0][1] == frames[b"\x01\x01"] and got[1][1] == b"" and got[3][1] == got[0][1]
+    assert got[0][1] == doc_frame(b"\x01" * 100, "|u1", (100,), key=b"\x01\x01")
+    assert got[1][1] == b"" and got[3][1] == got[0][1]
     async with http.post("/v1/batch/exists", data=key_list([b"\x00", b"\xee"])) as r:
         assert r.status == 200 and await r.read() == bytes.fromhex("02000000" "01" "00")
     async with http.post("/v1/batch/delete", data=key_list([b"\x00", b"\xee"])) as r:

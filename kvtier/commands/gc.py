@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.redact import mask_secrets
 from kvtier.tiers.fsspec import BLOCK_SUFFIX
 from kvtier.urls import parse_size
 
@@ -160,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         freed += entry.size
         deleted += 1
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"kvtier gc {args.url}: {len(entries)} files, {total} bytes; capacity {capacity}; "
+    print(f"kvtier gc {mask_secrets(args.url)}: {len(entries)} files, {total} bytes; "
+          f"capacity {capacity}; "
           f"{verb} {deleted} files ({freed} bytes); {remaining} bytes remain"
           + (f"; {failed} deletions failed" if failed else ""))
     return 1 if failed else 0

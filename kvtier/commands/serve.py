@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import signal
+from collections.abc import Callable
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
 
@@ -37,6 +39,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most blocks per batch request (default 1024)")
     parser.add_argument("--max-body", default="256MiB", metavar="SIZE",
                         help="largest request body (default 256MiB)")
+    parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                        help="event loop: uvloop, asyncio's default, or auto (uvloop when "
+                             "installed; pip install 'kvtier[uvloop]')")
+
+
+def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The event loop ``--loop`` asks for, as ``(name, factory)``.
+
+    Raises
+    ------
+    ConfigError
+        If ``uvloop`` is asked for and not installed.
+    """
+    from kvtier.errors import ConfigError
+
+    if choice == "asyncio" or (choice == "auto" and importlib.util.find_spec("uvloop") is None):
+        return "asyncio", asyncio.new_event_loop
+    try:
+        import uvloop
+    except ImportError:
+        raise ConfigError("--loop: uvloop is not installed (pip install 'kvtier[uvloop]')"
+                          ) from None
+    return "uvloop", uvloop.new_event_loop
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,13 +69,15 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.errors import ConfigError
 
     try:
-        return asyncio.run(_serve(args))
+        name, factory = loop_factory(args.loop)
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(_serve(args, name))
     except ConfigError as exc:
         print(f"kvtier serve: {exc}", flush=True)
         return 2
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     from kvtier.errors import ConfigError
     from kvtier.peer.membership import split_member
     from kvtier.peer.protocol import Limits
@@ -88,7 +115,7 @@ async def _serve(args: argparse.Namespace) -> int:
     if token is None:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
     print(f"kvtier serve listening on {server.member_id}"
-          f" ({'https' if ctx else 'http'}, node {server.node_id})", flush=True)
+          f" ({'https' if ctx else 'http'}, node {server.node_id}, loop {loop_name})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

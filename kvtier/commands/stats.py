@@ -54,11 +54,12 @@ async def _stats(args: argparse.Namespace) -> int:
     from kvtier.errors import KVTierError
     from kvtier.peer.client import PeerClient
     from kvtier.peer.tls import client_context
+    from kvtier.redact import mask_secrets
     from kvtier.urls import parse_secret
 
     parts = urlsplit(args.url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        print(f"kvtier stats: url: expected http(s)://host:port, got {args.url!r}")
+        print(f"kvtier stats: url: expected http(s)://host:port, got {mask_secrets(args.url)!r}")
         return 2
     try:
         token = parse_secret(f"file:{args.token_file}", "--token-file") \

@@ -2,7 +2,10 @@
 
 Every call is bounded by the client's timeout; any failure to get an answer (refused, reset,
 timeout, 5xx, 401) is raised as :class:`kvtier.errors.PeerError` so the tier can treat that
-peer as a miss and take it out of the read path.
+peer as a miss and take it out of the read path. Redirects are never followed (a ``3xx`` is a
+failed call: the pool's bearer token goes only to the member it was configured for), error
+messages name the exception type and text, never request headers, and every answer's
+declared length is checked against this client's own limits before a buffer is allocated.
 """
 
 from __future__ import annotations
@@ -21,8 +24,20 @@ from kvtier.codec import EncodedFrame
 from kvtier.errors import PeerError
 from kvtier.peer import protocol as proto
 from kvtier.peer.fastread import RawPool
+from kvtier.redact import mask_secrets
 
 __all__ = ["BuffersPayload", "PeerClient"]
+
+# Most bytes of an answer that carries no block (a PUT's 204, an error text).
+_SMALL_ANSWER_BYTES = 64 << 10
+# Per entry of a batch get answer, besides the frame: u16 key length, key, u64 frame length.
+_BATCH_ENTRY_OVERHEAD = 2 + 128 + 8
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as text for a PeerError: type and message, never its repr (aiohttp's
+    reprs carry the request, headers included) and never a secret."""
+    return mask_secrets(f"{type(exc).__name__}: {exc}")
 
 
 class BuffersPayload(aio_payload.Payload):
@@ -45,6 +60,20 @@ class BuffersPayload(aio_payload.Payload):
         await self.write(writer)
 
 
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The whole body of ``resp``, refusing one that declares or grows past ``cap`` bytes."""
+    if resp.content_length is not None and resp.content_length > cap:
+        raise PeerError(f"answer of {resp.content_length} bytes exceeds this client's limit "
+                        f"of {cap} bytes")
+    parts, have = [], 0
+    while chunk := await resp.content.readany():
+        have += len(chunk)
+        if have > cap:
+            raise PeerError(f"answer exceeds this client's limit of {cap} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class PeerClient:
     """Client of one peer.
 
@@ -61,21 +90,30 @@ class PeerClient:
     pool_limit
         Most concurrent connections to this peer.
     limits
-        The server's limits, used to split batches.
+        The server's limits, used to split batches; ``limits.max_frame_bytes`` also bounds
+        what this client accepts as one block's answer.
+    tls_server_name
+        Name the peer's certificate must carry, when it is not the member's host (members of
+        ``peers+dns://`` are IP addresses).
+    max_answer_bytes
+        Largest batch get answer this client accepts (checked before allocating).
     """
 
     def __init__(self, member: str, *, token: str | None, timeout: float,
                  ssl_context: ssl.SSLContext | None = None, pool_limit: int = 64,
-                 limits: proto.Limits | None = None) -> None:
+                 limits: proto.Limits | None = None, tls_server_name: str | None = None,
+                 max_answer_bytes: int = 2 << 30) -> None:
         self.member = member
         self.base_url = f"{'https' if ssl_context else 'http'}://{member}"
         self.timeout = timeout
         self.limits = limits or proto.Limits()
+        self.max_answer_bytes = max_answer_bytes
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._server_hostname = tls_server_name if ssl_context is not None else None
         host, _, port = member.rpartition(":")
         # Block GET/PUT and batch get take the one-copy path; everything else uses aiohttp.
         self._raw = RawPool(host.strip("[]"), int(port), token=token, ssl_context=ssl_context,
-                            limit=pool_limit)
+                            limit=pool_limit, server_hostname=tls_server_name)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=pool_limit, ssl=ssl_context or False,
                                            enable_cleanup_closed=False),
@@ -91,16 +129,17 @@ class PeerClient:
         await self._session.close()
 
     async def _read(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
-                    missing: int | None = None, ok: int = 200) -> memoryview | None:
+                    missing: int | None = None, ok: int = 200,
+                    max_body: int = _SMALL_ANSWER_BYTES) -> memoryview | None:
         """A hot-path request through :class:`RawPool`: the body, or ``None`` if missing."""
         try:
             async with asyncio.timeout(self.timeout):
-                status, data = await self._raw.request(method, path, body)
+                status, data = await self._raw.request(method, path, body, max_body=max_body)
         except TimeoutError:
             raise PeerError(f"peer {self.member}: {method} timed out after "
                             f"{self.timeout}s") from None
         except OSError as exc:
-            raise PeerError(f"peer {self.member}: {method} failed: {exc!r}") from None
+            raise PeerError(f"peer {self.member}: {method} failed: {_describe(exc)}") from None
         except PeerError as exc:
             raise PeerError(f"peer {self.member}: {method} failed: {exc}") from None
         if status == missing:
@@ -116,25 +155,33 @@ class PeerClient:
         """One request; returns the body, ``None`` for the ``missing`` status, else raises."""
         try:
             async with asyncio.timeout(self.timeout if limit_s is None else limit_s):
-                async with self._session.request(method, self.base_url + path,
-                                                 data=body) as resp:
+                async with self._session.request(method, self.base_url + path, data=body,
+                                                 allow_redirects=False,
+                                                 server_hostname=self._server_hostname,
+                                                 ) as resp:
                     if resp.status == missing:
                         return None
                     if resp.status not in ok:
                         text = (await resp.content.read(200)).decode("utf-8", "replace")
                         raise PeerError(f"peer {self.member}: {method} {path[:60]} -> "
                                         f"{resp.status} {text.strip()}")
-                    return await resp.read()
+                    return await _read_capped(resp, self._answer_cap(path))
         except TimeoutError:
             raise PeerError(f"peer {self.member}: {method} timed out after "
                             f"{self.timeout if limit_s is None else limit_s}s") from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise PeerError(f"peer {self.member}: {method} failed: {exc!r}") from None
+            raise PeerError(f"peer {self.member}: {method} failed: {_describe(exc)}") from None
+
+    def _answer_cap(self, path: str) -> int:
+        if path in (proto.BATCH_EXISTS_PATH, proto.BATCH_DELETE_PATH):
+            return 4 + self.limits.max_batch  # a flag list
+        return 16 * _SMALL_ANSWER_BYTES  # health document, metrics text, delete answers
 
     # ------------------------------------------------------------------ blocks
     async def get(self, key: bytes) -> memoryview | None:
         """The block's frame (unverified), or ``None`` when the peer does not hold it."""
-        return await self._read("GET", proto.block_path(key), missing=404)
+        return await self._read("GET", proto.block_path(key), missing=404,
+                                max_body=self.limits.max_frame_bytes)
 
     async def put(self, key: bytes, frame: EncodedFrame) -> None:
         """Store one frame."""
@@ -153,7 +200,9 @@ class PeerClient:
         out: list[memoryview | None] = []
         for part in self._chunks(len(keys)):
             chunk = keys[part]
-            body = await self._read("POST", proto.BATCH_GET_PATH, [proto.encode_keys(chunk)])
+            most = 4 + len(chunk) * (_BATCH_ENTRY_OVERHEAD + self.limits.max_frame_bytes)
+            body = await self._read("POST", proto.BATCH_GET_PATH, [proto.encode_keys(chunk)],
+                                    max_body=min(most, self.max_answer_bytes))
             try:
                 entries = proto.decode_blocks(body or b"", len(chunk),
                                               self.limits.max_frame_bytes)

@@ -256,7 +256,7 @@ class PeerServer:
         self.bytes_in += length
         return body
 
-    async def _decode(self, frame: bytes | memoryview) -> Block:
+    async def _decode(self, key: bytes, frame: bytes | memoryview) -> Block:
         view = memoryview(frame)
         try:
             head = parse_header(view)
@@ -268,8 +268,8 @@ class PeerServer:
                                      f"{self.limits.max_block_bytes}")
         try:
             if head.flags & FLAG_ZSTD or view.nbytes - head.header_len > _INLINE_DECODE_BYTES:
-                return await asyncio.to_thread(decode_frame, view)
-            return decode_frame(view)
+                return await asyncio.to_thread(decode_frame, view, key=key)
+            return decode_frame(view, key=key)
         except CorruptBlockError:
             self.corrupt_frames += 1
             raise
@@ -303,13 +303,13 @@ class PeerServer:
         block = await self.segment.get(key)
         if block is None:
             raise web.HTTPNotFound(text="no such block")
-        frame = encode_frame(block)
+        frame = encode_frame(block, key=key)  # bound to its key: the client verifies it
         return await self._send(request, frame.buffers)
 
     async def _put_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
         body = await self._read_body(request, self.limits.max_frame_bytes)
-        block = await self._decode(body)
+        block = await self._decode(key, body)
         await self.segment.put(key, block)
         return web.Response(status=204)
 
@@ -327,7 +327,7 @@ class PeerServer:
     async def _batch_get(self, request: web.Request) -> web.StreamResponse:
         keys = await self._read_keys(request)
         blocks = await self.segment.get_many(keys) if keys else []
-        items = [(k, None if b is None else encode_frame(b)) for k, b in zip(keys, blocks,
+        items = [(k, None if b is None else encode_frame(b, key=k)) for k, b in zip(keys, blocks,
                                                                              strict=True)]
         return await self._send(request, proto.encode_blocks(items))
 
@@ -339,7 +339,7 @@ class PeerServer:
         for key, frame in entries:
             if frame is None:
                 raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
-            decoded.append((key, await self._decode(frame)))
+            decoded.append((key, await self._decode(key, frame)))
         if decoded:
             await self.segment.put_many(decoded)
         return web.Response(status=204)

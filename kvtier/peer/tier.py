@@ -23,6 +23,7 @@ from kvtier.codec import parse_compress as _compress_level
 from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError
 from kvtier.peer import protocol as proto
 from kvtier.peer.client import PeerClient
+from kvtier.peer.frames import decode_from_peer
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
@@ -35,8 +36,8 @@ __all__ = ["PeerTier"]
 log = logging.getLogger("kvtier.peer.tier")
 T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
-            "tls_key", "compress", "health_interval", "dns_interval", "vnodes", "pool",
-            "name", "max_batch", "max_body"}
+            "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
+            "vnodes", "pool", "name", "max_batch", "max_body"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 
 
@@ -74,6 +75,9 @@ class PeerTier(Tier):
         acknowledgement and the other copies complete in the background.
     ssl_context
         Client TLS context (see :func:`kvtier.peer.tls.client_context`).
+    tls_server_name
+        Name every member's certificate must carry (default: the member's host); for
+        ``peers+dns://``, whose members are IP addresses.
     compress_level
         zstd level for blocks sent by ``put`` (``None``: raw, zero-copy).
     health_interval, dns_interval
@@ -100,7 +104,8 @@ class PeerTier(Tier):
                  ssl_context: ssl.SSLContext | None = None, compress_level: int | None = None,
                  health_interval: float = 2.0, dns_interval: float = 5.0,
                  vnodes: int = DEFAULT_VNODES, pool_limit: int = 64,
-                 limits: proto.Limits | None = None, name: str | None = None) -> None:
+                 limits: proto.Limits | None = None, name: str | None = None,
+                 tls_server_name: str | None = None) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -121,7 +126,8 @@ class PeerTier(Tier):
             health_interval=health_interval, dns_interval=dns_interval,
             client_factory=lambda m: PeerClient(m, token=token, timeout=timeout,
                                                 ssl_context=ssl_context,
-                                                pool_limit=pool_limit, limits=self.limits))
+                                                pool_limit=pool_limit, limits=self.limits,
+                                                tls_server_name=tls_server_name))
         self._start_lock = asyncio.Lock()
         self._started = False
         self._background: set[asyncio.Task[bool]] = set()
@@ -147,7 +153,9 @@ class PeerTier(Tier):
             if len(entries) != 1:
                 raise ConfigError(f"url: peers+dns:// takes one name:port, got {parsed.netloc!r}")
             dns = split_member(entries[0], "url")
-        tls = {k: str(opts[k]) for k in ("tls_ca", "tls_cert", "tls_key") if opts.get(k)}
+        tls = {k: str(opts[k]) for k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")
+               if opts.get(k)}
+        # Any TLS option, a server name included, means https (system roots without tls_ca).
         ctx = client_context(tls.get("tls_ca"), tls.get("tls_cert"), tls.get("tls_key")) \
             if tls else None
         token = opts.get("token")
@@ -172,6 +180,7 @@ class PeerTier(Tier):
             pool_limit=_number(opts.get("pool", 64), "pool", int, 1),
             limits=limits,
             name=str(opts["name"]) if opts.get("name") else None,
+            tls_server_name=tls.get("tls_server_name"),
         )
 
     @property
@@ -211,11 +220,12 @@ class PeerTier(Tier):
             log.debug("peer %s: %s failed: %s", member, op, exc)
             return _FAILED
 
-    def _decode(self, member: str, frame: bytes | memoryview | None) -> Block | None:
+    async def _decode(self, member: str, key: bytes,
+                      frame: bytes | memoryview | None) -> Block | None:
         if frame is None:
             return None
         try:
-            return decode_frame(frame)
+            return await decode_from_peer(frame, key, self.limits.max_block_bytes)
         except CorruptBlockError as exc:
             self.counts["corrupt"] += 1
             log.warning("peer %s sent a corrupt frame: %s", member, exc)
@@ -335,7 +345,7 @@ class PeerTier(Tier):
             frames: list[bytes | memoryview | None] = [await client.get(keys[0])]
         else:
             frames = list(await client.get_many(keys))
-        return [self._decode(member, f) for f in frames]
+        return [await self._decode(member, k, f) for k, f in zip(keys, frames, strict=True)]
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         return await self._rounds(keys, "get", self._fetch_blocks, lambda b: b is not None)

@@ -1,0 +1,54 @@
+"""Test-suite wide configuration: which tests run on which event loops.
+
+kvtier must work on asyncio's default loop and on uvloop (what vLLM, SGLang and most Python
+servers run). The peer tests, the peer conformance suite and the store tests therefore run
+once per loop, in the same ``pytest`` invocation; every other async test runs on asyncio's
+default loop only, to keep the suite's time down. ``--loops=asyncio`` (or ``uvloop``)
+restricts the dual-loop modules to one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is in the test extra
+    uvloop = None  # type: ignore[assignment]
+
+# Modules (by file name prefix) whose async tests run on every available loop.
+DUAL_LOOP_PREFIXES = ("test_peer_", "test_store")
+
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+
+def _available_loops() -> dict[str, LoopFactory]:
+    loops: dict[str, LoopFactory] = {"asyncio": asyncio.new_event_loop}
+    if uvloop is not None:
+        loops["uvloop"] = uvloop.new_event_loop
+    return loops
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--loops", default="all", metavar="NAMES",
+                     help="event loops for the peer and store tests: 'all' (default) or a "
+                          "comma-separated subset of asyncio,uvloop")
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config,
+                                  item: pytest.Item) -> Mapping[str, LoopFactory]:
+    available = _available_loops()
+    if not item.path.name.startswith(DUAL_LOOP_PREFIXES):
+        return {"asyncio": available["asyncio"]}
+    wanted = config.getoption("--loops")
+    if wanted == "all":
+        return available
+    names = [n.strip() for n in wanted.split(",") if n.strip()]
+    unknown = [n for n in names if n not in available]
+    if unknown or not names:
+        raise pytest.UsageError(f"--loops: unknown or unavailable loop(s) {unknown or wanted!r}"
+                                f" (available: {', '.join(available)})")
+    return {n: available[n] for n in names}
