@@ -345,9 +345,10 @@ class RedisTier(Tier):
         # Tail first, so the head ends up the most recently used (Redis LRU samples idle time).
         tail_first = list(reversed(keys))
         await self._run("touch", lambda: self._pipelined("TOUCH", tail_first))
-        if self.ttl is not None:
-            unpinned = [k for k in tail_first if not self._pins[k]]
-            await self._run("expire", lambda: self._pipelined("EXPIRE", unpinned, self.ttl))
+        ttl = self.ttl
+        unpinned = [k for k in tail_first if not self._pins[k]]
+        if ttl is not None and unpinned:
+            await self._run("expire", lambda: self._pipelined("EXPIRE", unpinned, ttl))
 
     async def _pin(self, keys: Sequence[bytes]) -> None:
         first = [k for k in dict.fromkeys(keys) if not self._pins[k]]
@@ -365,8 +366,9 @@ class RedisTier(Tier):
             if not self._pins[key]:
                 del self._pins[key]
                 released.append(key)
-        if self.ttl is not None and released:
-            await self._run("unpin", lambda: self._pipelined("EXPIRE", released, self.ttl))
+        ttl = self.ttl
+        if ttl is not None and released:
+            await self._run("unpin", lambda: self._pipelined("EXPIRE", released, ttl))
 
     async def _aclose(self) -> None:
         if self._usage_task is not None:
