@@ -279,3 +279,10 @@ RedisChainMachine.TestCase.settings = settings(
     max_examples=8, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestRedisChain = RedisChainMachine.TestCase
+
+
+def test_schemes_are_built_in() -> None:
+    from kvtier.tiers.registry import known_schemes, tier_class
+
+    assert tier_class("redis") is RedisTier and tier_class("redis+cluster") is RedisTier
+    assert {"redis", "redis+cluster"} <= set(known_schemes())
