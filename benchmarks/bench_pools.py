@@ -150,6 +150,7 @@ def _servers(stack: contextlib.ExitStack, tmp: Path) -> dict[str, str]:
         urls["redis"] = f"redis://{HOST}:{port}?timeout=30&max_connections=64"
 
     master = Path(py).parent / "mooncake_master"
+    os.environ.update(_mooncake_env())  # read when the client library loads
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
@@ -170,7 +171,6 @@ def _servers(stack: contextlib.ExitStack, tmp: Path) -> dict[str, str]:
         [py, "-c", "import sys; from benchmarks.bench_pools import hold_mooncake as h; "
          "h(sys.argv[1])", f"{base}&segment=1GiB&local_buffer=64MiB&staging=16MiB"],
         ready="READY", env=_mooncake_env()))
-    os.environ.update(_mooncake_env())
     urls["mooncake"] = f"{base}&segment=0&local_buffer=512MiB&staging=384MiB&timeout=30"
     return urls
 

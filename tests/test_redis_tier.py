@@ -286,3 +286,13 @@ def test_schemes_are_built_in() -> None:
 
     assert tier_class("redis") is RedisTier and tier_class("redis+cluster") is RedisTier
     assert {"redis", "redis+cluster"} <= set(known_schemes())
+
+
+async def test_callers_beyond_max_connections_wait_for_one(
+        server: redis_servers.RedisServer) -> None:
+    async with tier_from_url(f"redis://{server.address}?prefix={_prefix()}"
+                             "&max_connections=2&timeout=5") as tier:
+        await tier.put(key_of(1), sample_block(1, nbytes=256 << 10))
+        got = await asyncio.gather(*(tier.get(key_of(1)) for _ in range(12)))
+        assert all(g is not None and g.tobytes() == sample_block(1, nbytes=256 << 10).tobytes()
+                   for g in got)

@@ -74,7 +74,9 @@ class MooncakeTier(Tier):
     timeout
         Seconds a read may take before it counts as a miss.
     threads
-        Worker threads for the blocking client calls (bounds this tier's concurrency).
+        Worker threads for the blocking client calls (bounds this tier's concurrency). Few:
+        one client slows down as threads are added (here, 16-block batches at 8 concurrent
+        callers moved 0.05-0.10 GB/s on 8 threads and 0.27-0.50 GB/s on 1-2).
 
     Examples
     --------
@@ -84,7 +86,7 @@ class MooncakeTier(Tier):
     scheme = "mooncake"
 
     def __init__(self, settings: MooncakeSettings, *, replicas: int = 1, prefix: str = "kvt:",
-                 timeout: float = 5.0, threads: int = 8, name: str | None = None) -> None:
+                 timeout: float = 5.0, threads: int = 2, name: str | None = None) -> None:
         super().__init__(name=name, max_concurrency=threads)
         if replicas < 1:
             raise ConfigError(f"replicas: expected >= 1, got {replicas!r}")
@@ -142,7 +144,7 @@ class MooncakeTier(Tier):
         )
         return cls(settings, replicas=_int(opts, "replicas", 1, 1),
                    prefix=str(opts.get("prefix", "kvt:")), timeout=timeout,
-                   threads=_int(opts, "threads", 8, 1),
+                   threads=_int(opts, "threads", 2, 1),
                    name=str(opts["name"]) if opts.get("name") else None)
 
     @property

@@ -30,6 +30,7 @@ from kvtier.urls import merge_options, parse_bool, parse_secret, parse_size, par
 try:
     from redis.asyncio import Redis
     from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from redis.asyncio.connection import BlockingConnectionPool, Connection, SSLConnection
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
     from redis.exceptions import RedisError
@@ -163,14 +164,23 @@ class RedisTier(Tier):
             # One immediate retry absorbs a pooled connection that died with a restarted
             # server; more retries (with backoff) would only delay the miss.
             retry=Retry(NoBackoff(), 1), decode_responses=False)
-        if tls:
-            common.update(ssl=True, ssl_cert_reqs=ssl.CERT_REQUIRED, ssl_ca_certs=ssl_ca)
         client: Redis | RedisCluster
         if parsed.scheme == "redis+cluster":
+            if tls:
+                common.update(ssl=True, ssl_cert_reqs=ssl.CERT_REQUIRED, ssl_ca_certs=ssl_ca)
             client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
                                   require_full_coverage=False, **common)
         else:
-            client = Redis(host=nodes[0][0], port=nodes[0][1], db=int(db_text or 0), **common)
+            # A blocking pool makes a call beyond max_connections wait for a connection
+            # (within timeout) instead of failing at once.
+            max_connections = common.pop("max_connections")
+            del common["decode_responses"]
+            if tls:
+                common.update(ssl_cert_reqs=ssl.CERT_REQUIRED, ssl_ca_certs=ssl_ca)
+            client = Redis.from_pool(BlockingConnectionPool(
+                connection_class=SSLConnection if tls else Connection,
+                max_connections=max_connections, timeout=timeout, host=nodes[0][0],
+                port=nodes[0][1], db=int(db_text or 0), **common))
         ttl = int(_number(opts, "ttl", 0, 0))
         return cls(client, prefix=str(opts.get("prefix", "kvt:")), ttl=ttl or None,
                    timeout=timeout,
@@ -302,14 +312,20 @@ class RedisTier(Tier):
             node = self.client.get_node_from_key(self._rkey(key))  # type: ignore[union-attr, arg-type]
             groups[node.name if node is not None else ""].append(i)
 
+        failed: list[TierError] = []
+
         async def fetch(idx: list[int]) -> list[bytes | None]:
             try:
                 return await self._run("get", lambda: self._mget([keys[i] for i in idx]))
             except TierError as exc:
-                log.debug("%s", exc)
+                failed.append(exc)
                 return [None] * len(idx)
 
         replies = await asyncio.gather(*(fetch(idx) for idx in groups.values()))
+        if len(failed) == len(groups):
+            raise failed[0]  # nothing answered: the store counts one error
+        for exc in failed:
+            log.debug("%s", exc)
         out: list[bytes | None] = [None] * len(keys)
         for idx, values in zip(groups.values(), replies, strict=True):
             for i, value in zip(idx, values, strict=True):
