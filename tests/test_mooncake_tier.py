@@ -11,13 +11,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import mooncake_servers
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierError
 from kvtier.store import open_store
 from kvtier.testing.chain import make_chain_machine
 from kvtier.testing.conformance import TierConformance, key_of, sample_block
@@ -193,3 +194,28 @@ def test_scheme_is_built_in() -> None:
     from kvtier.tiers.registry import known_schemes, tier_class
 
     assert tier_class("mooncake") is MooncakeTier and "mooncake" in known_schemes()
+
+
+async def test_master_down_is_a_miss_then_used_when_it_comes_up(
+        tmp_path: Path, pool: tuple[str, mooncake_servers.StoreProcess]) -> None:
+    master = mooncake_servers.MooncakeMaster(tmp_path / "late-master")  # not started yet
+    url = (f"mooncake://{master.address}?protocol=tcp&segment=16MiB&local_buffer=16MiB"
+           f"&staging=8MiB&local_host=127.0.0.1&timeout=5")
+    store = await open_store(["dram://?capacity=4KiB", url])
+    async with store:
+        started = time.monotonic()
+        # Mooncake's setup() holds the GIL while it retries a dead master (90 s here):
+        # the tier must refuse before calling it, not freeze the loop.
+        assert await store.get(key_of(1)) is None
+        assert time.monotonic() - started < 30
+        assert store.stats()["tiers"][1]["errors"] == 1
+        with pytest.raises(TierError):
+            await store.put(key_of(1), sample_block(1, nbytes=8192))  # too big for dram
+        master.start()
+        try:
+            await store.put(key_of(1), sample_block(1, nbytes=8192))  # same store, no reopen
+            got = await store.get(key_of(1))
+            assert got is not None and got.tobytes() == sample_block(1, nbytes=8192).tobytes()
+        finally:
+            await store.aclose()
+            master.stop()

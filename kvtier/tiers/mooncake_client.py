@@ -104,8 +104,15 @@ class MooncakeClient:
     _shared: dict[MooncakeSettings, MooncakeClient] = {}
     _shared_lock = threading.Lock()
 
-    def __init__(self, settings: MooncakeSettings) -> None:
+    def __init__(self, settings: MooncakeSettings, probe_timeout: float = 2.0) -> None:
         self.settings = settings
+        # setup() holds the GIL while it retries a dead master (90 s here), freezing every
+        # thread and the event loop: refuse quickly when nothing listens there.
+        host, _, port = settings.master.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), probe_timeout).close()
+        except OSError as exc:
+            raise TierError(f"mooncake: master {settings.master} unreachable: {exc}") from exc
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(settings.host(), settings.metadata, settings.segment,
                               settings.local_buffer, settings.protocol, settings.devices,
@@ -122,12 +129,12 @@ class MooncakeClient:
         self.refs = 0
 
     @classmethod
-    def acquire(cls, settings: MooncakeSettings) -> MooncakeClient:
+    def acquire(cls, settings: MooncakeSettings, probe_timeout: float = 2.0) -> MooncakeClient:
         """The process's client for ``settings``, set up on first use (blocks)."""
         with cls._shared_lock:
             client = cls._shared.get(settings)
             if client is None:
-                client = cls._shared[settings] = cls(settings)
+                client = cls._shared[settings] = cls(settings, probe_timeout)
             client.refs += 1
             return client
 

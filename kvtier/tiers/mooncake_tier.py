@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ import numpy as np
 
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
-from kvtier.tiers.base import Block, Tier, check_output_buffer, copy_into
+from kvtier.tiers.base import Block, Tier, copy_into
 from kvtier.tiers.mooncake_client import (
     BUFFER_TOO_SMALL,
     OBJECT_NOT_FOUND,
@@ -47,6 +48,8 @@ _OPTIONS = {"metadata", "protocol", "device", "segment", "local_buffer", "stagin
             "prefix", "local_host", "timeout", "threads", "name"}
 _PROTOCOLS = ("tcp", "rdma")
 _DEFAULT_SLOT = (1 << 20) + 4096  # a 1 MiB block's frame fits; the hint grows with use
+#: A fetched frame: ``(slot offset, slot size, frame bytes)`` in the staging area, or bytes.
+_Fetched = tuple[int, int, int] | bytes | None
 
 
 def _int(opts: dict[str, object], name: str, default: int, low: int) -> int:
@@ -99,7 +102,8 @@ class MooncakeTier(Tier):
         self.counts: Counter[str] = Counter()
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-mooncake")
         self._client: MooncakeClient | None = None
-        self._start_lock = asyncio.Lock()
+        self._setup: asyncio.Future[MooncakeClient] | None = None
+        self._inflight: dict[bytes, asyncio.Future[Any]] = {}
         self._sizes: dict[bytes, int] = {}
         self._slot = _DEFAULT_SLOT
 
@@ -168,33 +172,66 @@ class MooncakeTier(Tier):
         return self.prefix + key.hex()
 
     async def _started(self) -> MooncakeClient:
+        if self._client is not None:
+            return self._client
+        if self._setup is None:
+            # One setup at a time; it may take minutes against a dead master, so callers wait
+            # at most ``timeout`` and later calls find it still running (or done).
+            self._setup = self._submit(
+                lambda: MooncakeClient.acquire(self.settings, self.timeout))
+            self._setup.add_done_callback(self._set_up)
+        await self._within(self._setup, "setup")
         if self._client is None:
-            async with self._start_lock:
-                if self._client is None:
-                    self._client = await self._thread(
-                        lambda: MooncakeClient.acquire(self.settings), wait=True)
+            raise TierError(f"{self.name}: closed during setup")
         return self._client
 
-    async def _thread(self, fn: Callable[[], T], *, wait: bool, deadline: bool = False) -> T:
-        """Run blocking ``fn`` on a worker thread.
+    def _set_up(self, future: asyncio.Future[MooncakeClient]) -> None:
+        self._setup = None  # a failed setup is retried by the next call
+        if future.cancelled() or future.exception() is not None:
+            return
+        client = future.result()
+        if self._closed:  # closed while it ran: hand the reference back
+            threading.Thread(target=client.release, daemon=True).start()
+        else:
+            self._client = client
 
-        ``wait``: if the caller is cancelled, let ``fn`` finish before re-raising (it writes
-        to the pool or into the caller's buffer). ``deadline``: past ``timeout``, give up
-        with :class:`TierError` (``fn`` finishes on its own).
-        """
-        future = asyncio.get_running_loop().run_in_executor(self._executor, fn)
+    def _submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def _within(self, future: asyncio.Future[T], what: str) -> T:
+        """Await a worker-thread call for at most ``timeout`` seconds; the call itself cannot
+        be interrupted and finishes in the background after a timeout or cancellation."""
         try:
-            if deadline:
-                async with asyncio.timeout(self.timeout):
-                    return await asyncio.shield(future)
-            return await asyncio.shield(future)
+            async with asyncio.timeout(self.timeout):
+                return await asyncio.shield(future)
         except TimeoutError:
             self.counts["timeouts"] += 1
-            raise TierError(f"{self.name}: no answer in {self.timeout} s") from None
-        except asyncio.CancelledError:
-            if wait:
-                await asyncio.wait({future})
-            raise
+            raise TierError(f"{self.name}: {what}: no answer in {self.timeout} s") from None
+
+    async def _ordered(self, keys: Sequence[bytes], fn: Callable[[], T], what: str) -> T:
+        """Run a write after any write of the same keys still in flight (one that outlived
+        its caller's timeout), so an older value never lands after a newer one."""
+        earlier = {id(f): f for k in keys if (f := self._inflight.get(k)) is not None}
+        if earlier:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await asyncio.wait(list(earlier.values()))
+            except TimeoutError:
+                self.counts["timeouts"] += 1
+                raise TierError(f"{self.name}: {what}: an earlier write of the same key is "
+                                f"still running") from None
+        future = self._submit(fn)
+        for key in keys:
+            self._inflight[key] = future
+        future.add_done_callback(lambda f: self._write_done(keys, f))
+        return await self._within(future, what)
+
+    def _write_done(self, keys: Sequence[bytes], future: asyncio.Future[Any]) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved here: a caller that timed out never will
+        for key in keys:
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
 
     # ----------------------------------------------------------------- contract
     async def _get(self, key: bytes) -> Block | None:
@@ -211,19 +248,34 @@ class MooncakeTier(Tier):
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         client = await self._started()
-        return await self._thread(lambda: self._read(client, keys, None), wait=False,
-                                  deadline=True)
+        return await self._within(self._submit(lambda: self._read(client, keys)), "get")
 
     async def _get_into(self, key: bytes, out: Block) -> bool:
+        # The thread only fills a staging slot; the copy into ``out`` happens here, so no
+        # thread can write into ``out`` after this call gave up on it.
         client = await self._started()
-        return (await self._thread(lambda: self._read(client, [key], out), wait=True))[0] \
-            is not None
+        future = self._submit(lambda: self._fetch(client, key))
+        try:
+            frame = await self._within(future, "get")
+        except BaseException:
+            future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                     or self._release(client, f.result()))
+            raise
+        try:
+            if frame is None:
+                return False
+            block = self._decoded(client, key, self._view(client, frame))
+            if block is None:
+                return False
+            copy_into(block, out)  # checks ``out`` first: a mismatch raises before any write
+            return True
+        finally:
+            self._release(client, frame)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         client = await self._started()
-        codes = await self._thread(
-            lambda: client.store.batch_is_exist([self._name(k) for k in keys]), wait=False,
-            deadline=True)
+        codes = await self._within(self._submit(
+            lambda: client.store.batch_is_exist([self._name(k) for k in keys])), "exists")
         failed = sum(1 for c in codes if c < 0)
         if failed:
             self.counts["errors"] += failed
@@ -234,7 +286,8 @@ class MooncakeTier(Tier):
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         client = await self._started()
         last = dict(items)  # one write per key: the last value wins
-        codes = await self._thread(lambda: self._write(client, list(last.items())), wait=True)
+        codes = await self._ordered(list(last), lambda: self._write(client, list(last.items())),
+                                    "put")
         bad = [(k, c) for k, c in zip(last, codes, strict=True) if c < 0]
         if bad:
             self.counts["errors"] += len(bad)
@@ -243,8 +296,8 @@ class MooncakeTier(Tier):
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         client = await self._started()
-        codes = await self._thread(
-            lambda: client.store.batch_remove([self._name(k) for k in keys], True), wait=True)
+        codes = await self._ordered(keys, lambda: client.store.batch_remove(
+            [self._name(k) for k in keys], True), "delete")
         for key, code in zip(keys, codes, strict=True):
             if code == 0 or code == OBJECT_NOT_FOUND:
                 self._sizes.pop(key, None)
@@ -259,6 +312,7 @@ class MooncakeTier(Tier):
         client, self._client = self._client, None
         if client is not None:
             await asyncio.get_running_loop().run_in_executor(self._executor, client.release)
+        # A setup still running releases its client when it ends (``_set_up``).
         self._executor.shutdown(wait=False)
 
     def stats(self) -> dict[str, Any]:
@@ -298,52 +352,85 @@ class MooncakeTier(Tier):
                 self._slot = max(self._slot, block.nbytes + 4096)
         return codes
 
-    def _read(self, client: MooncakeClient, keys: Sequence[bytes],
-              out: Block | None) -> list[Block | None]:
-        """Fetch frames into staging slots, verify and copy them out (blocks)."""
+    def _read(self, client: MooncakeClient, keys: Sequence[bytes]) -> list[Block | None]:
+        """Fetch frames into staging slots in one call, verify and copy them out (blocks)."""
         store, arena = client.store, client.staging
         names = [self._name(k) for k in keys]
         slot_size = self._slot  # other threads may grow the hint meanwhile
-        slots: list[int | None] = [arena.alloc(slot_size) for _ in keys]
+        slots = [arena.alloc(slot_size) for _ in keys]
         results: list[Block | None] = [None] * len(keys)
         try:
-            staged = [i for i, s in enumerate(slots) if s is not None]
+            staged = [(i, s) for i, s in enumerate(slots) if s is not None]
             codes: dict[int, int] = {}
             if staged:
-                got = store.batch_get_into([names[i] for i in staged],
-                                           [arena.base + slots[i] for i in staged],  # type: ignore[operator]
+                got = store.batch_get_into([names[i] for i, _ in staged],
+                                           [arena.base + s for _, s in staged],
                                            [slot_size] * len(staged))
-                codes = dict(zip(staged, got, strict=True))
+                codes = dict(zip((i for i, _ in staged), got, strict=True))
             for i, key in enumerate(keys):
-                code = codes.get(i, BUFFER_TOO_SMALL)
-                if code == BUFFER_TOO_SMALL:  # no slot, or the slot was too small
-                    frame: Any = store.get(names[i])
-                    code = len(frame) if frame else OBJECT_NOT_FOUND
+                code, slot = codes.get(i, BUFFER_TOO_SMALL), slots[i]
+                frame: Any
+                if code > 0 and slot is not None:
+                    frame = arena.view(slot, code)
+                elif code == BUFFER_TOO_SMALL:  # no slot, or the slot was too small
+                    frame = self._copying_get(client, names[i])
                 else:
-                    frame = arena.view(slots[i], code) if code > 0 else None  # type: ignore[arg-type]
-                if code < 0:
-                    if code != OBJECT_NOT_FOUND:
-                        self.counts["errors"] += 1
-                        log.debug("%s: get %s rc=%d", self.name, key.hex(), code)
-                    continue
-                results[i] = self._decoded(client, key, frame, out)
+                    self._count_miss(names[i], code)
+                    frame = None
+                if frame is not None:
+                    block = self._decoded(client, key, frame)
+                    results[i] = None if block is None else block.copy()
         finally:
             for slot in slots:
                 if slot is not None:
                     arena.free(slot, slot_size)
         return results
 
-    def _decoded(self, client: MooncakeClient, key: bytes, frame: Any,
-                 out: Block | None) -> Block | None:
+    def _fetch(self, client: MooncakeClient, key: bytes) -> _Fetched:
+        """One frame into a staging slot (or, when it does not fit, as ``bytes``)."""
+        store, arena, name = client.store, client.staging, self._name(key)
+        slot_size = self._slot
+        slot = arena.alloc(slot_size)
+        if slot is not None:
+            code = store.get_into(name, arena.base + slot, slot_size)
+            if code > 0:
+                return slot, slot_size, code
+            arena.free(slot, slot_size)
+            if code != BUFFER_TOO_SMALL:
+                self._count_miss(name, code)
+                return None
+        return self._copying_get(client, name)
+
+    @staticmethod
+    def _view(client: MooncakeClient, fetched: _Fetched) -> Any:
+        if isinstance(fetched, tuple):
+            return client.staging.view(fetched[0], fetched[2])
+        return fetched
+
+    @staticmethod
+    def _release(client: MooncakeClient, fetched: _Fetched) -> None:
+        if isinstance(fetched, tuple):
+            client.staging.free(fetched[0], fetched[1])
+
+    def _copying_get(self, client: MooncakeClient, name: str) -> bytes | None:
+        size = client.store.get_size(name)
+        if size < 0:
+            self._count_miss(name, size)
+            return None
+        self._slot = max(self._slot, size)  # later reads get slots that fit
+        return client.store.get(name) or None
+
+    def _count_miss(self, name: str, code: int) -> None:
+        """A negative return code: "not found" is a plain miss, others are counted errors."""
+        if code != OBJECT_NOT_FOUND:
+            self.counts["errors"] += 1
+            log.debug("%s: get %s rc=%d", self.name, name, code)
+
+    def _decoded(self, client: MooncakeClient, key: bytes, frame: Any) -> Block | None:
         try:
-            block = decode_frame(frame)
+            return decode_frame(frame)
         except CorruptBlockError as exc:
             self.counts["corrupt"] += 1
             log.warning("%s: dropping corrupt object %s: %s", self.name, key.hex(), exc)
             client.store.remove(self._name(key), True)
             return None
-        if out is not None:
-            check_output_buffer(block, out)  # raises before anything is written
-            copy_into(block, out)
-            return block
-        return block.copy()
