@@ -296,3 +296,13 @@ async def test_callers_beyond_max_connections_wait_for_one(
         got = await asyncio.gather(*(tier.get(key_of(1)) for _ in range(12)))
         assert all(g is not None and g.tobytes() == sample_block(1, nbytes=256 << 10).tobytes()
                    for g in got)
+
+
+async def test_put_many_repeated_key_last_value_wins(server: redis_servers.RedisServer) -> None:
+    async with tier_from_url(f"redis://{server.address}?prefix={_prefix()}") as tier:
+        big = 300 << 10  # over one pipeline's worth: the two writes go out concurrently
+        await tier.put_many([(key_of(1), sample_block(1, nbytes=big)),
+                             (key_of(2), sample_block(2, nbytes=big)),
+                             (key_of(1), sample_block(3, nbytes=big))])
+        got = await tier.get(key_of(1))
+        assert got is not None and got.tobytes() == sample_block(3, nbytes=big).tobytes()

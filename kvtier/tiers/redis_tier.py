@@ -44,6 +44,7 @@ T = TypeVar("T")
 _OPTIONS = {"prefix", "ttl", "max_connections", "token", "username", "tls", "tls_ca",
             "timeout", "name", "max_block", "usage_interval"}
 _DEFAULT_PORT = 6379
+_PIPELINE_BYTES = 256 << 10
 
 
 def _number(opts: dict[str, object], name: str, default: float, low: float) -> float:
@@ -341,17 +342,36 @@ class RedisTier(Tier):
 
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         self._maybe_refresh_usage()
-        frames = [(key, self._frame(key, block)) for key, block in items]
+        # One write per key (the last value wins), since chunks below run concurrently.
+        frames = [(key, self._frame(key, block)) for key, block in dict(items).items()]
+        # Pipelines of at most ~_PIPELINE_BYTES, sent concurrently: a server parsing one
+        # pipeline of big values moves its query buffer after every command (16 SETs of
+        # 1 MiB: 90-100 ms pipelined vs 10-25 ms one by one here), while small values gain
+        # from pipelining (64 of 16 KiB: 2-7 ms vs 6-19 ms).
+        chunks: list[list[tuple[bytes, bytes]]] = [[]]
+        size = 0
+        for key, frame in frames:
+            if chunks[-1] and size + len(frame) > _PIPELINE_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append((key, frame))
+            size += len(frame)
 
-        async def write() -> None:
+        async def write(chunk: list[tuple[bytes, bytes]]) -> None:
+            if len(chunk) == 1:
+                key, frame = chunk[0]
+                await self.client.set(self._rkey(key), frame, ex=self._ttl_for(key))
+                return
             pipe = self.client.pipeline(transaction=False)
-            for key, frame in frames:
-                # A pinned key keeps no TTL; others get the tier's TTL (or none).
-                ttl = None if self._pins[key] else self.ttl
-                pipe.set(self._rkey(key), frame, ex=ttl)
+            for key, frame in chunk:
+                pipe.set(self._rkey(key), frame, ex=self._ttl_for(key))
             await pipe.execute()
 
-        await self._run("put", write)
+        await self._run("put", lambda: self._bounded(write(c) for c in chunks))
+
+    def _ttl_for(self, key: bytes) -> int | None:
+        # A pinned key keeps no TTL; others get the tier's TTL (or none).
+        return None if self._pins[key] else self.ttl
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         removed = await self._run("delete", lambda: self._pipelined("UNLINK", keys))
