@@ -2,8 +2,10 @@
 
 One Redis key per block (``prefix + key``) holds the block's checksummed frame, so a torn,
 truncated or foreign value is a miss (and that copy is unlinked), never wrong bytes. Batch
-forms are pipelined: ``MGET`` on one server, per-node pipelines in a cluster (a node that is
-down or failing over costs only the keys of its slots). The server owns capacity (its
+reads are one ``MGET`` on one server and one per node in a cluster (a node that is down or
+failing over costs only the keys of its slots); batch writes go out as concurrent pipelines
+of at most 256 KiB (big values one ``SET`` each); ``EXISTS``/``UNLINK``/``TOUCH`` are
+pipelined. The server owns capacity (its
 ``maxmemory-policy`` evicts); the tier reports ``used``/``capacity`` from ``INFO memory``.
 Pins map onto TTLs: with ``ttl=`` set, a pinned key is ``PERSIST``-ed (immune to a
 ``volatile-*`` eviction policy and to expiry) and its TTL restored by the last ``unpin``.
