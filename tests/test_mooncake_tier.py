@@ -219,3 +219,21 @@ async def test_master_down_is_a_miss_then_used_when_it_comes_up(
         finally:
             await store.aclose()
             master.stop()
+
+
+def test_on_uvloop(pool: tuple[str, mooncake_servers.StoreProcess]) -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def roundtrip() -> None:
+        store = await open_store([pool[0]], tier_options={0: {"prefix": _prefix()}})
+        async with store:
+            await store.put_many([(key_of(i), sample_block(i)) for i in range(8)])
+            got = await store.get_many([key_of(i) for i in range(8)])
+            assert [g.tobytes() if g is not None else None for g in got] == \
+                [sample_block(i).tobytes() for i in range(8)]
+            out = np.zeros_like(sample_block(3))
+            assert await store.get_into(key_of(3), out) and \
+                out.tobytes() == sample_block(3).tobytes()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(roundtrip())

@@ -306,3 +306,22 @@ async def test_put_many_repeated_key_last_value_wins(server: redis_servers.Redis
                              (key_of(1), sample_block(3, nbytes=big))])
         got = await tier.get(key_of(1))
         assert got is not None and got.tobytes() == sample_block(3, nbytes=big).tobytes()
+
+
+@pytest.mark.parametrize("kind", ["single", "cluster"])
+def test_on_uvloop(kind: str, server: redis_servers.RedisServer,
+                   cluster: redis_servers.RedisCluster) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    url = f"redis://{server.address}" if kind == "single" else \
+        f"redis+cluster://{cluster.url_hosts}"
+
+    async def roundtrip() -> None:
+        store = await open_store([f"{url}?prefix={_prefix()}&timeout=5"])
+        async with store:
+            await store.put_many([(key_of(i), sample_block(i)) for i in range(8)])
+            got = await store.get_many([key_of(i) for i in range(8)])
+            assert [g.tobytes() if g is not None else None for g in got] == \
+                [sample_block(i).tobytes() for i in range(8)]
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(roundtrip())

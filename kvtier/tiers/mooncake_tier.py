@@ -10,11 +10,14 @@ space takes the copying calls. ``lookup_prefix`` and ``contains_many`` use one
 ``batch_is_exist``.
 
 The client's calls block, so they run on the tier's own worker threads, never on the event
-loop. They cannot be interrupted: a cancelled write or ``get_into`` waits for its call in
-flight (so no write lands after a later one and no thread writes into a buffer handed back to
-the caller); a read that passes ``timeout`` is a miss and its thread finishes on its own.
-Capacity belongs to the master (it evicts by lease and watermark), so :attr:`capacity` is
-``None``.
+loop, and every call is awaited for at most ``timeout`` seconds (a slower one is a counted
+failure: a miss for reads). The calls themselves cannot be interrupted and finish in the
+background, so a later write of the same key waits for one still in flight (an older value
+never lands after a newer one), and ``get_into`` copies into ``out`` on the loop from the
+staging slot a thread filled (no thread writes into ``out`` after the call returned). The
+master is probed with a TCP connect before ``setup()``, which holds the GIL while it retries
+an unreachable master. Capacity belongs to the master (it evicts by lease and watermark), so
+:attr:`capacity` is ``None``.
 """
 
 from __future__ import annotations
