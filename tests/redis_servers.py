@@ -39,12 +39,14 @@ def _free_port(cluster: bool) -> int:
 class RedisServer:
     """One ``redis-server`` process: no persistence, ``allkeys-lru``, loopback only."""
 
-    def __init__(self, workdir: Path, *, cluster: bool = False, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, *, cluster: bool = False, port: int | None = None,
+                 tls: tuple[Path, Path, Path] | None = None) -> None:
         if MISSING:
             raise RuntimeError(MISSING)
         self.workdir = workdir
         self.cluster = cluster
         self.port = port or _free_port(cluster)
+        self.tls = tls  # (ca, cert, key): TLS only, on ``port``
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -57,6 +59,11 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
                 "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru",
                 "--protected-mode", "no", "--logfile", str(self.workdir / "redis.log")]
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-ca-cert-file",
+                         str(ca), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                         "--tls-auth-clients", "no"]
         if self.cluster:
             conf = self.workdir / "nodes.conf"
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(conf),
@@ -68,7 +75,7 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with redis.Redis(host=HOST, port=self.port, socket_timeout=1) as client:
+                with self.client() as client:
                     if client.ping():
                         return
             except redis.RedisError:
@@ -86,7 +93,8 @@ class RedisServer:
         self.proc = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host=HOST, port=self.port, socket_timeout=5)
+        tls = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls[0])}
+        return redis.Redis(host=HOST, port=self.port, socket_timeout=5, **tls)
 
 
 class RedisCluster:

@@ -325,3 +325,31 @@ def test_on_uvloop(kind: str, server: redis_servers.RedisServer,
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(roundtrip())
+
+
+async def test_tls_with_ca(tmp_path: Path) -> None:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = (tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem")
+    ca.cert_pem.write_to_path(str(files[0]))
+    cert.cert_chain_pems[0].write_to_path(str(files[1]))
+    cert.private_key_pem.write_to_path(str(files[2]))
+    server = redis_servers.RedisServer(tmp_path / "tls", tls=files)
+    await asyncio.to_thread(server.start)
+    try:
+        base = f"redis://{server.address}?prefix={_prefix()}&timeout=5"
+        async with tier_from_url(f"{base}&tls=1&tls_ca={files[0]}") as tier:
+            await tier.put(key_of(1), sample_block(1))
+            got = await tier.get(key_of(1))
+            assert got is not None and got.tobytes() == sample_block(1).tobytes()
+        async with tier_from_url(base, timeout=0.5) as plain:  # no TLS: refused
+            with pytest.raises(TierError):
+                await plain.get(key_of(1))
+        other_ca = tmp_path / "other-ca.pem"
+        trustme.CA().cert_pem.write_to_path(str(other_ca))
+        async with tier_from_url(f"{base}&tls=1&tls_ca={other_ca}") as untrusted:
+            with pytest.raises(TierError):
+                await untrusted.get(key_of(1))
+    finally:
+        server.kill()
