@@ -160,6 +160,12 @@ class RedisTier(Tier):
         ssl_ca = str(opts["tls_ca"]) if opts.get("tls_ca") else None
         if ssl_ca and not tls:
             raise ConfigError("tls_ca: given without tls=1")
+        tier_opts: dict[str, Any] = dict(  # all checked before a client exists
+            prefix=str(opts.get("prefix", "kvt:")),
+            ttl=int(_number(opts, "ttl", 0, 0)) or None,
+            max_block=parse_size(opts.get("max_block", 512 << 20), "max_block"),  # type: ignore[arg-type]
+            usage_interval=_number(opts, "usage_interval", 5.0, 0.0),
+            name=str(opts["name"]) if opts.get("name") else None)
         common: dict[str, Any] = dict(
             password=password, username=str(opts["username"]) if opts.get("username") else None,
             socket_timeout=timeout, socket_connect_timeout=timeout,
@@ -184,12 +190,7 @@ class RedisTier(Tier):
                 connection_class=SSLConnection if tls else Connection,
                 max_connections=max_connections, timeout=timeout, host=nodes[0][0],
                 port=nodes[0][1], db=int(db_text or 0), **common))
-        ttl = int(_number(opts, "ttl", 0, 0))
-        return cls(client, prefix=str(opts.get("prefix", "kvt:")), ttl=ttl or None,
-                   timeout=timeout,
-                   max_block=parse_size(opts.get("max_block", 512 << 20), "max_block"),  # type: ignore[arg-type]
-                   usage_interval=_number(opts, "usage_interval", 5.0, 0.0),
-                   name=str(opts["name"]) if opts.get("name") else None)
+        return cls(client, timeout=timeout, **tier_opts)
 
     # ----------------------------------------------------------------- usage
     @property
