@@ -237,3 +237,16 @@ def test_on_uvloop(pool: tuple[str, mooncake_servers.StoreProcess]) -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(roundtrip())
+
+
+async def test_used_counts_what_this_tier_holds(
+        pool: tuple[str, mooncake_servers.StoreProcess]) -> None:
+    async with tier_from_url(pool[0], prefix=_prefix()) as tier:
+        assert tier.used == 0 and tier.capacity is None
+        await tier.put_many([(key_of(1), sample_block(1, nbytes=1000)),
+                             (key_of(2), sample_block(2, nbytes=3000))])
+        assert tier.used == 4000
+        await tier.put(key_of(1), sample_block(3, nbytes=2000))  # overwrite
+        assert tier.used == 5000
+        await tier.delete_many([key_of(2), key_of(9)])
+        assert tier.used == 2000

@@ -108,6 +108,7 @@ class MooncakeTier(Tier):
         self._setup: asyncio.Future[MooncakeClient] | None = None
         self._inflight: dict[bytes, asyncio.Future[Any]] = {}
         self._sizes: dict[bytes, int] = {}
+        self._used = 0
         self._slot = _DEFAULT_SLOT
 
     # ------------------------------------------------------------------ config
@@ -161,9 +162,14 @@ class MooncakeTier(Tier):
 
     @property
     def used(self) -> int:
-        """Frame bytes this tier wrote and has not deleted (the master's evictions are not
+        """Block bytes this tier wrote and has not deleted (the master's evictions are not
         reported to clients, so this is an upper bound of what this tier still holds)."""
-        return sum(self._sizes.values())
+        return self._used
+
+    def _account(self, key: bytes, nbytes: int) -> None:
+        self._used += nbytes - (self._sizes.pop(key, 0))
+        if nbytes:
+            self._sizes[key] = nbytes
 
     @property
     def client(self) -> MooncakeClient | None:
@@ -291,6 +297,9 @@ class MooncakeTier(Tier):
         last = dict(items)  # one write per key: the last value wins
         codes = await self._ordered(list(last), lambda: self._write(client, list(last.items())),
                                     "put")
+        for (key, block), code in zip(last.items(), codes, strict=True):
+            if code >= 0:
+                self._account(key, block.nbytes)
         bad = [(k, c) for k, c in zip(last, codes, strict=True) if c < 0]
         if bad:
             self.counts["errors"] += len(bad)
@@ -303,7 +312,7 @@ class MooncakeTier(Tier):
             [self._name(k) for k in keys], True), "delete")
         for key, code in zip(keys, codes, strict=True):
             if code == 0 or code == OBJECT_NOT_FOUND:
-                self._sizes.pop(key, None)
+                self._account(key, 0)
         bad = [c for c in codes if c not in (0, OBJECT_NOT_FOUND)]
         if bad:
             self.counts["errors"] += len(bad)
@@ -349,10 +358,7 @@ class MooncakeTier(Tier):
         finally:
             for _, offset, nbytes in staged:
                 arena.free(offset, nbytes)
-        for (key, block), code in zip(items, codes, strict=True):
-            if code >= 0:
-                self._sizes[key] = block.nbytes
-                self._slot = max(self._slot, block.nbytes + 4096)
+        self._slot = max(self._slot, *(block.nbytes + 4096 for _, block in items))
         return codes
 
     def _read(self, client: MooncakeClient, keys: Sequence[bytes]) -> list[Block | None]:
