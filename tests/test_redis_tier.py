@@ -180,6 +180,12 @@ async def test_lookup_prefix_counts_leading_hits(server: redis_servers.RedisServ
         got = await store.get_many(keys[:4])
         assert all(g is not None and g.tobytes() == sample_block(i).tobytes()
                    for i, g in enumerate(got))
+        tier = store.tiers[0]
+        assert isinstance(tier, RedisTier)
+        with server.client() as raw:  # the server evicts one between lookup and get
+            raw.delete(tier.prefix + keys[2])
+        got = await store.get_many(keys[:4])
+        assert [g is None for g in got] == [False, False, True, False]
 
 
 async def test_usage_from_info_memory(server: redis_servers.RedisServer) -> None:
