@@ -21,6 +21,9 @@ _BUILTIN: dict[str, str] = {
     "lmdb": "kvtier.tiers.lmdb:LMDBTier",
     "peers": "kvtier.peer.tier:PeerTier",
     "peers+dns": "kvtier.peer.tier:PeerTier",
+    "redis": "kvtier.tiers.redis_tier:RedisTier",
+    "redis+cluster": "kvtier.tiers.redis_tier:RedisTier",
+    "mooncake": "kvtier.tiers.mooncake_tier:MooncakeTier",
 }
 _registered: dict[str, type[Tier] | str] = {}
 
