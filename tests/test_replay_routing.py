@@ -45,7 +45,7 @@ def test_pooled_locate_with_chunks_reads_the_first_chunk_locally() -> None:
     # One long shared prefix re-read many times: with chunk placement its first 8 blocks
     # live on one owner, and locate routing sends the request there.
     prefix = list(range(8))
-    requests = [_row(prefix + [100 + i]) for i in range(200)]
+    requests = [_row([*prefix, 100 + i]) for i in range(200)]
     chunked = LocateSimulation("pooled", "locate", "lru", 4, [10_000], placement="chunk:8")
     run_dry(requests, [chunked], block_bytes=1)
     owner = chunked.owner(block_key(0))

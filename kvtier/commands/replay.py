@@ -129,11 +129,12 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.replay.report import format_table, write_json, write_plot
 
     print(format_table(report))
-    if any("load_imbalance" in row for row in report["results"]):
+    rows: list[dict[str, Any]] = report["results"]  # type: ignore[assignment]
+    if any("load_imbalance" in row for row in rows):
         from kvtier.replay.routing import format_routing_table
 
         print(f"\nrouting (remote MiB at --block-bytes {args.block_bytes}):")
-        print(format_routing_table(report["results"]))
+        print(format_routing_table(rows))
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")

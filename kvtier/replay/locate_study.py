@@ -64,19 +64,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         cells.setdefault((r["trace"], r["nodes"], r["capacity_blocks"]), {})[r["config"]] = r
     cols = [c[0] for c in CONFIGS]
     out = []
-    for title, cell in (
-            ("prefix hit rate (% of blocks)",
-             lambda r: f"{r['prefix_hit_rate_blocks'] * 100:.2f}"),
-            ("remote blocks moved per request (read + write)",
-             lambda r: f"{r['remote_bytes_per_request']:.1f}"),
-            ("load balance (max/mean requests per node)",
-             lambda r: f"{r['load_imbalance']:.2f}")):
+    for title, field, scale, digits in (
+            ("prefix hit rate (% of blocks)", "prefix_hit_rate_blocks", 100, 2),
+            ("remote blocks moved per request (read + write)", "remote_bytes_per_request", 1, 1),
+            ("load balance (max/mean requests per node)", "load_imbalance", 1, 2)):
         out += [f"**{title}**", "",
                 "| trace | N | C/node | " + " | ".join(cols) + " |",
                 "|---|---:|---:|" + "---:|" * len(cols)]
         for (trace, n, c), vals in sorted(cells.items()):
             out.append(f"| {trace} | {n} | {c} | "
-                       + " | ".join(cell(vals[k]) if k in vals else "-" for k in cols) + " |")
+                       + " | ".join(f"{vals[k][field] * scale:.{digits}f}" if k in vals else "-"
+                                    for k in cols) + " |")
         out.append("")
     shards = sorted({(r["trace"], r["nodes"], r["placement"], round(r["shard_imbalance"], 3))
                      for r in rows if r["mode"] == "pooled" and "shard_imbalance" in r
