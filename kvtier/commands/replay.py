@@ -97,7 +97,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: expected >= 1, got {args.limit}")
     if args.real and set(args.routing) & set(LOCATE_ROUTINGS):
-        raise ConfigError("--routing: locate routings run in --dry only")
+        raise ConfigError("--routing: locate routings run in --dry only here (kvtier demo "
+                          "runs pooled + locate with real peers)")
     for flag, values, known in (("--mode", args.mode, MODES), ("--routing", args.routing,
                                 ROUTINGS + LOCATE_ROUTINGS), ("--policy", args.policy,
                                                               tuple(POLICIES))):
