@@ -2,8 +2,9 @@
 for each trace and node count, one pass feeds per-node and pooled simulations under
 round-robin, session and locate routing, with per-block and chunk placement.
 
-Run ``python -m kvtier.replay.locate_study --out routing.json TRACE...``; prints three
-Markdown tables (hit rate, remote blocks moved per request, load max/mean).
+Run ``python -m kvtier.replay.locate_study --out routing.json TRACE...``; prints
+Markdown tables (hit rate, remote blocks moved and read per request, load max/mean, shard
+balance).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def study(trace: str, nodes: int, capacities: list[int], progress: bool = True
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """Three tables keyed by (trace, N, C): hit %, remote blocks per request, load max/mean."""
+    """Tables keyed by (trace, N, C): hit %, remote blocks moved and read per request, load
+    max/mean; then shard balance per placement."""
     cells: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["trace"], r["nodes"], r["capacity_blocks"]), {})[r["config"]] = r
@@ -67,6 +69,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for title, field, scale, digits in (
             ("prefix hit rate (% of blocks)", "prefix_hit_rate_blocks", 100, 2),
             ("remote blocks moved per request (read + write)", "remote_bytes_per_request", 1, 1),
+            ("of which remote blocks read per request (on the request's critical path)",
+             "remote_read_bytes_per_request", 1, 1),
             ("load balance (max/mean requests per node)", "load_imbalance", 1, 2)):
         out += [f"**{title}**", "",
                 "| trace | N | C/node | " + " | ".join(cols) + " |",
