@@ -180,6 +180,16 @@ class Subscription:
                     raise StopAsyncIteration
             await self._wake.wait()
 
+    def drain_nowait(self) -> list[KVEvent]:
+        """Everything buffered now, oldest first, without waiting (for synchronous pollers
+        such as an engine connector's ``take_events()``)."""
+        with self._lock:
+            batch = list(self._buffer)
+            self._buffer.clear()
+            self._wake.clear()
+        pending, self._pending = self._pending[::-1], []
+        return pending + batch
+
     async def batches(self) -> AsyncIterator[list[KVEvent]]:
         """Batches of events until the subscription is closed."""
         while True:

@@ -105,3 +105,18 @@ def test_medium_follows_the_tier() -> None:
     assert medium_of(Tier("peers")) == "shared_storage"
     assert medium_of(Tier("redis")) == "shared_storage"
     assert medium_of(Tier("file", "shared_storage")) == "shared_storage"
+
+
+async def test_drain_nowait_takes_what_is_buffered() -> None:
+    hub = EventHub("n")
+    sub = hub.subscribe()
+    assert sub.drain_nowait() == []
+    hub.stored(K[:1], tier="dram", medium="cpu")
+    hub.removed(K[:1], tier="dram", medium="cpu")
+    hub.removed(K[1:2], tier="dram", medium="cpu")
+    first = await sub.__anext__()  # one taken by iteration, two left pending/buffered
+    assert isinstance(first, BlockStored)
+    rest = sub.drain_nowait()
+    assert [e.keys[0] for e in rest if isinstance(e, BlockRemoved)] == [K[0], K[1]]
+    assert sub.drain_nowait() == []
+    sub.close()
