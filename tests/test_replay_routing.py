@@ -75,3 +75,12 @@ def test_cli_prints_routing_columns_and_refuses_real(tmp_path: Path) -> None:
     proc = subprocess.run([*base, "--real", "--routing", "locate"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--dry only" in proc.stderr
+
+
+def test_real_engine_locate_routing_needs_the_pool() -> None:
+    from kvtier.errors import ConfigError
+    from kvtier.replay.real import RealConfig
+
+    with pytest.raises(ConfigError, match="locate"):
+        RealConfig(mode="per-node", routing="locate")
+    assert RealConfig(mode="pooled", routing="locate").routing == "locate"

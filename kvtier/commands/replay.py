@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(format_table(report))
     rows: list[dict[str, Any]] = report["results"]  # type: ignore[assignment]
-    if any("load_imbalance" in row for row in rows):
+    if any("remote_bytes_per_request" in row for row in rows):
         from kvtier.replay.routing import format_routing_table
 
         print(f"\nrouting (remote MiB at --block-bytes {args.block_bytes}):")

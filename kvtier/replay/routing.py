@@ -152,7 +152,7 @@ def format_routing_table(rows: Sequence[dict[str, Any]]) -> str:
               f"{'load max/mean':>13} {'remote MiB/req':>14} {'(read+write)':>16}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        if "load_imbalance" not in r:
+        if "remote_bytes_per_request" not in r:
             continue
         lines.append(
             f"{r['mode']:<9} {r['routing']:<15} {r['placement']:<10} {r['capacity_blocks']:>7} "
