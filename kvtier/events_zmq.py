@@ -169,6 +169,7 @@ class ZmqEventPublisher:
         self._sub: Subscription | None = None
         self.seq = 0
         self.sent_events = 0
+        self.dropped_batches = 0  # batches ZMQ refused (kept for replay all the same)
 
     async def start(self) -> None:
         """Bind the sockets and start publishing."""
@@ -215,11 +216,13 @@ class ZmqEventPublisher:
                 # PUB never blocks: past the high-water mark ZMQ drops the message.
                 await pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
                                          flags=zmq.NOBLOCK)
+                self.sent_events += len(events)
             except zmq.Again:
+                self.dropped_batches += 1
                 log.debug("kv events: batch %d dropped by ZMQ (high-water mark)", seq)
             except zmq.ZMQError:
+                self.dropped_batches += 1
                 log.exception("kv events: publishing batch %d failed", seq)
-            self.sent_events += len(events)
             if self._keep:
                 self._kept.append((seq, payload))
 
