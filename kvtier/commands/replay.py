@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", type=_csv(str, "--mode"),
                         default=["per-node", "pooled", "ideal"], help="per-node,pooled,ideal")
     parser.add_argument("--routing", type=_csv(str, "--routing"), default=["rr", "session"],
-                        help="rr,random,session,prefix-affinity (default rr,session)")
+                        help="rr,random,session,prefix-affinity,locate,locate-bounded "
+                             "(default rr,session; locate: --dry only, see docs/replay.md)")
     parser.add_argument("--policy", type=_csv(str, "--policy"), default=["lru"],
                         help="lru,s3fifo,s3fifo2 (default lru)")
     parser.add_argument("--vnodes", type=int, default=None,
@@ -75,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from kvtier.replay.routing import LOCATE_ROUTINGS
     from kvtier.replay.sim import MODES, POLICIES, ROUTINGS
 
     if args.nodes < 1:
@@ -94,8 +96,12 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--placement: expected block or chunk:N, got {args.placement!r}")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: expected >= 1, got {args.limit}")
+    if args.real and set(args.routing) & set(LOCATE_ROUTINGS):
+        raise ConfigError("--routing: locate routings run in --dry only here (kvtier demo "
+                          "runs pooled + locate with real peers)")
     for flag, values, known in (("--mode", args.mode, MODES), ("--routing", args.routing,
-                                ROUTINGS), ("--policy", args.policy, tuple(POLICIES))):
+                                ROUTINGS + LOCATE_ROUTINGS), ("--policy", args.policy,
+                                                              tuple(POLICIES))):
         for value in values:
             if value not in known:
                 raise ConfigError(f"{flag}: unknown {value!r}; known: {', '.join(known)}")
@@ -124,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.replay.report import format_table, write_json, write_plot
 
     print(format_table(report))
+    rows: list[dict[str, Any]] = report["results"]  # type: ignore[assignment]
+    if any("remote_bytes_per_request" in row for row in rows):
+        from kvtier.replay.routing import format_routing_table
+
+        print(f"\nrouting (remote MiB at --block-bytes {args.block_bytes}):")
+        print(format_routing_table(rows))
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}")
@@ -142,7 +154,8 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
     from kvtier.progress import Progress
     from kvtier.replay.dry import run_dry
     from kvtier.replay.report import make_report
-    from kvtier.replay.sim import DEFAULT_POOL_VNODES, Simulation
+    from kvtier.replay.routing import make_simulation, routing_metrics
+    from kvtier.replay.sim import DEFAULT_POOL_VNODES
     from kvtier.replay.trace import trace_size
 
     members = [f"node{i}" for i in range(args.nodes)]
@@ -153,9 +166,9 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
         for mode, policy in itertools.product(args.mode, args.policy):
             routings = ["none"] if mode == "ideal" else args.routing
             for routing in routings:
-                sims.append(Simulation(mode, routing, policy, args.nodes, caps, ring=ring,
-                                       seed=args.seed, cascade=args.cascade,
-                                       placement=args.placement))
+                sims.append(make_simulation(mode, routing, policy, args.nodes, caps, ring=ring,
+                                            seed=args.seed, cascade=args.cascade,
+                                            placement=args.placement))
     builtin = args.trace == BUILTIN
     total = 0 if builtin else trace_size(args.trace)
     progress = Progress(total, f"replay {len(sims)} configs", enabled=False
@@ -165,6 +178,9 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
                                  on_progress=lambda pos: progress.update(to=pos))
         out = run_dry(requests, sims, block_bytes=args.block_bytes,  # type: ignore[arg-type]
                       progress=progress)
+    for row, sim in zip(out["results"], sims, strict=True):
+        if sim.mode != "ideal":
+            row.update(routing_metrics(sim, args.block_bytes))
     return make_report(args.trace, out["requests"], out["block_refs"], args.nodes,
                        args.capacity_blocks, out["results"], engine="dry",
                        unique_blocks=out["unique_blocks"], elapsed_s=round(out["elapsed_s"], 2),

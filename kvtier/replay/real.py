@@ -5,7 +5,9 @@ Every serving node is a :class:`~kvtier.store.TieredStore`. ``per-node``: each n
 ``lmdb://``) with a real :class:`~kvtier.peer.server.PeerServer`, and reads/writes the pool
 through a :class:`~kvtier.peer.tier.PeerTier` (its own keys without HTTP). ``ideal``: one
 chain with the capacity of all nodes. An optional shared ``file://`` tier sits at the bottom
-of every node's chain. A request does what an inference server does: ``lookup_prefix``, then
+of every node's chain. Routing ``locate`` (pooled) asks every member ``POST /v1/locate`` and
+sends the request to the longest local prefix, within the load bound of
+:mod:`kvtier.replay.routing`. A request does what an inference server does: ``lookup_prefix``, then
 ``get_many`` of the hit prefix (payloads are verified), then ``put_many`` of the rest.
 """
 
@@ -67,8 +69,11 @@ class RealConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("per-node", "pooled", "ideal"):
             raise ConfigError(f"mode: unknown {self.mode!r}; known: per-node, pooled, ideal")
-        if self.routing not in ("rr", "session"):
-            raise ConfigError(f"routing: --real supports rr and session, got {self.routing!r}")
+        if self.routing not in ("rr", "session", "locate"):
+            raise ConfigError(f"routing: --real supports rr, session and locate, "
+                              f"got {self.routing!r}")
+        if self.routing == "locate" and self.mode != "pooled":
+            raise ConfigError("routing: locate (by POST /v1/locate) needs mode pooled")
         for name in ("nodes", "block_bytes", "dram_blocks", "vnodes", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
@@ -84,6 +89,7 @@ class Cluster:
         self.segments: list[TieredStore] = []
         self.servers: list[Any] = []
         self.ring: HashRing | None = None  # pooled: who owns a key, as the PeerTiers see it
+        self.token = secrets.token_urlsafe(16)
 
     def _local_tiers(self, index: int, scale: int) -> list[Tier]:
         cfg = self.config
@@ -116,14 +122,17 @@ class Cluster:
         return self
 
     async def _start_pool(self) -> None:
+        from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, tiers_answer
         from kvtier.peer.server import PeerServer
         from kvtier.peer.tier import PeerTier
 
         cfg = self.config
-        token = secrets.token_urlsafe(16)
+        token = self.token
         self.segments = [TieredStore(self._local_tiers(i, 1)) for i in range(cfg.nodes)]
         for i, segment in enumerate(self.segments):
             server = PeerServer(segment, token=token, node_id=f"node{i}")
+            server.app.router.add_post(LOCATE_PATH, make_locate_handler(
+                tiers_answer(segment.tiers), node=f"node{i}", limits=server.limits))
             await server.start()
             self.servers.append(server)
         members = [s.member_id for s in self.servers]
@@ -182,15 +191,24 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
                             "bytes_read", "bytes_written", "remote_hits"), 0)
     ring = cluster.ring
     stream = iter(requests)
+    node_requests = [0] * config.nodes
+    http = None
+    if config.routing == "locate":
+        import aiohttp
+
+        http = aiohttp.ClientSession()
     start = time.perf_counter()
 
     async def one(req: Request) -> None:
-        if config.routing == "session" and req.session is not None:
+        keys = [real_key(b) for b in req.hash_ids]
+        if http is not None:
+            node = await _locate_node(cluster, http, keys, node_requests)
+        elif config.routing == "session" and req.session is not None:
             node = sessions.setdefault(req.session, next(rr) % config.nodes)
         else:
             node = next(rr) % config.nodes
+        node_requests[node] += 1
         store = cluster.stores[0 if config.mode == "ideal" else node]
-        keys = [real_key(b) for b in req.hash_ids]
         t0 = time.perf_counter()
         hit = await store.lookup_prefix(keys)
         got = await store.get_many(keys[:hit]) if hit else []
@@ -235,7 +253,11 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
                 return
             await one(req)
 
-    await asyncio.gather(*(worker() for _ in range(config.concurrency)))
+    try:
+        await asyncio.gather(*(worker() for _ in range(config.concurrency)))
+    finally:
+        if http is not None:
+            await http.close()
     elapsed = time.perf_counter() - start
     for store in cluster.stores:
         await store.flush()
@@ -245,7 +267,35 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
                counts["bytes_written"])
     if ring is not None:
         row["remote_share"] = counts["remote_hits"] / hit_blocks if hit_blocks else 0.0
+    row["remote_hit_blocks"] = counts["remote_hits"]
+    row["tokens"], row["hit_tokens"] = counts["tokens"], counts["hit_tokens"]
+    mean = sum(node_requests) / len(node_requests)
+    row["node_requests"] = node_requests
+    row["load_imbalance"] = max(node_requests) / mean if mean else 0.0
     return row
+
+
+async def _locate_node(cluster: Cluster, http: Any, keys: list[bytes],
+                       node_requests: list[int]) -> int:
+    """The member with the longest local prefix (``POST /v1/locate`` to all), among those
+    within the load bound; ties and non-answers go to the least loaded."""
+    from kvtier.peer.locate import locate_prefix
+    from kvtier.replay.routing import LOAD_BOUND
+
+    members = [s.member_id for s in cluster.servers]
+    found = await locate_prefix(members, keys, token=cluster.token, deadline=1.0, session=http)
+    limit = LOAD_BOUND * (sum(node_requests) + 1) / len(members)
+    lightest = min(node_requests)
+    best = -1
+    best_run = -1
+    for node, member in enumerate(members):
+        load = node_requests[node]
+        if load + 1 > limit and load > lightest:
+            continue
+        run = found[member].blocks if member in found else 0
+        if run > best_run or (run == best_run and load < node_requests[best]):
+            best, best_run = node, run
+    return best
 
 
 def _tier_shares(cluster: Cluster) -> tuple[list[str], list[float], dict[str, int]]:
@@ -289,7 +339,8 @@ def _row(config: RealConfig, cluster: Cluster, elapsed: float, latencies: list[f
         "prefix_hit_rate_blocks": hit_blocks / blocks if blocks else 0.0,
         "prefix_hit_rate_tokens": hit_tokens / tokens if tokens else 0.0,
         "remote_share": None, "tier_names": names, "tier_hit_share": shares,
-        "bytes_read": bytes_read, "bytes_written": bytes_written,
+        "block_bytes": config.block_bytes, "bytes_read": bytes_read,
+        "bytes_written": bytes_written, "network_bytes": remote_bytes,
         "bytes_moved": remote_bytes + (moved["promotions"] + moved["demotions"])
         * config.block_bytes, **moved,
         "elapsed_s": elapsed, "requests_per_s": n_req / elapsed if elapsed else 0.0,

@@ -1,0 +1,308 @@
+"""KV cache events: what this process's tiers admit and evict, for KV-aware routers.
+
+A producer (a tier or the store) calls :meth:`EventHub.stored`, :meth:`EventHub.removed` or
+:meth:`EventHub.cleared`; these never await, never block on a consumer and cost one append per
+subscriber. Each :class:`Subscription` has a bounded buffer: when a consumer falls behind, the
+oldest buffered events are dropped and counted (``Subscription.dropped``, ``EventHub.dropped``),
+because a router that lost events must resynchronise anyway, while a store that waited for its
+router would serve requests late. A consumer that wakes up takes everything buffered at once (a
+batch), so it pays one wake-up per burst, not per event.
+
+Usage::
+
+    hub = EventHub(node="node0")
+    async with hub.subscribe() as sub:     # or: async for event in hub.subscribe()
+        hub.stored([k0, k1], tier="dram", parent=None, block_tokens=256)
+        async for batch in sub.batches():  # lists of events, in emission order
+            ...
+
+Producers may call from any thread (an LMDB eviction running in ``asyncio.to_thread``): a
+subscriber's wake-up is handed to its event loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "MEDIUM_GPU", "MEDIUM_SHARED", "AllBlocksCleared",
+           "BlockRemoved", "BlockStored", "EventHub", "KVEvent", "Subscription", "medium_of"]
+
+# ``medium`` values, as in the issue's contract and vLLM's events (vLLM itself spells its
+# own tiers "GPU"/"CPU"; a publisher can map these, see kvtier.events_zmq).
+MEDIUM_GPU = "gpu"
+MEDIUM_CPU = "cpu"
+MEDIUM_DISK = "disk"
+MEDIUM_SHARED = "shared_storage"
+
+_SCHEME_MEDIUM = {
+    "hbm": MEDIUM_GPU,
+    "dram": MEDIUM_CPU,
+    "lmdb": MEDIUM_DISK,
+    "file": MEDIUM_DISK,
+    # Shared by many nodes: a pool, a shared store or an object store.
+    "peers": MEDIUM_SHARED,
+    "redis": MEDIUM_SHARED,
+    "redis+cluster": MEDIUM_SHARED,
+    "mooncake": MEDIUM_SHARED,
+    "s3": MEDIUM_SHARED,
+    "gs": MEDIUM_SHARED,
+    "memory": MEDIUM_CPU,
+}
+
+
+def medium_of(tier: object) -> str:
+    """The event ``medium`` of a tier: its ``medium`` attribute if it has one (a ``file://``
+    tier on a WEKA/VAST mount says ``shared_storage``), else by its ``scheme`` (``dram`` ->
+    ``cpu``, ``lmdb``/``file`` -> ``disk``, ``peers``/``redis``/``s3``/... ->
+    ``shared_storage``); an unknown scheme counts as ``disk``."""
+    medium = getattr(tier, "medium", None)
+    if isinstance(medium, str) and medium:
+        return medium
+    return _SCHEME_MEDIUM.get(str(getattr(tier, "scheme", "")), MEDIUM_DISK)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks ``keys`` (a prefix run, parent first) became readable from ``tier`` on ``node``.
+
+    ``parent`` is the key of the block chained before ``keys[0]`` (``None`` at a prompt's
+    start), ``block_tokens`` the tokens per block, ``token_ids`` the tokens of the blocks when
+    the producer knows them (routers that hash tokens themselves need them; kvtier keys are
+    already digests, so they are usually empty).
+    """
+
+    keys: tuple[bytes, ...]
+    tier: str
+    node: str
+    medium: str
+    parent: bytes | None = None
+    block_tokens: int | None = None
+    token_ids: tuple[int, ...] = ()
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks ``keys`` stopped being readable from ``tier`` on ``node`` (evicted, demoted
+    away or deleted)."""
+
+    keys: tuple[bytes, ...]
+    tier: str
+    node: str
+    medium: str
+    ts: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every block of ``tier`` on ``node`` is gone (``tier`` ``None``: of every tier)."""
+
+    node: str
+    tier: str | None = None
+    medium: str | None = None
+    ts: float = field(default_factory=time.time)
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def _keys(keys: Iterable[bytes]) -> tuple[bytes, ...]:
+    out = tuple(keys)
+    for key in out:
+        if not isinstance(key, bytes) or not 1 <= len(key) <= 128:
+            raise TypeError(f"keys: expected bytes of 1..128 bytes, got {key!r:.60}")
+    return out
+
+
+class Subscription:
+    """One consumer's bounded view of a hub's events (async iterator of events).
+
+    Not for sharing between tasks: one task iterates. ``dropped`` counts the events this
+    subscriber lost to its buffer bound.
+    """
+
+    def __init__(self, hub: EventHub, buffer: int, max_batch: int) -> None:
+        self._hub = hub
+        self._buffer: deque[KVEvent] = deque()
+        self._limit = buffer
+        self._max_batch = max_batch
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+        self._wake = asyncio.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pending: list[KVEvent] = []
+        self.dropped = 0
+
+    # -- producer side (any thread) -----------------------------------------------
+    def _offer(self, event: KVEvent) -> int:
+        """Buffer ``event``; returns how many events it pushed out (0 or 1)."""
+        with self._lock:
+            lost = 0
+            if len(self._buffer) >= self._limit:
+                self._buffer.popleft()
+                lost = 1
+                self.dropped += 1
+            self._buffer.append(event)
+        if threading.get_ident() == self._thread:
+            self._wake.set()
+        else:
+            # RuntimeError: the consumer's loop is closed, nobody to wake.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._wake.set)
+        return lost
+
+    # -- consumer side --------------------------------------------------------------
+    async def next_batch(self) -> list[KVEvent]:
+        """Wait for events and return all buffered ones (at most ``max_batch``), oldest first.
+
+        Raises
+        ------
+        StopAsyncIteration
+            Once the subscription or its hub is closed and the buffer is drained.
+        """
+        while True:
+            with self._lock:
+                if self._buffer:
+                    n = min(len(self._buffer), self._max_batch)
+                    batch = [self._buffer.popleft() for _ in range(n)]
+                    if not self._buffer:
+                        self._wake.clear()
+                    return batch
+                self._wake.clear()
+                if self._closed:
+                    raise StopAsyncIteration
+            await self._wake.wait()
+
+    def drain_nowait(self) -> list[KVEvent]:
+        """Everything buffered now, oldest first, without waiting (for synchronous pollers
+        such as an engine connector's ``take_events()``)."""
+        with self._lock:
+            batch = list(self._buffer)
+            self._buffer.clear()
+            self._wake.clear()
+        pending, self._pending = self._pending[::-1], []
+        return pending + batch
+
+    async def batches(self) -> AsyncIterator[list[KVEvent]]:
+        """Batches of events until the subscription is closed."""
+        while True:
+            try:
+                yield await self.next_batch()
+            except StopAsyncIteration:
+                return
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> KVEvent:
+        if not self._pending:
+            self._pending = await self.next_batch()
+            self._pending.reverse()
+        return self._pending.pop()
+
+    def close(self) -> None:
+        """Stop receiving; iteration ends once what is buffered has been taken."""
+        with self._lock:
+            self._closed = True
+        self._hub._unsubscribe(self)
+        if threading.get_ident() == self._thread:
+            self._wake.set()
+        else:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def __aenter__(self) -> Subscription:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EventHub:
+    """Fan-out of KV events to bounded subscriptions; producers never wait.
+
+    Parameters
+    ----------
+    node
+        This node's id, stamped on every event.
+    buffer
+        Default per-subscriber bound, in events.
+    max_batch
+        Most events a consumer takes per wake-up.
+    """
+
+    def __init__(self, node: str, *, buffer: int = 10_000, max_batch: int = 1024) -> None:
+        if not isinstance(node, str) or not node:
+            raise ValueError(f"node: expected a non-empty str, got {node!r}")
+        for name, value in (("buffer", buffer), ("max_batch", max_batch)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        self.node = node
+        self._buffer = buffer
+        self._max_batch = max_batch
+        self._subs: tuple[Subscription, ...] = ()
+        self._lock = threading.Lock()
+        self.emitted = 0
+        self.dropped = 0
+
+    def subscribe(self, *, buffer: int | None = None) -> Subscription:
+        """A new subscription on the running event loop (bounded to ``buffer`` events)."""
+        size = self._buffer if buffer is None else buffer
+        if type(size) is not int or size < 1:
+            raise ValueError(f"buffer: expected an int >= 1, got {size!r}")
+        sub = Subscription(self, size, self._max_batch)
+        with self._lock:
+            self._subs = (*self._subs, sub)
+        return sub
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs = tuple(s for s in self._subs if s is not sub)
+
+    @property
+    def subscribers(self) -> int:
+        """Open subscriptions."""
+        return len(self._subs)
+
+    def emit(self, event: KVEvent) -> None:
+        """Hand ``event`` to every subscriber (a no-op without subscribers)."""
+        subs = self._subs  # an immutable snapshot: subscribe/close may run meanwhile
+        if not subs:
+            return
+        self.emitted += 1
+        for sub in subs:
+            lost = sub._offer(event)
+            if lost:
+                with self._lock:
+                    self.dropped += lost
+
+    def stored(self, keys: Sequence[bytes], *, tier: str, medium: str,
+               parent: bytes | None = None, block_tokens: int | None = None,
+               token_ids: Sequence[int] = ()) -> None:
+        """Emit :class:`BlockStored` for ``keys`` admitted into ``tier``."""
+        if not self._subs or not keys:
+            return
+        self.emit(BlockStored(_keys(keys), tier, self.node, medium, parent, block_tokens,
+                              tuple(token_ids)))
+
+    def removed(self, keys: Sequence[bytes], *, tier: str, medium: str) -> None:
+        """Emit :class:`BlockRemoved` for ``keys`` that left ``tier``."""
+        if not self._subs or not keys:
+            return
+        self.emit(BlockRemoved(_keys(keys), tier, self.node, medium))
+
+    def cleared(self, *, tier: str | None = None, medium: str | None = None) -> None:
+        """Emit :class:`AllBlocksCleared` (``tier`` ``None``: every tier of this node)."""
+        if self._subs:
+            self.emit(AllBlocksCleared(self.node, tier, medium))
+
+    def close(self) -> None:
+        """End every subscription (each still yields what it had buffered)."""
+        for sub in self._subs:
+            sub.close()

@@ -1,0 +1,277 @@
+"""Publish kvtier's KV events on ZMQ in vLLM's KV-event wire format (``kvtier[events]``).
+
+What existing KV-aware routers (vLLM's own subscribers, llm-d's KV cache indexer) consume:
+a ZMQ PUB socket sending three frames per batch,
+
+1. topic, ``kv@<node>@<model>`` by default;
+2. sequence number, u64 big-endian, one per batch, from 0;
+3. a msgpack ``KVEventBatch`` (``ts``, ``events``, ``data_parallel_rank``), its events tagged
+   msgspec structs ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` with vLLM's field
+   names (the structs below mirror ``vllm/distributed/kv_events.py``).
+
+With ``replay_endpoint`` a ROUTER socket answers a subscriber's request for missed batches
+(frames ``[b"", start_seq u64 BE]``) with ``[b"", seq, payload]`` per kept batch from
+``start_seq`` on, then ``[b"", -1 as i64 BE, b""]``, as vLLM's publisher does.
+
+kvtier keys are digests, so ``block_hashes`` are the 16-byte keys (vLLM's
+``ExternalBlockHash`` is ``bytes | int``) and ``token_ids`` is empty unless the producer knew
+the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvtier.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventHub,
+    KVEvent,
+    Subscription,
+)
+
+__all__ = ["END_SEQ", "VLLM_MEDIUM", "VllmAllBlocksCleared", "VllmBlockRemoved",
+           "VllmBlockStored", "VllmKVEventBatch", "ZmqEventPublisher", "to_vllm"]
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+# vLLM's own spelling of mediums ("GPU", "CPU"), for routers that match vLLM's strings.
+VLLM_MEDIUM = {"gpu": "GPU", "cpu": "CPU", "disk": "DISK", "shared_storage": "SHARED_STORAGE"}
+
+
+class _EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False,
+                    tag=True):
+    pass
+
+
+class VllmBlockStored(_KVCacheEvent, tag="BlockStored"):
+    """vLLM's ``BlockStored`` (field order and names as in vLLM)."""
+
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None  # required (no default), as in vLLM: always on the wire
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VllmBlockRemoved(_KVCacheEvent, tag="BlockRemoved"):
+    """vLLM's ``BlockRemoved``."""
+
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VllmAllBlocksCleared(_KVCacheEvent, tag="AllBlocksCleared"):
+    """vLLM's ``AllBlocksCleared``."""
+
+
+class VllmKVEventBatch(_EventBatch):
+    """vLLM's ``KVEventBatch``: what one PUB message carries."""
+
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+
+
+def to_vllm(event: KVEvent, medium: Callable[[str], str] = lambda m: m
+            ) -> VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared:
+    """One kvtier event as vLLM's struct (``medium`` maps kvtier's medium names)."""
+    if isinstance(event, BlockStored):
+        return VllmBlockStored(block_hashes=list(event.keys), parent_block_hash=event.parent,
+                               token_ids=list(event.token_ids),
+                               block_size=event.block_tokens or 0, lora_id=None,
+                               medium=medium(event.medium), lora_name=None)
+    if isinstance(event, BlockRemoved):
+        return VllmBlockRemoved(block_hashes=list(event.keys), medium=medium(event.medium))
+    if isinstance(event, AllBlocksCleared):
+        return VllmAllBlocksCleared()
+    raise TypeError(f"event: expected a kvtier KV event, got {type(event).__name__}")
+
+
+class ZmqEventPublisher:
+    """Subscribes to an :class:`~kvtier.events.EventHub` and publishes its batches on ZMQ.
+
+    Parameters
+    ----------
+    hub
+        The events' source.
+    endpoint
+        PUB address; bound (``tcp://127.0.0.1:5557``, ``tcp://*:5557``, ``ipc://...``). Port 0
+        (``tcp://127.0.0.1:0``) binds a free port, see :attr:`endpoint` after :meth:`start`.
+    model
+        Model name for the default topic ``kv@<node>@<model>``.
+    topic
+        Overrides the topic.
+    replay_endpoint
+        Optional ROUTER address answering requests for missed batches.
+    buffer_batches
+        Batches kept for replay.
+    hwm
+        ZMQ send high-water mark: past it PUB drops messages for a slow subscriber (ZMQ's own
+        never-block rule, on top of the hub's bounded buffer).
+    vllm_medium_names
+        Send vLLM's spelling (``CPU``, ``DISK``, ...) instead of kvtier's (``cpu``, ``disk``).
+    data_parallel_rank
+        Stamped on each batch (vLLM's field), ``None`` to omit it.
+
+    Use ``async with`` (or :meth:`start` / :meth:`aclose`) on the loop the hub's producers run on.
+    """
+
+    def __init__(self, hub: EventHub, endpoint: str, *, model: str = "", topic: str | None = None,
+                 replay_endpoint: str | None = None, buffer_batches: int = 10_000,
+                 hwm: int = 100_000, vllm_medium_names: bool = False,
+                 data_parallel_rank: int | None = None) -> None:
+        if not isinstance(endpoint, str) or "://" not in endpoint:
+            raise ValueError(f"endpoint: expected a ZMQ address like tcp://127.0.0.1:5557, "
+                             f"got {endpoint!r}")
+        if type(buffer_batches) is not int or buffer_batches < 0:
+            raise ValueError(f"buffer_batches: expected an int >= 0, got {buffer_batches!r}")
+        self.hub = hub
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic if topic is not None else f"kv@{hub.node}@{model}"
+        self._topic = self.topic.encode()
+        self._hwm = hwm
+        self._medium: Callable[[str], str] = ((lambda m: VLLM_MEDIUM.get(m, m.upper()))
+                                              if vllm_medium_names else (lambda m: m))
+        self._rank = data_parallel_rank
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches or None)
+        self._keep = buffer_batches > 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sub: Subscription | None = None
+        self.seq = 0
+        self.sent_events = 0
+        self.dropped_batches = 0  # batches ZMQ refused (kept for replay all the same)
+
+    async def start(self) -> None:
+        """Bind the sockets and start publishing."""
+        if self._ctx is not None:
+            raise RuntimeError("ZmqEventPublisher already started")
+        self._ctx = zmq.asyncio.Context()
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, self._hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self.endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self.replay_endpoint is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(self.replay_endpoint)
+                self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._sub = self.hub.subscribe()
+        self._tasks.append(asyncio.create_task(self._publish(self._sub),
+                                               name="kvtier-zmq-pub"))
+        if self._router is not None:
+            self._tasks.append(asyncio.create_task(self._serve_replay(),
+                                                   name="kvtier-zmq-replay"))
+
+    def encode(self, events: list[KVEvent]) -> bytes:
+        """The msgpack payload of one batch."""
+        batch = VllmKVEventBatch(ts=time.time(), events=[to_vllm(e, self._medium)
+                                                         for e in events],
+                                 data_parallel_rank=self._rank)
+        return self._encoder.encode(batch)
+
+    async def _publish(self, sub: Subscription) -> None:
+        pub = self._pub
+        if pub is None:  # pragma: no cover - start() sets it before creating this task
+            return
+        async for events in sub.batches():
+            payload = self.encode(events)
+            seq = self.seq
+            self.seq += 1
+            try:
+                # PUB never blocks: past the high-water mark ZMQ drops the message.
+                await pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
+                                         flags=zmq.NOBLOCK)
+                self.sent_events += len(events)
+            except zmq.Again:
+                self.dropped_batches += 1
+                log.debug("kv events: batch %d dropped by ZMQ (high-water mark)", seq)
+            except zmq.ZMQError:
+                self.dropped_batches += 1
+                log.exception("kv events: publishing batch %d failed", seq)
+            if self._keep:
+                self._kept.append((seq, payload))
+
+    async def _serve_replay(self) -> None:
+        router = self._router
+        if router is None:  # pragma: no cover - start() only creates this task with a router
+            return
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("kv events: malformed replay request (%d frames)", len(frames))
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self._kept):
+                if seq >= first:
+                    await router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            await router.send_multipart((client, b"", END_SEQ, b""))
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def aclose(self) -> None:
+        """Publish what is buffered, stop, and close the sockets."""
+        if self._ctx is None:
+            return
+        if self._sub is not None:
+            self._sub.close()
+        publisher, *others = self._tasks
+        for task in others:
+            task.cancel()
+        # The publisher drains what the subscription buffered, then ends; bounded in time.
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(publisher, timeout=5.0)
+        for task in others:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self._close_sockets()
+
+    async def __aenter__(self) -> ZmqEventPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,151 @@
+"""The routing study behind ``docs/pooling-results.md`` ("Routing by where a prefix lives"):
+for each trace and node count, one pass feeds per-node and pooled simulations under
+round-robin, session and locate routing, with per-block and chunk placement.
+
+Run ``python -m kvtier.replay.locate_study --out routing.json TRACE...``; prints
+Markdown tables (hit rate, remote blocks moved and read per request, load max/mean, shard
+balance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtier.peer.ring import HashRing
+from kvtier.progress import Progress
+from kvtier.replay.dry import block_key, run_dry
+from kvtier.replay.routing import make_simulation, routing_metrics
+from kvtier.replay.sim import DEFAULT_POOL_VNODES, Simulation
+from kvtier.replay.trace import iter_trace, trace_size
+
+__all__ = ["CONFIGS", "main", "markdown", "shard_balance", "study"]
+
+# (column name, mode, routing, placement); every configuration gets the same capacity.
+CONFIGS: tuple[tuple[str, str, str, str], ...] = (
+    ("per-node rr", "per-node", "rr", "block"),
+    ("per-node session", "per-node", "session", "block"),
+    ("per-node locate", "per-node", "locate", "block"),
+    ("per-node locate-b", "per-node", "locate-bounded", "block"),
+    ("pooled rr", "pooled", "rr", "block"),
+    ("pooled locate", "pooled", "locate", "block"),
+    ("pooled locate-b", "pooled", "locate-bounded", "block"),
+    ("chunk:16 rr", "pooled", "rr", "chunk:16"),
+    ("chunk:16 locate-b", "pooled", "locate-bounded", "chunk:16"),
+    ("chunk:64 locate-b", "pooled", "locate-bounded", "chunk:64"),
+)
+
+
+def study(trace: str, nodes: int, capacities: list[int], progress: bool = True
+          ) -> list[dict[str, Any]]:
+    """Rows for one trace and node count (block counts: ``block_bytes`` is 1)."""
+    sims: list[tuple[str, Simulation]] = []
+    for cap in capacities:
+        for name, mode, routing, placement in CONFIGS:
+            sims.append((name, make_simulation(mode, routing, "lru", nodes, [cap],
+                                               placement=placement)))
+    bar = Progress(trace_size(trace), f"{Path(trace).name} N={nodes}",
+                   enabled=None if progress else False)
+    with bar:
+        out = run_dry(iter_trace(trace, on_progress=lambda pos: bar.update(to=pos)),
+                      [s for _, s in sims], block_bytes=1)
+    rows = []
+    for row, (name, sim) in zip(out["results"], sims, strict=True):
+        row.update(routing_metrics(sim, 1), trace=Path(trace).name, config=name)
+        rows.append(row)
+    return rows
+
+
+def shard_balance(trace: str, nodes: int, chunks: Sequence[int] = (1, 16, 64)
+                  ) -> dict[int, float]:
+    """Per chunk size, the largest shard's distinct blocks over the mean: every distinct block
+    of the trace is counted on the owner its run's first block maps to (a prefix-chained
+    block always sits at the same position in its prompt, so its owner is well defined)."""
+    ring = HashRing([f"node{i}" for i in range(nodes)], vnodes=DEFAULT_POOL_VNODES)
+    index = {m: i for i, m in enumerate(ring.members)}
+    owner_of: dict[int, int] = {}
+    counts = {c: [0] * nodes for c in chunks}
+    seen: set[int] = set()
+    for req in iter_trace(trace):
+        ids = req.hash_ids
+        for i, block in enumerate(ids):
+            if block in seen:
+                continue
+            seen.add(block)
+            for chunk in chunks:
+                head = ids[i - i % chunk]
+                owner = owner_of.get(head)
+                if owner is None:
+                    owner = owner_of[head] = index[ring.primary(block_key(head))]
+                counts[chunk][owner] += 1
+    return {c: max(v) / (sum(v) / nodes) if sum(v) else 0.0 for c, v in counts.items()}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """Tables keyed by (trace, N, C): hit %, remote blocks moved and read per request, load
+    max/mean; then shard balance per placement."""
+    cells: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["trace"], r["nodes"], r["capacity_blocks"]), {})[r["config"]] = r
+    cols = [c[0] for c in CONFIGS]
+    out = []
+    for title, field, scale, digits in (
+            ("prefix hit rate (% of blocks)", "prefix_hit_rate_blocks", 100, 2),
+            ("remote blocks moved per request (read + write)", "remote_bytes_per_request", 1, 1),
+            ("of which remote blocks read per request (on the request's critical path)",
+             "remote_read_bytes_per_request", 1, 1),
+            ("load balance (max/mean requests per node)", "load_imbalance", 1, 2)):
+        out += [f"**{title}**", "",
+                "| trace | N | C/node | " + " | ".join(cols) + " |",
+                "|---|---:|---:|" + "---:|" * len(cols)]
+        for (trace, n, c), vals in sorted(cells.items()):
+            out.append(f"| {trace} | {n} | {c} | "
+                       + " | ".join(f"{vals[k][field] * scale:.{digits}f}" if k in vals else "-"
+                                    for k in cols) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="*")
+    parser.add_argument("--table", nargs="+", metavar="JSON",
+                        help="print the tables of earlier --out files (merged) and exit")
+    parser.add_argument("--nodes", default="4,8")
+    parser.add_argument("--capacity-blocks", default="1000,2500")
+    parser.add_argument("--out", help="append rows to this JSON file")
+    parser.add_argument("--shards", action="store_true",
+                        help="print the shard balance of each placement per trace and exit")
+    args = parser.parse_args(argv)
+    if args.shards:
+        print("| trace | N | block | chunk:16 | chunk:64 |\n|---|---:|---:|---:|---:|")
+        for trace in args.traces:
+            for n in (int(x) for x in args.nodes.split(",")):
+                bal = shard_balance(trace, n)
+                print(f"| {Path(trace).name} | {n} | "
+                      + " | ".join(f"{bal[c]:.3f}" for c in (1, 16, 64)) + " |")
+        return 0
+    if args.table:
+        merged = [row for path in args.table for row in json.loads(Path(path).read_text())]
+        print(markdown(merged))
+        return 0
+    caps = [int(c) for c in args.capacity_blocks.split(",")]
+    rows: list[dict[str, Any]] = []
+    if args.out and Path(args.out).exists():
+        rows = json.loads(Path(args.out).read_text())
+    for trace in args.traces:
+        for n in (int(x) for x in args.nodes.split(",")):
+            rows += study(trace, n, caps)
+            if args.out:
+                Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Locate-aware routing for the dry replay: send a request to the node that can serve the
+longest prefix of it *locally* (without a network fetch), ties by load.
+
+This is what a KV-aware router does with ``store.locate_prefix`` (``POST /v1/locate``): each
+node reports how many leading blocks of the prompt its own tiers hold. In ``per-node`` mode a
+node's local tiers are its whole chain; in ``pooled`` mode they are its own shard of the pool,
+so a node's local run starts at the prompt's first block and ends at the first block it does
+not own or does not hold (with ``--placement chunk:N`` the first run of N blocks lives on one
+owner, so that run can be local).
+
+Two routings:
+
+``locate``
+    The longest local prefix wins; ties (usually "nobody holds anything") go to the node with
+    the fewest requests so far.
+``locate-bounded``
+    The same among the nodes whose request count stays within :data:`LOAD_BOUND` times the
+    mean (consistent hashing with bounded loads): a prefix shared by every request (a system
+    prompt) cannot pull all traffic to one node.
+
+Load is the number of requests routed so far (the dry engine has no clock); a live router
+uses queue depth instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.replay.sim import Simulation
+from kvtier.replay.trace import Request
+
+__all__ = ["LOAD_BOUND", "LOCATE_ROUTINGS", "LocateSimulation", "format_routing_table",
+           "make_simulation", "routing_metrics"]
+
+LOCATE_ROUTINGS = ("locate", "locate-bounded")
+# A node takes a request only while its count stays under 1.25 x the mean: the bound of
+# Mirrokni et al.'s consistent hashing with bounded loads at epsilon = 0.25.
+LOAD_BOUND = 1.25
+
+
+class LocateSimulation(Simulation):
+    """A :class:`~kvtier.replay.sim.Simulation` routed by local prefix length.
+
+    Parameters
+    ----------
+    mode
+        ``per-node`` or ``pooled`` (``ideal`` has one chain: nothing to route).
+    routing
+        ``locate`` or ``locate-bounded``.
+    policy, nodes, capacities, ring, seed, placement, cascade
+        As for :class:`~kvtier.replay.sim.Simulation`.
+    """
+
+    def __init__(self, mode: str, routing: str, policy: str, nodes: int,
+                 capacities: Sequence[int], **options: Any) -> None:
+        if routing not in LOCATE_ROUTINGS:
+            raise ValueError(f"routing: expected one of {', '.join(LOCATE_ROUTINGS)}, "
+                             f"got {routing!r}")
+        if mode not in ("per-node", "pooled"):
+            raise ValueError(f"mode: locate routing needs per-node or pooled, got {mode!r}")
+        super().__init__(mode, "rr", policy, nodes, capacities, **options)
+        self.routing = routing
+        self.load_bound = LOAD_BOUND if routing == "locate-bounded" else None
+        self.local_blocks = 0  # sum over requests of the chosen node's local prefix
+
+    def local_prefix(self, keys: Sequence[bytes]) -> list[int]:
+        """Per node, how many leading ``keys`` its own tiers hold (no recency refresh)."""
+        out = [0] * self.nodes
+        if not keys:
+            return out
+        if self.mode == "per-node":
+            for node, chain in enumerate(self.chains):
+                tiers = chain.tiers
+                n = 0
+                if len(tiers) == 1:
+                    top = tiers[0]
+                    for key in keys:
+                        if key not in top:
+                            break
+                        n += 1
+                else:
+                    for key in keys:
+                        if chain.find(key) < 0:
+                            break
+                        n += 1
+                out[node] = n
+            return out
+        # pooled: only the owner of the first block can hold a leading run.
+        chunk = self._chunk
+        first = self.owner(keys[0])
+        chain = self.chains[first]
+        n = 0
+        for i, key in enumerate(keys):
+            owner = first if i < chunk else self.owner(keys[i - i % chunk])
+            if owner != first or chain.find(key) < 0:
+                break
+            n += 1
+        out[first] = n
+        return out
+
+    def _route(self, req: Request, keys: Sequence[bytes]) -> int:
+        local = self.local_prefix(keys)
+        load = self.node_requests
+        limit = (None if self.load_bound is None
+                 else self.load_bound * (self.requests + 1) / self.nodes)
+        best = -1
+        for node in range(self.nodes):
+            # The least-loaded node is always within the bound (min <= mean).
+            if limit is not None and load[node] + 1 > limit and load[node] > min(load):
+                continue
+            if best < 0 or local[node] > local[best] or (
+                    local[node] == local[best] and load[node] < load[best]):
+                best = node
+        self.local_blocks += local[best]
+        return best
+
+
+def make_simulation(mode: str, routing: str, policy: str, nodes: int,
+                    capacities: Sequence[int], **options: Any) -> Simulation:
+    """A :class:`Simulation`, or a :class:`LocateSimulation` for the locate routings."""
+    if routing in LOCATE_ROUTINGS:
+        return LocateSimulation(mode, routing, policy, nodes, capacities, **options)
+    return Simulation(mode, routing, policy, nodes, capacities, **options)
+
+
+def routing_metrics(sim: Simulation, block_bytes: int) -> dict[str, Any]:
+    """What routing costs and balances: bytes crossing the network per request (pool reads
+    of remote shards plus writes of new blocks to remote owners), and requests per node.
+
+    ``load_imbalance`` is the busiest node's request count over the mean (1.0 is perfect);
+    ``remote_bytes_per_request`` is 0 for per-node and ideal rows, which move nothing.
+    """
+    requests = sim.requests
+    pooled = sim.mode == "pooled"
+    per_node = sim.node_requests
+    mean = sum(per_node) / len(per_node) if per_node else 0.0
+    read = sim.remote_hits * block_bytes if pooled else 0
+    written = sim.remote_writes * block_bytes if pooled else 0
+    return {
+        "placement": sim.placement,
+        "load_imbalance": max(per_node) / mean if mean else 0.0,
+        "remote_read_bytes_per_request": read / requests if requests else 0.0,
+        "remote_write_bytes_per_request": written / requests if requests else 0.0,
+        "remote_bytes_per_request": (read + written) / requests if requests else 0.0,
+    }
+
+
+def format_routing_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Routing columns of result rows: placement, load max/mean, remote MiB per request."""
+    header = (f"{'mode':<9} {'routing':<15} {'placement':<10} {'C/node':>7} {'hit(blk)':>9} "
+              f"{'load max/mean':>13} {'remote MiB/req':>14} {'(read+write)':>16}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if "remote_bytes_per_request" not in r:
+            continue
+        lines.append(
+            f"{r['mode']:<9} {r['routing']:<15} {r['placement']:<10} {r['capacity_blocks']:>7} "
+            f"{r['prefix_hit_rate_blocks'] * 100:>8.1f}% {r['load_imbalance']:>13.2f} "
+            f"{r['remote_bytes_per_request'] / 2**20:>14.2f} "
+            f"{r['remote_read_bytes_per_request'] / 2**20:>7.2f}+"
+            f"{r['remote_write_bytes_per_request'] / 2**20:<8.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""KV event hub: batching, bounded buffers that drop (and count) for slow consumers, threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, EventHub, medium_of
+
+K = [bytes([i]) * 16 for i in range(8)]
+
+
+async def test_subscriber_receives_events_in_order_as_batches() -> None:
+    hub = EventHub("node0")
+    sub = hub.subscribe()
+    hub.stored(K[:2], tier="dram", medium="cpu", parent=None, block_tokens=256)
+    hub.removed(K[:1], tier="dram", medium="cpu")
+    hub.stored(K[2:3], tier="lmdb", medium="disk", parent=K[1])
+    hub.cleared()
+    batch = await asyncio.wait_for(sub.next_batch(), 5)
+    assert [type(e) for e in batch] == [BlockStored, BlockRemoved, BlockStored, AllBlocksCleared]
+    first = batch[0]
+    assert isinstance(first, BlockStored)
+    assert first.keys == (K[0], K[1]) and first.node == "node0" and first.block_tokens == 256
+    third = batch[2]
+    assert isinstance(third, BlockStored) and third.parent == K[1] and third.medium == "disk"
+    sub.close()
+    with pytest.raises(StopAsyncIteration):
+        await sub.next_batch()
+    assert hub.subscribers == 0
+
+
+async def test_slow_consumer_loses_oldest_events_and_counts_them() -> None:
+    hub = EventHub("n", buffer=4)
+    slow = hub.subscribe()
+    fast = hub.subscribe(buffer=100)
+    for i in range(10):  # the producer never waits, whatever the consumers do
+        hub.stored([bytes([i + 1])], tier="dram", medium="cpu")
+    assert slow.dropped == 6 and fast.dropped == 0 and hub.dropped == 6
+    kept = await slow.next_batch()
+    assert [e.keys[0][0] for e in kept if isinstance(e, BlockStored)] == [7, 8, 9, 10]
+    assert len(await fast.next_batch()) == 10
+    hub.close()
+    assert [e async for e in slow] == []
+
+
+async def test_async_iteration_and_context_manager_end_on_close() -> None:
+    hub = EventHub("n", max_batch=2)
+    got = []
+
+    async def consume() -> None:
+        async with hub.subscribe() as sub:
+            async for event in sub:
+                got.append(event)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    for key in K[:5]:
+        hub.removed([key], tier="dram", medium="cpu")
+    await asyncio.sleep(0.01)
+    hub.close()
+    await asyncio.wait_for(task, 5)
+    assert [e.keys[0] for e in got if isinstance(e, BlockRemoved)] == K[:5]
+
+
+async def test_producer_on_another_thread_wakes_the_consumer() -> None:
+    hub = EventHub("n")
+    sub = hub.subscribe()
+    waiter = asyncio.create_task(sub.next_batch())
+    await asyncio.sleep(0)
+    thread = threading.Thread(target=hub.stored, args=(K[:1],),
+                              kwargs={"tier": "lmdb", "medium": "disk"})
+    thread.start()
+    thread.join()
+    batch = await asyncio.wait_for(waiter, 5)
+    assert isinstance(batch[0], BlockStored) and batch[0].tier == "lmdb"
+
+
+async def test_no_subscriber_costs_nothing_and_bad_input_is_refused() -> None:
+    hub = EventHub("n")
+    hub.stored(K[:1], tier="dram", medium="cpu")
+    assert hub.emitted == 0
+    sub = hub.subscribe()
+    with pytest.raises(TypeError, match="keys"):
+        hub.stored(["not bytes"], tier="dram", medium="cpu")  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="node"):
+        EventHub("")
+    with pytest.raises(ValueError, match="buffer"):
+        hub.subscribe(buffer=0)
+    assert hub.emitted == 0
+    sub.close()
+
+
+def test_medium_follows_the_tier() -> None:
+    class Tier:
+        def __init__(self, scheme: str, medium: str | None = None) -> None:
+            self.scheme = scheme
+            if medium is not None:
+                self.medium = medium
+
+    assert medium_of(Tier("dram")) == "cpu"
+    assert medium_of(Tier("lmdb")) == "disk" and medium_of(Tier("file")) == "disk"
+    assert medium_of(Tier("peers")) == "shared_storage"
+    assert medium_of(Tier("redis")) == "shared_storage"
+    assert medium_of(Tier("file", "shared_storage")) == "shared_storage"
+
+
+async def test_drain_nowait_takes_what_is_buffered() -> None:
+    hub = EventHub("n")
+    sub = hub.subscribe()
+    assert sub.drain_nowait() == []
+    hub.stored(K[:1], tier="dram", medium="cpu")
+    hub.removed(K[:1], tier="dram", medium="cpu")
+    hub.removed(K[1:2], tier="dram", medium="cpu")
+    first = await sub.__anext__()  # one taken by iteration, two left pending/buffered
+    assert isinstance(first, BlockStored)
+    rest = sub.drain_nowait()
+    assert [e.keys[0] for e in rest if isinstance(e, BlockRemoved)] == [K[0], K[1]]
+    assert sub.drain_nowait() == []
+    sub.close()

@@ -1,0 +1,149 @@
+"""The ZMQ publisher against a real SUB socket decoding with structs that mirror vLLM's."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvtier.events import EventHub
+from kvtier.events_zmq import ZmqEventPublisher
+
+
+# What a vLLM subscriber decodes with (vllm/distributed/kv_events.py), copied field for field.
+class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+K = [bytes([i]) * 16 for i in range(1, 6)]
+
+
+async def _subscribe(endpoint: str, topic: bytes) -> zmq.asyncio.Socket:
+    ctx = zmq.asyncio.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(endpoint)
+    return sub
+
+
+async def _recv(sub: zmq.asyncio.Socket) -> list[bytes]:
+    return list(await asyncio.wait_for(sub.recv_multipart(), 10))
+
+
+async def test_subscriber_decodes_vllm_batches() -> None:
+    hub = EventHub("node0")
+    async with ZmqEventPublisher(hub, "tcp://127.0.0.1:0", model="llama") as pub:
+        assert pub.topic == "kv@node0@llama"
+        sub = await _subscribe(pub.endpoint, b"kv@node0@")
+        try:
+            # PUB/SUB joins asynchronously: probe until the subscriber sees a batch.
+            first: list[bytes] = []
+            for _ in range(100):
+                hub.cleared()
+                try:
+                    first = list(await asyncio.wait_for(sub.recv_multipart(), 0.1))
+                    break
+                except TimeoutError:
+                    continue
+            assert first, "subscriber never joined"
+            start = int.from_bytes(first[1], "big")
+            while True:  # drain probes still in flight
+                try:
+                    frames = list(await asyncio.wait_for(sub.recv_multipart(), 0.3))
+                    start = int.from_bytes(frames[1], "big")
+                except TimeoutError:
+                    break
+            hub.stored(K[:3], tier="dram", medium="cpu", parent=None, block_tokens=256)
+            hub.removed(K[:1], tier="dram", medium="cpu")
+            hub.stored(K[3:4], tier="lmdb", medium="disk", parent=K[2], block_tokens=256)
+            events: list[Any] = []
+            seqs = []
+            while len(events) < 3:
+                topic, seq, payload = await _recv(sub)
+                assert topic == b"kv@node0@llama" and len(seq) == 8
+                seqs.append(int.from_bytes(seq, "big"))
+                events += DECODER.decode(payload).events
+            assert seqs == list(range(start + 1, start + 1 + len(seqs)))
+            stored, removed, lower = events
+            assert isinstance(stored, BlockStored) and stored.block_hashes == K[:3]
+            assert stored.parent_block_hash is None and stored.block_size == 256
+            assert stored.medium == "cpu" and stored.token_ids == []
+            assert isinstance(removed, BlockRemoved) and removed.block_hashes == K[:1]
+            assert isinstance(lower, BlockStored) and lower.parent_block_hash == K[2]
+            assert lower.medium == "disk"
+        finally:
+            sub.close(linger=0)
+
+
+async def test_replay_socket_resends_missed_batches() -> None:
+    hub = EventHub("n")
+    async with ZmqEventPublisher(hub, "tcp://127.0.0.1:0", model="m",
+                                 replay_endpoint="tcp://127.0.0.1:0",
+                                 vllm_medium_names=True) as pub:
+        for key in K[:3]:  # nobody subscribed to PUB: only the replay buffer keeps them
+            hub.stored([key], tier="dram", medium="cpu", block_tokens=16)
+            await asyncio.sleep(0.02)  # one batch each
+        for _ in range(200):
+            if pub.seq == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert pub.seq == 3
+        assert pub.replay_endpoint is not None
+        req = zmq.asyncio.Context.instance().socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(pub.replay_endpoint)
+        try:
+            # As vLLM's subscriber does: a REQ socket sends the first sequence it missed.
+            await req.send((1).to_bytes(8, "big"))
+            seq, payload = await asyncio.wait_for(req.recv_multipart(), 10)
+            assert int.from_bytes(seq, "big") == 1
+            (event,) = DECODER.decode(payload).events
+            assert isinstance(event, BlockStored) and event.block_hashes == [K[1]]
+            assert event.medium == "CPU"
+        finally:
+            req.close(linger=0)
+
+
+async def test_bad_endpoint_is_refused() -> None:
+    with pytest.raises(ValueError, match="endpoint"):
+        ZmqEventPublisher(EventHub("n"), "localhost:5557")
