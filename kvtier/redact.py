@@ -12,11 +12,12 @@ import re
 __all__ = ["MASK", "mask_secrets"]
 
 MASK = "***"
-# token=, secret=, password= and friends in URL queries (up to the next separator); the
+# token=, secret=, password= and friends in URL queries (up to the next separator; an
+# env:NAME or file:PATH reference names where the secret is and stays readable); the
 # password of URL user info (scheme://user:password@host); bearer credentials.
 _PATTERNS = (
     re.compile(r"(?i)((?<![\w.-])(?:[\w.-]*(?:token|secret|password|passwd|credentials?)"
-               r"|[\w.-]*_key|key)=)[^&\s'\"<>,;)]+"),
+               r"|[\w.-]*_key|key)=)(?!env:|file:)[^&\s'\"<>,;)]+"),
     re.compile(r"(://[^/:@\s'\"]*:)[^/@\s'\"]+(@)"),
     re.compile(r"(?i)(\bBearer\s+)[^\s'\",;)]+"),
 )
@@ -29,6 +30,8 @@ def mask_secrets(text: str) -> str:
     --------
     >>> mask_secrets("peers://h:7070?token=s3cret&replicas=2")
     'peers://h:7070?token=***&replicas=2'
+    >>> mask_secrets("token=env:KVTIER_TOKEN")  # a reference, not the secret
+    'token=env:KVTIER_TOKEN'
     >>> mask_secrets("Authorization: Bearer abc")
     'Authorization: Bearer ***'
     """

@@ -13,7 +13,7 @@ import abc
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Self, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,9 @@ EvictionCallback = Callable[[bytes, Block], Awaitable[None]]
 log = logging.getLogger("kvtier.tiers")
 #: Operations the default batch implementations run at once.
 BATCH_CONCURRENCY = 16
+
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
 
 
 @overload
@@ -124,6 +127,9 @@ class Tier(abc.ABC):
     #: Capability: other processes read this tier (a pool, e.g. ``peers://``); private tiers
     #: above it are write-through into it, so a put is readable pool-wide once it returns.
     shared: ClassVar[bool] = False
+    #: Operations the default batch forms run at once (a tier whose client has a fixed
+    #: number of worker threads sets it to that number).
+    batch_concurrency: int = BATCH_CONCURRENCY
 
     def __init__(self, *, name: str | None = None) -> None:
         self.name = name or self.scheme
@@ -165,17 +171,18 @@ class Tier(abc.ABC):
         """Whether ``key`` is present; never refreshes recency and never pins."""
 
     # ---------------------------------------------------------- batch defaults
-    async def _bounded(self, op: Callable[[bytes], Awaitable[Any]],
-                       keys: Sequence[bytes]) -> list[Any]:
-        """``op(key)`` for every key, at most :data:`BATCH_CONCURRENCY` at once. Each coroutine is
-        created only once its slot is taken, so a cancellation leaves none unawaited."""
-        sem = asyncio.Semaphore(BATCH_CONCURRENCY)
+    async def _bounded(self, op: Callable[[_Item], Awaitable[_Result]],
+                       items: Sequence[_Item]) -> list[_Result]:
+        """``op(item)`` for every item, at most :attr:`batch_concurrency` at once. Each
+        coroutine is created only once its slot is taken, so a cancellation leaves none
+        unawaited."""
+        sem = asyncio.Semaphore(self.batch_concurrency)
 
-        async def run(key: bytes) -> Any:
+        async def run(item: _Item) -> _Result:
             async with sem:
-                return await op(key)
+                return await op(item)
 
-        return list(await asyncio.gather(*(run(k) for k in keys)))
+        return list(await asyncio.gather(*(run(i) for i in items)))
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         return await self._bounded(self._get, keys)

@@ -90,10 +90,12 @@ class MooncakeTier(Tier):
     """
 
     scheme = "mooncake"
+    shared = True  # other stores of the pool read it: private tiers above write through
 
     def __init__(self, settings: MooncakeSettings, *, replicas: int = 1, prefix: str = "kvt:",
                  timeout: float = 5.0, threads: int = 2, name: str | None = None) -> None:
-        super().__init__(name=name, max_concurrency=threads)
+        super().__init__(name=name)
+        self.batch_concurrency = threads
         if replicas < 1:
             raise ConfigError(f"replicas: expected >= 1, got {replicas!r}")
         if not timeout > 0:
@@ -340,7 +342,7 @@ class MooncakeTier(Tier):
         staged: list[tuple[int, int, int]] = []  # (item index, offset, frame bytes)
         try:
             for i, (key, block) in enumerate(items):
-                frame = encode_frame(block)
+                frame = encode_frame(block, key=key)
                 offset = arena.alloc(frame.nbytes)
                 if offset is None:  # larger than the free staging space: copying call
                     codes[i] = store.upsert(self._name(key), frame.to_bytes(), config)
@@ -437,7 +439,7 @@ class MooncakeTier(Tier):
 
     def _decoded(self, client: MooncakeClient, key: bytes, frame: Any) -> Block | None:
         try:
-            return decode_frame(frame)
+            return decode_frame(frame, key=key)
         except CorruptBlockError as exc:
             self.counts["corrupt"] += 1
             log.warning("%s: dropping corrupt object %s: %s", self.name, key.hex(), exc)

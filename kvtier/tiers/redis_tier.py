@@ -101,6 +101,7 @@ class RedisTier(Tier):
     """
 
     scheme = "redis"
+    shared = True  # other stores of the pool read it: private tiers above write through
 
     def __init__(self, client: Redis | RedisCluster, *, prefix: str = "kvt:",
                  ttl: int | None = None, timeout: float = 1.0, max_block: int = 512 << 20,
@@ -248,7 +249,7 @@ class RedisTier(Tier):
         if value is None:
             return None
         try:
-            return decode_frame(value)
+            return decode_frame(value, key=key)
         except CorruptBlockError as exc:
             self.counts["corrupt"] += 1
             log.warning("%s: dropping corrupt value of %s: %s", self.name, key.hex(), exc)
@@ -272,7 +273,7 @@ class RedisTier(Tier):
         return list(await pipe.execute())
 
     def _frame(self, key: bytes, block: Block) -> bytes:
-        frame = encode_frame(block)
+        frame = encode_frame(block, key=key)
         if frame.nbytes > self.max_block:
             raise TierError(f"{self.name}: block {key.hex()} is {frame.nbytes} bytes, over "
                             f"max_block={self.max_block}")
@@ -370,7 +371,7 @@ class RedisTier(Tier):
                 pipe.set(self._rkey(key), frame, ex=self._ttl_for(key))
             await pipe.execute()
 
-        await self._run("put", lambda: self._bounded(write(c) for c in chunks))
+        await self._run("put", lambda: self._bounded(write, chunks))
 
     def _ttl_for(self, key: bytes) -> int | None:
         # A pinned key keeps no TTL; others get the tier's TTL (or none).
