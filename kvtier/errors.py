@@ -15,6 +15,7 @@ __all__ = [
     "InvalidKeyError",
     "KVTierError",
     "PeerError",
+    "PeerStatusError",
     "ShapeMismatchError",
     "TierError",
     "TierFullError",
@@ -60,6 +61,14 @@ class TierFullError(TierError):
 
 class PeerError(TierError):
     """A peer answered with an error or could not be reached."""
+
+
+class PeerStatusError(PeerError):
+    """A peer answered with an HTTP error status (``status``); the peer itself is up."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ClosedError(KVTierError):

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -85,6 +86,9 @@ class Membership:
         self.health: dict[str, dict[str, Any]] = {}
         self.failures = 0
         self.recoveries = 0
+        # (monotonic time, member) of every failure, recovery, join and leave this process saw:
+        # the read path walks further while members have recently changed.
+        self._changes: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- state
@@ -108,13 +112,20 @@ class Membership:
             return
         self._dead.add(member)
         self.failures += 1
+        self._changes[member] = time.monotonic()
         log.warning("peer %s marked down: %s", member, reason)
 
     def _mark_alive(self, member: str) -> None:
         if member in self._dead:
             self._dead.discard(member)
             self.recoveries += 1
+            self._changes[member] = time.monotonic()
             log.info("peer %s is back", member)
+
+    def recent_changes(self, window: float) -> int:
+        """How many members failed, came back, joined or left in the last ``window`` seconds."""
+        since = time.monotonic() - window
+        return sum(1 for at in self._changes.values() if at >= since)
 
     def order(self, key: bytes) -> list[str]:
         """Every member in ring order for ``key`` (primary first)."""
@@ -199,6 +210,9 @@ class Membership:
             return
         log.info("peers+dns: %s -> %s", host, sorted(found))
         gone = set(self.members) - found
+        now = time.monotonic()
+        for member in gone | (found - set(self.members)):
+            self._changes[member] = now
         # Thousands of vnodes per member: build the new ring off the event loop.
         self.ring = await asyncio.to_thread(self.ring.with_members, found)
         for member in gone:
