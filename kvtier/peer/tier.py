@@ -455,10 +455,12 @@ class PeerTier(Tier):
             return await self.local.get_many(keys)  # type: ignore[union-attr]
         client = self.members.client(member)
         if len(keys) == 1:
-            frames: list[bytes | memoryview | None] = [await client.get(keys[0])]
-        else:
-            frames = list(await client.get_many(keys))
-        return [self._decode(member, f) for f in frames]
+            return [self._decode(member, await client.get(keys[0]))]
+        # A server answers a key repeated in one request once: ask for each key once.
+        unique = list(dict.fromkeys(keys))
+        frames = await client.get_many(unique)
+        blocks = {k: self._decode(member, f) for k, f in zip(unique, frames, strict=True)}
+        return [blocks[k] for k in keys]
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         blocks, missed = await self._rounds(keys, "get", self._fetch_blocks,
