@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 from peer_helpers import TOKEN
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
@@ -137,10 +138,12 @@ async def test_health_and_metrics(served: tuple[PeerServer, aiohttp.ClientSessio
     assert doc["uptime_s"] >= 0 and doc["limits"]["max_batch"] == 8
     async with http.get("/metrics") as r:
         text = await r.text()
-    assert 'kvtier_peer_requests_total{route="/v1/blocks/{key}",method="PUT",status="204"} 1.0' \
-        in text
-    assert 'kvtier_store_used{tier="0",scheme="dram"} 4.0' in text
-    assert "kvtier_peer_received_bytes_total" in text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("kvtier_peer_requests_total", (("method", "PUT"), ("route", "/v1/blocks/{key}"),
+                                                    ("status", "204")))] == 1
+    assert samples[("kvtier_store_used", (("scheme", "dram"), ("tier", "0")))] == 4
+    assert ("kvtier_peer_received_bytes_total", ()) in samples
 
 
 def _state(server: PeerServer) -> list[bytes]:

@@ -91,8 +91,9 @@ def _render_text(families: Sequence[Family]) -> str:
         text = fam.help.replace("\\", r"\\").replace("\n", r"\n")
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {fam.kind}"]
         for labels, value in fam.samples:
-            pairs = ",".join(f'{k}="{_escape(v)}"' for k, v in zip(fam.labels, labels,
-                                                                  strict=True))
+            # Sorted by label name, as prometheus_client writes them.
+            pairs = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(zip(fam.labels, labels,
+                                                                         strict=True)))
             lines.append(f"{name}{{{pairs}}} {_number(value)}" if pairs
                          else f"{name} {_number(value)}")
     return "".join(line + "\n" for line in lines)
