@@ -123,9 +123,15 @@ class Membership:
             log.info("peer %s is back", member)
 
     def recent_changes(self, window: float) -> int:
-        """How many members failed, came back, joined or left in the last ``window`` seconds."""
+        """How many members failed, came back, restarted, joined or left in the last
+        ``window`` seconds."""
+        return len(self.recently_changed(window))
+
+    def recently_changed(self, window: float) -> set[str]:
+        """The members that failed, came back, restarted, joined or left in the last
+        ``window`` seconds."""
         since = time.monotonic() - window
-        return sum(1 for at in self._changes.values() if at >= since)
+        return {m for m, at in self._changes.items() if at >= since}
 
     def order(self, key: bytes) -> list[str]:
         """Every member in ring order for ``key`` (primary first)."""
@@ -183,11 +189,17 @@ class Membership:
         async def probe(member: str) -> None:
             client = self.client(member)
             try:
-                self.health[member] = await client.health(limit_s=max(client.timeout, 1.0))
+                doc = await client.health(limit_s=max(client.timeout, 1.0))
             except KVTierError as exc:
                 self.mark_dead(member, exc)
-            else:
-                self._mark_alive(member)
+                return
+            before = self.health.get(member)
+            self.health[member] = doc
+            if before is not None and _uptime(doc) < _uptime(before):
+                # Restarted between two probes (maybe empty): reads check it first.
+                self._changes[member] = time.monotonic()
+                log.info("peer %s restarted", member)
+            self._mark_alive(member)
 
         await asyncio.gather(*(probe(m) for m in members))
 
@@ -221,3 +233,8 @@ class Membership:
             client = self.clients.pop(member, None)
             if client is not None:
                 await client.close()
+
+
+def _uptime(doc: dict[str, Any]) -> float:
+    value = doc.get("uptime_s")
+    return float(value) if isinstance(value, int | float) else 0.0

@@ -27,7 +27,7 @@ from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
 from kvtier.peer.tls import client_context
 from kvtier.tiers.base import Block, Tier
-from kvtier.urls import merge_options, parse_secret, parse_tier_url
+from kvtier.urls import merge_options, parse_secret, parse_size, parse_tier_url
 
 __all__ = ["PeerTier"]
 
@@ -36,7 +36,7 @@ T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "compress", "health_interval", "dns_interval", "vnodes", "pool",
             "name", "max_batch", "max_body", "min_copies", "read_walk", "change_window",
-            "repair_limit"}
+            "repair_bytes"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 
 
@@ -91,8 +91,10 @@ class PeerTier(Tier):
     change_window
         Seconds during which a member that failed, came back, joined or left widens the
         read walk by one.
-    repair_limit
-        Most read repairs (write-backs to owners that lacked a block) in flight at once.
+    repair_bytes
+        Most bytes of blocks held by read repairs (write-backs to owners that lacked a
+        block) in flight at once; a repair past it is dropped and counted (the next read,
+        or the anti-entropy pass, repairs that block).
     ssl_context
         Client TLS context (see :func:`kvtier.peer.tls.client_context`).
     compress_level
@@ -124,14 +126,14 @@ class PeerTier(Tier):
                  vnodes: int = DEFAULT_VNODES, pool_limit: int = 64,
                  limits: proto.Limits | None = None, name: str | None = None,
                  min_copies: int | None = None, read_walk: int = 1,
-                 change_window: float = 300.0, repair_limit: int = 64) -> None:
+                 change_window: float = 300.0, repair_bytes: int = 256 << 20) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
         if min_copies is not None and not 1 <= min_copies <= replicas:
             raise ConfigError(f"min_copies: expected 1..replicas ({replicas}), got {min_copies!r}")
-        if read_walk < 0 or change_window < 0 or repair_limit < 0:
-            raise ConfigError("read_walk, change_window, repair_limit: expected >= 0")
+        if read_walk < 0 or change_window < 0 or repair_bytes < 0:
+            raise ConfigError("read_walk, change_window, repair_bytes: expected >= 0")
         if not timeout > 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout!r}")
         if local is not None and self_id is None:
@@ -142,7 +144,8 @@ class PeerTier(Tier):
         self.min_copies = min_copies
         self.read_walk = read_walk
         self.change_window = change_window
-        self.repair_limit = repair_limit
+        self.repair_bytes = repair_bytes
+        self._repair_held = 0
         self.timeout = timeout
         self.ack = ack
         self.compress_level = compress_level
@@ -209,7 +212,7 @@ class PeerTier(Tier):
             if opts.get("min_copies") not in (None, "") else None,
             read_walk=_number(opts.get("read_walk", 1), "read_walk", int, 0),
             change_window=_number(opts.get("change_window", 300.0), "change_window", float, 0),
-            repair_limit=_number(opts.get("repair_limit", 64), "repair_limit", int, 0),
+            repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
         )
 
     @property
@@ -419,7 +422,8 @@ class PeerTier(Tier):
         await self._start()
         limit = self.walk_limit()
         results: list[Any] = [None] * len(keys)
-        orders = [self.members.order(k) for k in keys]
+        changed = self.members.recently_changed(self.change_window)
+        orders = [self._read_order(k, changed) for k in keys]
         tried: list[set[str]] = [set() for _ in keys]
         missed: list[list[str]] = [[] for _ in keys]
         pending = list(range(len(keys)))
@@ -450,6 +454,18 @@ class PeerTier(Tier):
                         self.counts["walk_hits"] += 1  # found past the owners' answers
         return results, missed
 
+    def _read_order(self, key: bytes, changed: set[str]) -> list[str]:
+        """Ring order, except that owners which recently failed, restarted or joined are
+        asked first: if they came back without the key, the read finds the hole and read
+        repair fills it (else a hit on another owner would hide it until a second failure).
+        """
+        order = self.members.order(key)
+        if not changed:
+            return order
+        owners = self.members.live_owners(key, self.replicas)
+        first = [m for m in owners if m in changed]
+        return first + [m for m in order if m not in first] if first else order
+
     async def _fetch_blocks(self, member: str, keys: list[bytes]) -> list[Block | None]:
         if self._is_local(member):
             return await self.local.get_many(keys)  # type: ignore[union-attr]
@@ -472,20 +488,27 @@ class PeerTier(Tier):
 
     def _read_repair(self, key: bytes, block: Block, not_here: list[str]) -> None:
         """Write a block found away from its first live owners back to those that lacked it,
-        in the background; at most ``repair_limit`` repairs run at once, more are dropped
-        (the next read or the anti-entropy pass repairs them)."""
+        in the background, within ``repair_bytes`` (past it the repair is dropped, counted;
+        the next read or the anti-entropy pass repairs the block)."""
         owners = self.members.live_owners(key, self.replicas)
         targets = [m for m in not_here if m in owners]
         if not targets:
             return
-        if len(self._repairs) >= self.repair_limit:
+        if self._repair_held + block.nbytes > self.repair_bytes:
             self.counts["read_repairs_dropped"] += 1
             return
+        self._repair_held += block.nbytes
         task = asyncio.create_task(self._repair(key, block, targets))
         self._repairs.add(task)
         task.add_done_callback(self._repairs.discard)
 
     async def _repair(self, key: bytes, block: Block, targets: list[str]) -> None:
+        try:
+            await self._repair_copies(key, block, targets)
+        finally:
+            self._repair_held -= block.nbytes
+
+    async def _repair_copies(self, key: bytes, block: Block, targets: list[str]) -> None:
         frame = await self._encode(block)
         for target in targets:
             if self._is_local(target):
