@@ -473,9 +473,18 @@ class PeerTier(Tier):
         if len(keys) == 1:
             return [self._decode(member, await client.get(keys[0]))]
         # A server answers a key repeated in one request once: ask for each key once.
-        unique = list(dict.fromkeys(keys))
-        frames = await client.get_many(unique)
-        blocks = {k: self._decode(member, f) for k, f in zip(unique, frames, strict=True)}
+        ask = list(dict.fromkeys(keys))
+        blocks: dict[bytes, Block | None] = {}
+        while ask:
+            frames = await client.get_many(ask)
+            for key, frame in zip(ask, frames, strict=True):
+                blocks[key] = self._decode(member, frame)
+            # A server ends a batch answer at its body limit and answers the remaining keys
+            # as missing: while answers come back that full, ask again for the missing ones.
+            sent = sum(len(f) for f in frames if f is not None)
+            full = sent > self.limits.max_body_bytes - self.limits.max_frame_bytes
+            ask = [k for k, f in zip(ask, frames, strict=True) if f is None] \
+                if full and sent else []
         return [blocks[k] for k in keys]
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
