@@ -90,6 +90,7 @@ class Membership:
         # the read path walks further while members have recently changed.
         self._changes: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
+        self._since = time.monotonic()
 
     # ----------------------------------------------------------------- state
     @property
@@ -195,8 +196,9 @@ class Membership:
                 return
             before = self.health.get(member)
             self.health[member] = doc
-            if before is not None and _uptime(doc) < _uptime(before):
-                # Restarted between two probes (maybe empty): reads check it first.
+            known_for = time.monotonic() - self._since if before is None else _uptime(before)
+            if _uptime(doc) < known_for:
+                # (Re)started since this process last saw it, maybe empty: reads ask it first.
                 self._changes[member] = time.monotonic()
                 log.info("peer %s restarted", member)
             self._mark_alive(member)
