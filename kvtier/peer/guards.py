@@ -12,6 +12,7 @@ import asyncio
 import logging
 import resource
 import time
+from typing import cast
 
 __all__ = ["AcceptErrorFilter", "BodyBudget", "RefuseProtocol", "raise_open_files_limit"]
 
@@ -59,8 +60,8 @@ class RefuseProtocol(asyncio.Protocol):
                b"too many connections\n")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if isinstance(transport, asyncio.WriteTransport):
-            transport.write(self._ANSWER)
+        # No isinstance check: uvloop's transports do not derive from asyncio's classes.
+        cast(asyncio.WriteTransport, transport).write(self._ANSWER)
         transport.close()
 
 
