@@ -6,11 +6,14 @@ leaves)."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN
+from peer_helpers import TOKEN, ServeProcess, token_file
 
 from kvtier.peer.repair import AntiEntropy
 from kvtier.peer.server import PeerServer
@@ -165,3 +168,38 @@ async def test_miss_walk_is_bounded(pool: Pool) -> None:
         assert await tier.get(key_of(1)) is None
         asked = sum(sum(s.requests.values()) for s in pool.servers.values())
         assert asked == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_kvtier_serve_repair_refills_a_node_restarted_empty(tmp_path: Path) -> None:
+    """`kvtier serve --repair POOL_URL` wiring: a node killed and restarted empty gets its
+    blocks back from its peer's anti-entropy pass, with no client reading anything."""
+    token = token_file(tmp_path)
+    members = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    url = _url(members, replicas=2, health_interval=0.1)
+    args = ["--tier", "dram://", "--repair", url.replace(f"token={TOKEN}", f"token=file:{token}"),
+            "--repair-interval", "0.2"]
+    procs = [ServeProcess(args, token) for _ in members]
+    try:
+        for proc, member in zip(procs, members, strict=True):
+            proc.start(listen=member, timeout=60)
+        async with PeerTier.from_url(url) as tier:
+            await tier.put_many([(key_of(i), sample_block(i)) for i in range(50)])
+        procs[1].signal(signal.SIGKILL)
+        procs[1].proc.wait(10)  # type: ignore[union-attr]
+        procs[1].start(listen=members[1], timeout=60)
+        async with PeerTier.from_url(_url([members[1]])) as restarted:
+            for _ in range(300):
+                held = await restarted.contains_many([key_of(i) for i in range(50)])
+                if all(held):
+                    break
+                await asyncio.sleep(0.1)
+            assert all(held), f"{held.count(False)} of 50 blocks not re-replicated"
+    finally:
+        for proc in procs:
+            proc.stop()
