@@ -89,6 +89,7 @@ class Membership:
         # (monotonic time, member) of every failure, recovery, join and leave this process saw:
         # the read path walks further while members have recently changed.
         self._changes: dict[str, float] = {}
+        self.change_count = 0  # every change ever seen (anti-entropy skips quiet periods)
         self._task: asyncio.Task[None] | None = None
         self._since = time.monotonic()
 
@@ -113,15 +114,19 @@ class Membership:
             return
         self._dead.add(member)
         self.failures += 1
-        self._changes[member] = time.monotonic()
+        self._note_change(member)
         log.warning("peer %s marked down: %s", member, reason)
 
     def _mark_alive(self, member: str) -> None:
         if member in self._dead:
             self._dead.discard(member)
             self.recoveries += 1
-            self._changes[member] = time.monotonic()
+            self._note_change(member)
             log.info("peer %s is back", member)
+
+    def _note_change(self, member: str, at: float | None = None) -> None:
+        self._changes[member] = time.monotonic() if at is None else at
+        self.change_count += 1
 
     def recent_changes(self, window: float) -> int:
         """How many members failed, came back, restarted, joined or left in the last
@@ -199,7 +204,7 @@ class Membership:
             known_for = time.monotonic() - self._since if before is None else _uptime(before)
             if _uptime(doc) < known_for:
                 # (Re)started since this process last saw it, maybe empty: reads ask it first.
-                self._changes[member] = time.monotonic()
+                self._note_change(member)
                 log.info("peer %s restarted", member)
             self._mark_alive(member)
 
@@ -226,7 +231,7 @@ class Membership:
         gone = set(self.members) - found
         now = time.monotonic()
         for member in gone | (found - set(self.members)):
-            self._changes[member] = now
+            self._note_change(member, now)
         # Thousands of vnodes per member: build the new ring off the event loop.
         self.ring = await asyncio.to_thread(self.ring.with_members, found)
         for member in gone:

@@ -7,7 +7,10 @@ holds none of the keys it now owns. Reads walk past such holes and repair what t
 ``replicas`` until a second failure loses it. :class:`AntiEntropy` closes that gap: every
 ``interval`` seconds it walks the keys this node's server has stored, asks each key's
 current owners (one batch-exists request per owner and batch) whether they hold it, and
-pushes the block to those that do not. ``kvtier serve --repair POOL_URL`` runs it.
+pushes the block to those that do not. ``kvtier serve --repair POOL_URL`` runs it. A pass
+runs only when the membership changed (a member failed, restarted, joined or left, as this
+node's health probes see it) since the last pass that reached every owner: a quiet pool
+costs nothing.
 """
 
 from __future__ import annotations
@@ -82,10 +85,19 @@ class AntiEntropy:
         await self.pool.aclose()
 
     async def _loop(self) -> None:
+        clean_at = -1  # membership change count when the last pass with no failures began
         while True:
             await asyncio.sleep(self.interval)
+            seen = self.pool.members.change_count
+            if seen == clean_at:
+                # Nobody failed, restarted, joined or left since a pass that reached every
+                # owner: every put since then reached its owners too. Nothing to do.
+                self.counts["passes_skipped"] += 1
+                continue
             try:
-                await self.run_pass()
+                done = await self.run_pass()
+                if not done.get("failed"):
+                    clean_at = seen
             except asyncio.CancelledError:
                 raise
             except Exception:
