@@ -89,8 +89,8 @@ class PeerTier(Tier):
     read_walk
         Members asked past ``replicas`` "not here" answers before a read is a miss.
     change_window
-        Seconds during which a member that failed, came back, joined or left widens the
-        read walk by one.
+        Seconds during which a member that failed, came back, restarted, joined or left
+        widens the read walk by one and is asked first.
     repair_bytes
         Most bytes of blocks held by read repairs (write-backs to owners that lacked a
         block) in flight at once; a repair past it is dropped and counted (the next read,
