@@ -1,5 +1,6 @@
 """kvtier: one logical KV-block pool over HBM, DRAM, peers' DRAM, NVMe and filesystems."""
 
+from kvtier.blocking import BlockingStore
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import (
     BackendUnavailableError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailableError",
     "BlockTooLargeError",
+    "BlockingStore",
     "ClosedError",
     "ConfigError",
     "CorruptBlockError",
