@@ -236,14 +236,14 @@ class BlockingStore:
         Calling it again (from any thread) does nothing. Calls still running after
         ``close_timeout`` are cancelled.
         """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BlockingStore.close() called from its own loop thread")
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             pending = list(self._inflight)
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("BlockingStore.close() called from its own loop thread")
-        done, not_done = concurrent.futures.wait(pending, timeout=self._close_timeout)
+        _, not_done = concurrent.futures.wait(pending, timeout=self._close_timeout)
         for future in not_done:
             future.cancel()
         closing = asyncio.run_coroutine_threadsafe(self._store.aclose(), self._loop)
