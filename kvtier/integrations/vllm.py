@@ -102,8 +102,11 @@ class _VLLMMetadata(KVTierMetadata, *_metadata_bases()):  # type: ignore[misc]
 
 
 def namespace_for(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings,
-                  tp_rank: int, tp_size: int) -> KeyNamespace:
-    """The key namespace: model, KV dtype, a layout tag (engine, device, shape, PP rank), TP."""
+                  tp_size: int) -> KeyNamespace:
+    """The base key namespace: model, KV dtype, a layout tag (engine, device, shapes), TP size.
+
+    :class:`KeyMaker` adds each shard's TP rank and PP stage.
+    """
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     model = settings.model or str(getattr(model_config, "served_model_name", None)
@@ -114,14 +117,11 @@ def namespace_for(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSet
     layout = settings.layout
     if layout is None:
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        parallel = vllm_config.parallel_config
         device = getattr(vllm_config.device_config, "device_type", "") or ""
         layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
         layout = (f"vllm/{device}/{type(spec).__name__}/L{layers}/H{spec.num_kv_heads}"
-                  f"/D{spec.head_size}/B{spec.block_size}/pp{parallel.pipeline_parallel_rank}"
-                  f"of{parallel.pipeline_parallel_size}")
-    return KeyNamespace(model=model, dtype=dtype, layout=layout, tp_rank=tp_rank,
-                        tp_size=tp_size)
+                  f"/D{spec.head_size}/B{spec.block_size}")
+    return KeyNamespace(model=model, dtype=dtype, layout=layout, tp_size=tp_size)
 
 
 @dataclass
@@ -141,11 +141,11 @@ class WorkerSide:
     waits for its save. Called from the worker thread only.
     """
 
-    def __init__(self, store: BlockingStore, keys: KeyMaker, tp_rank: int,
+    def __init__(self, store: BlockingStore, keys: KeyMaker, shard: tuple[int, int],
                  io_timeout_s: float) -> None:
         self.store = store
         self.keys = keys
-        self.tp_rank = tp_rank
+        self.shard = shard
         self.io_timeout_s = io_timeout_s
         self.layers: PagedLayers | None = None
         self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
@@ -157,7 +157,7 @@ class WorkerSide:
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
         n = plan.first + len(plan.block_ids)
-        return self.keys.keys(plan.tokens, plan.salt, n, self.tp_rank)[plan.first:]
+        return self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
 
     def _layers(self) -> PagedLayers:
         if self.layers is None:
@@ -259,13 +259,14 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         self._settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         tp_size = int(parallel.tensor_parallel_size)
+        pp_size = int(getattr(parallel, "pipeline_parallel_size", 1))
         block_size = int(vllm_config.cache_config.block_size)
         self._kv_cache_config = kv_cache_config
         self._is_worker = getattr(role, "name", str(role)).upper().endswith("WORKER")
-        tp_rank = _tp_rank() if self._is_worker else 0
+        shard = _shard() if self._is_worker else (0, 0)
         keys = KeyMaker(self._settings,
-                        namespace_for(vllm_config, kv_cache_config, self._settings, tp_rank,
-                                      tp_size), block_size)
+                        namespace_for(vllm_config, kv_cache_config, self._settings, tp_size),
+                        block_size, pp_size)
         # Write-through: a block saved into this worker's private DRAM must also reach the
         # shared tiers below, where other engines (and this engine's scheduler) can see it.
         options = {"write_policy": "write_through", **self._settings.store_options}
@@ -273,7 +274,7 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         if self._is_worker:
             self._worker = WorkerSide(BlockingStore(list(self._settings.tiers), **options),
-                                      keys, tp_rank, self._settings.io_timeout_s)
+                                      keys, shard, self._settings.io_timeout_s)
         else:
             sched = list(self._settings.scheduler_tiers)
             self._planner = SchedulerPlanner(
@@ -354,10 +355,12 @@ async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -
     return await store.get_many_into(keys, outs)
 
 
-def _tp_rank() -> int:
+def _shard() -> tuple[int, int]:
+    """This worker's (TP rank, PP stage); (0, 0) outside a vLLM worker (fakes, tests)."""
     try:
         parallel: Any = importlib.import_module("vllm.distributed.parallel_state")
-        return int(parallel.get_tensor_model_parallel_rank())
+        return (int(parallel.get_tensor_model_parallel_rank()),
+                int(parallel.get_pipeline_model_parallel_rank()))
     except (ImportError, AssertionError, AttributeError):
-        return 0
+        return 0, 0
 

@@ -193,22 +193,30 @@ class _Request:
 
 
 class KeyMaker:
-    """Makes a request's keys in one rank's namespace (``salt`` is per request)."""
+    """Makes a request's keys in one shard's namespace (``salt`` is per request).
 
-    def __init__(self, settings: ConnectorSettings, base: KeyNamespace, block_size: int) -> None:
+    A shard is a (TP rank, PP stage) pair: each stores its own slice of every block, so each
+    has its own keys (the TP rank in :class:`KeyNamespace`, the PP stage in its layout).
+    """
+
+    def __init__(self, settings: ConnectorSettings, base: KeyNamespace, block_size: int,
+                 pp_size: int = 1) -> None:
         self.settings = settings
         self.base = base
         self.block_size = block_size
+        self.shards = [(tp, pp) for pp in range(pp_size) for tp in range(base.tp_size)]
+        self.pp_size = pp_size
 
-    def namespace(self, salt: str, tp_rank: int | None = None) -> KeyNamespace:
+    def namespace(self, salt: str, shard: tuple[int, int] = (0, 0)) -> KeyNamespace:
         combined = ";".join(s for s in (self.settings.salt, salt) if s)
-        return KeyNamespace(model=self.base.model, dtype=self.base.dtype, layout=self.base.layout,
-                            tp_rank=self.base.tp_rank if tp_rank is None else tp_rank,
-                            tp_size=self.base.tp_size, salt=combined)
+        layout = self.base.layout if self.pp_size == 1 else \
+            f"{self.base.layout}/pp{shard[1]}of{self.pp_size}"
+        return KeyNamespace(model=self.base.model, dtype=self.base.dtype, layout=layout,
+                            tp_rank=shard[0], tp_size=self.base.tp_size, salt=combined)
 
     def keys(self, tokens: Sequence[int], salt: str, n_blocks: int,
-             tp_rank: int | None = None) -> list[bytes]:
-        ns = self.namespace(salt, tp_rank)
+             shard: tuple[int, int] = (0, 0)) -> list[bytes]:
+        ns = self.namespace(salt, shard)
         head = tokens[:n_blocks * self.block_size]
         if self.settings.key_scheme == "page-sha256":
             return page_hash_keys(head, self.block_size, ns)
@@ -254,9 +262,10 @@ class SchedulerPlanner:
         if self.store is not None and local < len(keys):
             n = len(keys)
             try:
+                # Every shard must hold a block for vLLM to load it.
                 shared = min(self.store.lookup_prefix(
-                    self.keys.keys(tokens, salt, n, rank), timeout=self.settings.lookup_timeout_s)
-                    for rank in range(self.keys.base.tp_size))
+                    self.keys.keys(tokens, salt, n, shard),
+                    timeout=self.settings.lookup_timeout_s) for shard in self.keys.shards)
             except Exception as exc:  # a slow or failing pool is a miss, never a stall
                 log.warning("kvtier lookup failed (%r); treating as a miss", exc)
                 shared = 0
@@ -277,7 +286,7 @@ class SchedulerPlanner:
         if self.settings.key_scheme == "page-sha256" and getattr(request, "mm_features", None):
             return 0, False  # SGLang's page names carry no multimodal content
         tokens, salt = request_hash_tokens(request)
-        keys = self.keys.keys(tokens, salt, n_blocks, 0)
+        keys = self.keys.keys(tokens, salt, n_blocks)
         hit, slow = self._lookup(keys, salt, tokens)
         self._lookups[request.request_id] = (hit, slow)
         external = hit * self.block_size - num_computed_tokens
@@ -306,7 +315,7 @@ class SchedulerPlanner:
         self._pending_loads.clear()
         self._inflight = {}
         for plan in meta.loads:
-            keys = self.keys.keys(plan.tokens, plan.salt, plan.first + len(plan.block_ids), 0)
+            keys = self.keys.keys(plan.tokens, plan.salt, plan.first + len(plan.block_ids))
             self._inflight.update(zip(plan.block_ids, keys[plan.first:], strict=True))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -341,7 +350,7 @@ class SchedulerPlanner:
         first = state.saved
         meta.saves.append(BlockPlan(state.request.request_id, tokens[:full * self.block_size],
                                     salt, first, state.block_ids[first:full]))
-        self._remember(self.keys.keys(tokens, salt, full, 0)[first:])
+        self._remember(self.keys.keys(tokens, salt, full)[first:])
         state.saved = full
 
     def load_errors(self, block_ids: Sequence[int]) -> None:
