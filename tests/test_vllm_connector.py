@@ -41,12 +41,13 @@ def _expected(engine: FakeEngine, tokens: list[int], block_index: int) -> bytes:
 
 
 def test_engine_b_loads_what_engine_a_saved_into_other_block_ids(
-        shared: dict[str, object]) -> None:
+        shared: dict[str, object], tmp_path: Path) -> None:
     a = FakeEngine(shared)
     req = Request("a-1", PROMPT)
     assert a.prefill(req, [3, 9, 4, 10, 5, 11]) == (0, False, set())
-    a.finish(req)
-    a.close()  # flushes the background saves
+    assert a.finish(req) == {"a-1"}  # reported once its blocks reached every tier
+    # Already in the shared file tier, before this engine shuts down.
+    assert any(p.is_file() for p in (tmp_path / "pool").rglob("*"))
 
     b = FakeEngine(shared)
     try:
@@ -55,8 +56,11 @@ def test_engine_b_loads_what_engine_a_saved_into_other_block_ids(
         assert load_async  # found in the file:// tier, not in this engine's own DRAM
         for index, block_id in enumerate([20, 2, 21, 1, 22]):
             assert b.block_bytes(block_id) == _expected(b, PROMPT, index)
+        # Nothing was saved by this request (all its full blocks came from kvtier).
+        assert b.finish(Request("b-1", PROMPT)) == set()
     finally:
         b.close()
+        a.close()
 
 
 def test_partial_hit_and_never_the_whole_prompt(shared: dict[str, object]) -> None:

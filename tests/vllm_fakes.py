@@ -174,8 +174,18 @@ class FakeEngine:
             time.sleep(0.002)
         raise AssertionError("async load never finished")
 
-    def finish(self, req: Request) -> None:
-        assert self.scheduler.request_finished(req, []) == (False, None)
+    def finish(self, req: Request) -> set[str]:
+        """Finish the request the way vLLM does; return the requests the worker reported."""
+        delay, _ = self.scheduler.request_finished(req, [])
+        if not delay:
+            return set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            sending, _ = self.worker.get_finished({req.request_id})
+            if sending:
+                return sending
+            time.sleep(0.002)
+        raise AssertionError("saves never finished")
 
     def close(self) -> None:
         self.worker.shutdown()

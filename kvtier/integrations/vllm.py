@@ -149,6 +149,8 @@ class WorkerSide:
         self.io_timeout_s = io_timeout_s
         self.layers: PagedLayers | None = None
         self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
+        self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
+        self._finishing: set[str] = set()
         self._async_loads: list[_Load] = []
         self._load_errors: set[int] = set()
 
@@ -206,15 +208,15 @@ class WorkerSide:
         if not meta.saves:
             return
         layers = self._layers()
-        items: list[tuple[bytes, npt.NDArray[np.uint8]]] = []
         for plan in meta.saves:
             keys = self._keys(plan)
-            items.extend((key, layers.gather(block_id))
-                         for key, block_id in zip(keys, plan.block_ids, strict=True))
-        future = self.store.submit(lambda s: s.put_many(items))
-        for key, _ in items:
-            self._saving[key] = future
-        future.add_done_callback(partial(self._saved, keys=[k for k, _ in items]))
+            items = [(key, layers.gather(block_id))
+                     for key, block_id in zip(keys, plan.block_ids, strict=True)]
+            future = self.store.submit(partial(_put_and_flush, items=items))
+            for key in keys:
+                self._saving[key] = future
+            self._req_saves.setdefault(plan.req_id, []).append(future)
+            future.add_done_callback(partial(self._saved, keys=keys))
 
     def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes]) -> None:
         for key in keys:
@@ -222,6 +224,16 @@ class WorkerSide:
                 del self._saving[key]
         if not future.cancelled() and future.exception() is not None:
             log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
+
+    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves all completed (they were written through to every
+        tier, so other processes can read them); vLLM frees their blocks after this."""
+        self._finishing |= finished_req_ids & self._req_saves.keys()
+        done = {r for r in self._finishing if all(f.done() for f in self._req_saves[r])}
+        for req_id in done:
+            self._finishing.discard(req_id)
+            del self._req_saves[req_id]
+        return done
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -248,9 +260,12 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
     -----
     The scheduler-side object opens a :class:`~kvtier.BlockingStore` over
     ``scheduler_tiers`` (when there are any); each worker opens one over ``tiers``. Only
-    full blocks are stored; one kvtier block is one vLLM block across all layers. Saved blocks
-    are readable by other processes sharing a pool or persistent tier once their background
-    ``put_many`` returns (and at the latest when the worker shuts down: closing flushes).
+    full blocks are stored; one kvtier block is one vLLM block across all layers. Saves copy
+    each block out of vLLM's pages, then ``put_many`` and flush the write-through queue in the
+    background; a request with saves reports ``True`` from :meth:`request_finished`, and the
+    workers report it from :meth:`get_finished` once those writes reached every tier, so a
+    finished request's blocks are readable by other processes sharing a pool or persistent
+    tier.
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -309,8 +324,10 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
-        done = self._worker_side().finished_loads()
-        return None, done or None
+        worker = self._worker_side()
+        sent = worker.finished_saves(finished_req_ids)
+        done = worker.finished_loads()
+        return sent or None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
@@ -342,13 +359,18 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves copied their blocks already, so vLLM may free them now.
-        self._planner_side().request_finished(request.request_id)
-        return False, None
+        # Saves copied their blocks already; freeing waits only so that the request ends
+        # once its blocks are readable by other processes (get_finished reports it then).
+        return self._planner_side().request_finished(request.request_id), None
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids[0] if block_ids else [])
+
+
+async def _put_and_flush(store: TieredStore, *, items: list[tuple[bytes, Any]]) -> None:
+    await store.put_many(items)
+    await store.flush()
 
 
 async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -> list[bool]:

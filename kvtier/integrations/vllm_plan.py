@@ -190,6 +190,7 @@ class _Request:
     request: Any
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading blocks known to be in kvtier (saved, loaded or found)
+    planned_saves: bool = False
 
 
 class KeyMaker:
@@ -352,6 +353,7 @@ class SchedulerPlanner:
                                     salt, first, state.block_ids[first:full]))
         self._remember(self.keys.keys(tokens, salt, full)[first:])
         state.saved = full
+        state.planned_saves = True
 
     def load_errors(self, block_ids: Sequence[int]) -> None:
         """Forget blocks whose load failed (they vanished from the workers' tiers)."""
@@ -360,7 +362,9 @@ class SchedulerPlanner:
             if key is not None:
                 self._index.pop(key, None)
 
-    def request_finished(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+    def request_finished(self, request_id: str) -> bool:
+        """Forget the request; whether its workers have saves to report (see get_finished)."""
+        state = self._requests.pop(request_id, None)
         self._lookups.pop(request_id, None)
         self._pending_loads.pop(request_id, None)
+        return state is not None and state.planned_saves
