@@ -38,8 +38,9 @@ def serve(store: kvtier.BlockingStore, worker: int) -> tuple[int, int]:
         outs = [np.empty(2048, np.uint16) for _ in range(hit)]
         found = store.get_many_into(keys[:hit], outs)
         hit = found.index(False) if False in found else hit  # vanished since lookup: compute
-        assert all(np.array_equal(o, kv) for o, kv in zip(outs[:hit], kv_for(keys[:hit])))
-        store.put_many(zip(keys[hit:], kv_for(keys[hit:])), timeout=5)
+        expected = kv_for(keys[:hit])
+        assert all(np.array_equal(o, kv) for o, kv in zip(outs[:hit], expected, strict=True))
+        store.put_many(zip(keys[hit:], kv_for(keys[hit:]), strict=True), timeout=5)
         blocks += len(keys)
         hits += hit
     return blocks, hits

@@ -92,7 +92,7 @@ def main() -> None:
         while "b" not in (worker_b.get_finished(set())[1] or set()):
             time.sleep(0.001)
         same = all(np.array_equal(kv_a[n][a], kv_b[n][b]) for n in kv_a
-                   for a, b in zip([0, 1, 2, 3], ids_b))
+                   for a, b in zip([0, 1, 2, 3], ids_b[:4], strict=True))
         print(f"B: loaded blocks {ids_b[:4]}; bytes equal to A's blocks [0, 1, 2, 3]: {same}")
         for side in (worker_a, sched_a, worker_b, sched_b):
             side.shutdown()
