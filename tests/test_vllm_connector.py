@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -198,3 +199,46 @@ def test_paged_layers_round_trip_and_checks() -> None:
         layers.gather(4)
     with pytest.raises(ValueError, match="uint8"):
         layers.scatter(0, np.zeros(3, np.uint8))
+
+
+def test_tensor_parallel_shards_are_stored_and_found_per_rank(
+        shared: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TP=2 each rank saves its own shard; a block counts only once every rank has it."""
+    import kvtier.integrations.vllm as vllm_mod
+    from tests.vllm_fakes import new_step
+
+    cfg = vllm_config(dict(shared), tp_size=2)
+    workers = []
+    for rank in (0, 1):
+        monkeypatch.setattr(vllm_mod, "_shard", lambda rank=rank: (rank, 0))
+        worker = KVTierConnector(cfg, Role.WORKER, kv_cache_config())
+        worker.register_kv_caches({"l0": np.full((32, BLOCK, 8), rank, np.float16)})
+        workers.append(worker)
+    planner = KVTierConnector(cfg, Role.SCHEDULER, kv_cache_config())
+    req = Request("tp", PROMPT)
+    assert planner.get_num_new_matched_tokens(req, 0) == (0, False)
+    planner.update_state_after_alloc(req, Blocks(list(range(6))), 0)
+    meta = planner.build_connector_meta(new_step(req, list(range(6)), 0, len(PROMPT)))
+
+    def save(worker: KVTierConnector) -> None:
+        worker.bind_connector_metadata(meta)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        while not worker.get_finished({"tp"})[0]:
+            time.sleep(0.002)
+
+    fresh = KVTierConnector(cfg, Role.SCHEDULER, kv_cache_config())  # no index of saves
+    try:
+        save(workers[0])
+        assert fresh.get_num_new_matched_tokens(Request("q", PROMPT), 0)[0] == 0
+        save(workers[1])
+        assert fresh.get_num_new_matched_tokens(Request("q", PROMPT), 0)[0] == 5 * BLOCK
+        keys0 = workers[0]._worker._keys(meta.saves[0])  # type: ignore[union-attr]
+        keys1 = workers[1]._worker._keys(meta.saves[0])  # type: ignore[union-attr]
+        assert not set(keys0) & set(keys1)
+        pp = planner._planner.keys  # type: ignore[union-attr]
+        pp.pp_size = 2
+        assert pp.keys(PROMPT, "", 5, (0, 0)) != pp.keys(PROMPT, "", 5, (0, 1))
+    finally:
+        for side in (*workers, planner, fresh):
+            side.shutdown()
