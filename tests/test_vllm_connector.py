@@ -161,6 +161,10 @@ def test_extra_config_is_validated() -> None:
                          ({"tiers": ["dram://"], "lookup_timeout_s": 0}, "lookup_timeout_s")]:
         with pytest.raises(ConfigError, match=match):
             KVTierConnector(vllm_config(extra), Role.SCHEDULER, kv_cache_config())
+    hybrid = kv_cache_config()
+    hybrid.kv_cache_groups = hybrid.kv_cache_groups * 2
+    with pytest.raises(ConfigError, match="disable-hybrid-kv-cache-manager"):
+        KVTierConnector(vllm_config({"tiers": ["dram://"]}), Role.WORKER, hybrid)
 
 
 def test_scheduler_side_opens_only_tiers_other_processes_can_read(tmp_path: Path) -> None:

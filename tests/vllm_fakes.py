@@ -34,8 +34,7 @@ def vllm_config(extra: dict[str, Any], *, tp_size: int = 1) -> Any:
         model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny",
                                      dtype="float16"),
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_rank=0,
-                                        pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1),
         device_config=SimpleNamespace(device_type="cpu"))
 
 

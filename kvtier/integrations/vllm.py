@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.blocking import BlockingStore
+from kvtier.errors import ConfigError
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_plan import (
     BlockPlan,
@@ -109,8 +110,10 @@ def namespace_for(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSet
     """
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
-    model = settings.model or str(getattr(model_config, "served_model_name", None)
-                                  or model_config.model)
+    served = getattr(model_config, "served_model_name", None)
+    if isinstance(served, list | tuple):  # vLLM allows several names; the first is canonical
+        served = served[0] if served else None
+    model = settings.model or str(served or model_config.model)
     dtype = str(cache_config.cache_dtype)
     if dtype == "auto":
         dtype = str(model_config.dtype).removeprefix("torch.")
@@ -272,6 +275,11 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self._settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError(
+                f"KVTierConnector handles one KV cache group; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model): start vLLM with "
+                "--disable-hybrid-kv-cache-manager")
         parallel = vllm_config.parallel_config
         tp_size = int(parallel.tensor_parallel_size)
         pp_size = int(getattr(parallel, "pipeline_parallel_size", 1))
