@@ -44,7 +44,10 @@ def main() -> int:
 
     kwargs = {}
     if args.tiers is not None:
-        extra = {"tiers": args.tiers, "model": "tiny-llama-lane", **json.loads(args.extra)}
+        # A generous lookup bound: CI machines are shared and slow; the default (0.1 s) would
+        # turn a slow file:// listing into a miss and make the lane flaky.
+        extra = {"tiers": args.tiers, "model": "tiny-llama-lane", "lookup_timeout_s": 5.0,
+                 **json.loads(args.extra)}
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
