@@ -198,7 +198,7 @@ def test_paged_layers_round_trip_and_checks() -> None:
     with pytest.raises(ValueError, match="block dimension"):
         PagedLayers({"c": np.zeros((3, 3, 5))}, 4)
     with pytest.raises(ValueError, match="contiguous"):
-        PagedLayers({"c": np.zeros((8, 4))[:, ::2].T.copy().T}, 4)
+        PagedLayers({"c": np.zeros((4, 6))[:, ::2]}, 4)
     with pytest.raises(IndexError):
         layers.gather(4)
     with pytest.raises(ValueError, match="uint8"):
@@ -246,3 +246,19 @@ def test_tensor_parallel_shards_are_stored_and_found_per_rank(
     finally:
         for side in (*workers, planner, fresh):
             side.shutdown()
+
+
+def test_cross_layer_buffer_is_one_copy_with_the_same_bytes() -> None:
+    """Layers as views of one (blocks, layers, ...) buffer: one contiguous region per block,
+    and the bytes equal those of separate per-layer tensors holding the same values."""
+    base = np.random.default_rng(0).standard_normal((6, 3, 4, 2)).astype(np.float16)
+    views = {f"l{i}": base[:, i] for i in range(3)}  # not contiguous on their own
+    cross = PagedLayers(views, 6)
+    separate = PagedLayers({f"l{i}": np.ascontiguousarray(base[:, i]) for i in range(3)}, 6)
+    assert cross.cross_layer and not separate.cross_layer
+    assert cross.gather(4).tobytes() == separate.gather(4).tobytes() == base[4].tobytes()
+    cross.scatter(1, separate.gather(5))
+    assert np.array_equal(base[1], base[5])
+    # Registration order differing from memory order is not cross-layer (bytes would differ).
+    with pytest.raises(ValueError, match="contiguous"):
+        PagedLayers({"l1": base[:, 1], "l0": base[:, 0], "l2": base[:, 2]}, 6)

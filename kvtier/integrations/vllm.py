@@ -177,6 +177,8 @@ class WorkerSide:
                 saving = self._saving.get(key)
                 if saving is not None:
                     concurrent.futures.wait([saving], timeout=self.io_timeout_s)
+            # Into host staging, never straight into vLLM's pages: a load abandoned at its
+            # timeout keeps running in a thread and must not write a page vLLM recomputes.
             staging = [layers.empty() for _ in keys]
             future = self.store.submit(partial(_get_into, keys=keys, outs=staging))
             load = _Load(plan, future, staging)
