@@ -121,8 +121,9 @@ def namespace_for(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSet
     if layout is None:
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         device = getattr(vllm_config.device_config, "device_type", "") or ""
-        layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
-        layout = (f"vllm/{device}/{type(spec).__name__}/L{layers}/H{spec.num_kv_heads}"
+        # No layer count: with PP the scheduler's and each stage's configs list different
+        # layers, and the model name already fixes it.
+        layout = (f"vllm/{device}/{type(spec).__name__}/H{spec.num_kv_heads}"
                   f"/D{spec.head_size}/B{spec.block_size}")
     return KeyNamespace(model=model, dtype=dtype, layout=layout, tp_size=tp_size)
 
