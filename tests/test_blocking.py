@@ -178,3 +178,14 @@ def test_bad_config_raises_and_stops_the_thread() -> None:
 
 def test_exported() -> None:
     assert "BlockingStore" in kvtier.__all__ and kvtier.BlockingStore is BlockingStore
+
+
+def test_slow_tier_is_a_miss_within_the_read_timeout() -> None:
+    tier = LatencyTier(delay=0)
+    with BlockingStore([tier]) as bs:
+        bs.put(_key(1), b"abc")
+        tier.delay = 30  # every later tier call would take 30 s
+        assert bs.get(_key(1), timeout=0.2) is None  # the store's deadline: a miss, no raise
+        assert bs.lookup_prefix([_key(1)], timeout=0.2) == 0
+        tier.delay = 0
+        assert bs.get(_key(1), timeout=5) is not None
