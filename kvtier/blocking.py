@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Self, TypeVar
 
 from kvtier.errors import ClosedError
 from kvtier.store import TieredStore, open_store
-from kvtier.store_core import _check_timeout
 from kvtier.tiers.base import Block, Tier
 
 __all__ = ["BlockingStore"]
@@ -29,6 +29,17 @@ T = TypeVar("T")
 # waits this much longer before it gives up, so the store's own deadline normally wins.
 _READ_GRACE_S = 1.0
 _UNSET: Any = object()
+
+
+def _check_timeout(value: object, name: str = "timeout") -> float | None:
+    """Seconds as a positive number, or ``None``/``math.inf`` for no limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected seconds as a number or None, got {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name}: expected > 0 seconds (math.inf: no limit), got {value!r}")
+    return None if math.isinf(value) else float(value)
 
 
 class BlockingStore:
@@ -93,8 +104,11 @@ class BlockingStore:
         self._thread = threading.Thread(target=self._run_loop, name="kvtier-blocking-store",
                                         daemon=True)
         self._thread.start()
-        opening = asyncio.run_coroutine_threadsafe(
-            open_store(urls, tier_options=tier_options, **options), self._loop)
+        async def open_on_loop() -> TieredStore:
+            # The store binds to the loop it is opened on: this thread's loop.
+            return await open_store(urls, tier_options=tier_options, **options)
+
+        opening = asyncio.run_coroutine_threadsafe(open_on_loop(), self._loop)
         try:
             self._store: TieredStore = opening.result()
         except BaseException:
