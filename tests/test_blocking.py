@@ -189,3 +189,12 @@ def test_slow_tier_is_a_miss_within_the_read_timeout() -> None:
         assert bs.lookup_prefix([_key(1)], timeout=0.2) == 0
         tier.delay = 0
         assert bs.get(_key(1), timeout=5) is not None
+
+
+def test_runs_its_store_on_uvloop() -> None:
+    uvloop = pytest.importorskip("uvloop")
+    with BlockingStore(["dram://?capacity=1MiB"], loop_factory=uvloop.new_event_loop) as bs:
+        assert isinstance(bs._loop, uvloop.Loop)
+        bs.put_many([(_key(i), np.full(4, i, np.uint8)) for i in range(3)])
+        assert bs.lookup_prefix([_key(0), _key(1), _key(2), _key(9)]) == 3
+        assert int(bs.get(_key(2))[0]) == 2  # type: ignore[index]
