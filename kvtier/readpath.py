@@ -90,6 +90,12 @@ class ReadPath:
 
     async def tier_get(self, index: int, key: bytes, deadline: float | None) -> Block | None:
         """One tier's get with stats; errors and timeouts are misses."""
+        block = await self._tier_get(index, key, deadline)
+        return None if isinstance(block, _TimedOut) else block
+
+    async def _tier_get(self, index: int, key: bytes, deadline: float | None
+                        ) -> Block | _TimedOut | None:
+        """:meth:`tier_get` that tells a timeout (:data:`TIMED_OUT`) from a clean miss."""
         tier = self._chain.tiers[index]
         c = self._chain.tier_counters[index]
         start = time.perf_counter_ns()
@@ -100,7 +106,7 @@ class ReadPath:
                 block = await TierChain.bounded(deadline, tier._get, key)
         except TimeoutError:
             c.timeouts += 1
-            return None
+            return TIMED_OUT
         except Exception as exc:
             self._chain.error(index, "get", exc)
             return None
@@ -130,8 +136,11 @@ class ReadPath:
         gen = state.gen
         try:
             block, index = await self._walk(key, deadline)
-            if block is None and _expired(deadline):
-                return None  # out of time: followers with more of it fetch themselves
+            if isinstance(block, _TimedOut) or (block is None and _expired(deadline)):
+                # Out of time: followers with more of it fetch themselves. (A timer may fire
+                # a little before the loop's clock reaches the deadline, as on uvloop, so the
+                # timeout itself is the signal, not only the clock.)
+                return None
             flight.set_result(block)
             if block is not None:
                 await self._promote_one(key, block, index, state, gen)
@@ -140,11 +149,16 @@ class ReadPath:
             self._keys.finish(key, flight)
             self._keys.unwatch(key, state)
 
-    async def _walk(self, key: bytes, deadline: float | None) -> tuple[Block | None, int]:
+    async def _walk(self, key: bytes, deadline: float | None
+                    ) -> tuple[Block | _TimedOut | None, int]:
+        """The first hit below the top tier and its index; :data:`TIMED_OUT` when a tier ran
+        into the deadline (the walk is incomplete, not a miss)."""
         for index in range(1, len(self._chain)):
             if _expired(deadline):
                 break  # out of budget: the remaining tiers are misses, not timeouts
-            block = await self.tier_get(index, key, deadline)
+            block = await self._tier_get(index, key, deadline)
+            if block is TIMED_OUT:
+                return block, -1
             if block is not None:
                 return block, index
         return None, -1
@@ -392,6 +406,13 @@ class ReadPath:
             for index in range(len(self._chain)):
                 await self._chain.touch(index, keys[:hit])
         return hit
+
+
+class _TimedOut:
+    """A tier read cut short by the caller's deadline (distinct from a clean miss)."""
+
+
+TIMED_OUT = _TimedOut()
 
 
 def _expired(deadline: float | None) -> bool:
