@@ -47,7 +47,7 @@ async def test_cancelled_delete_many_releases_every_key_lock() -> None:
 
 
 # ----------------------------------------------------------------------------- bug 2
-async def test_follower_without_deadline_outlives_leader_timeout() -> None:
+async def _follower_outlives_a_leader_that_timed_out() -> None:
     slow = LatencyTier(DRAMTier(), delay=0.2)
     async with TieredStore([DRAMTier(), slow]) as store:
         await slow.inner.put(key_of(1), sample_block(1))
@@ -57,6 +57,10 @@ async def test_follower_without_deadline_outlives_leader_timeout() -> None:
         assert await leader is None
         got = await follower
         assert got is not None and got.tobytes() == sample_block(1).tobytes()
+
+
+async def test_follower_without_deadline_outlives_leader_timeout() -> None:
+    await _follower_outlives_a_leader_that_timed_out()
 
 
 async def test_leader_timeout_hands_off_even_when_the_clock_lags_the_timer(
@@ -67,15 +71,7 @@ async def test_leader_timeout_hands_off_even_when_the_clock_lags_the_timer(
     import kvtier.readpath as readpath
 
     monkeypatch.setattr(readpath, "_expired", lambda deadline: False)
-    slow = LatencyTier(DRAMTier(), delay=0.2)
-    async with TieredStore([DRAMTier(), slow]) as store:
-        await slow.inner.put(key_of(1), sample_block(1))
-        leader = asyncio.create_task(store.get(key_of(1), timeout=0.05))
-        await asyncio.sleep(0.01)
-        follower = asyncio.create_task(store.get(key_of(1)))
-        assert await leader is None
-        got = await follower
-        assert got is not None and got.tobytes() == sample_block(1).tobytes()
+    await _follower_outlives_a_leader_that_timed_out()
 
 
 async def test_follower_survives_leader_cancellation() -> None:
