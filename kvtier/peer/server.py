@@ -32,6 +32,7 @@ from kvtier.errors import (
 )
 from kvtier.keys import key_from_hex
 from kvtier.peer import protocol as proto
+from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
 
 __all__ = ["PeerServer", "Segment"]
 
@@ -123,6 +124,7 @@ class PeerServer:
         app.router.add_post(proto.BATCH_DELETE_PATH, self._batch_delete)
         app.router.add_get(proto.HEALTH_PATH, self._health)
         app.router.add_get(proto.METRICS_PATH, self._metrics)
+        app.router.add_post(LOCATE_PATH, make_locate_handler(segment_answer(self.segment), node=lambda: self.node_id or "", limits=self.limits))  # noqa: E501
         return app
 
     async def start(self) -> tuple[str, int]:
