@@ -287,6 +287,8 @@ async def locate_prefix(members: Sequence[str], keys: Sequence[bytes], *, token:
             else:
                 log.debug("locate: %s left out: %r", member, exc)
         for task in pending:
+            if not task.cancelled():
+                task.exception()  # ended by the session's own timeout meanwhile: retrieved
             log.debug("locate: %s left out: no answer within %.3f s", tasks[task],
                       time.monotonic() - start)
         return out
