@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import InvalidKeyError
-from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvtier.events import BlockRemoved, BlockStored, KVEvent
 from kvtier.peer.server import PeerServer
 from kvtier.store import TieredStore, open_store
 from kvtier.tiers.dram import DRAMTier
