@@ -3,6 +3,7 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvtier.blocking import BlockingStore
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import (
     BackendUnavailableError,
@@ -15,6 +16,7 @@ from kvtier.errors import (
     KVTierError,
     LimitExceededError,
     PeerError,
+    PeerStatusError,
     ProtocolError,
     ShapeMismatchError,
     TierError,
@@ -33,17 +35,21 @@ if TYPE_CHECKING:
     from kvtier.tiers.fsspec import FsspecTier
     from kvtier.tiers.hbm import HBMTier
     from kvtier.tiers.lmdb import LMDBTier
+    from kvtier.tiers.mooncake_tier import MooncakeTier
+    from kvtier.tiers.redis_tier import RedisTier
 
-# Tier classes whose modules pull in optional or heavy dependencies (aiohttp, lmdb, fsspec)
-# are imported on first access, so ``import kvtier`` stays light.
+# Tier classes whose modules pull in optional or heavy dependencies (aiohttp, lmdb, fsspec,
+# redis, mooncake) are imported on first access, so ``import kvtier`` stays light.
 _LAZY = {"FsspecTier": "kvtier.tiers.fsspec", "HBMTier": "kvtier.tiers.hbm",
-         "LMDBTier": "kvtier.tiers.lmdb", "PeerTier": "kvtier.peer.tier"}
+         "LMDBTier": "kvtier.tiers.lmdb", "MooncakeTier": "kvtier.tiers.mooncake_tier",
+         "PeerTier": "kvtier.peer.tier", "RedisTier": "kvtier.tiers.redis_tier"}
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
     "BlockTooLargeError",
+    "BlockingStore",
     "ClosedError",
     "ConfigError",
     "CorruptBlockError",
@@ -56,9 +62,12 @@ __all__ = [
     "KeyNamespace",
     "LMDBTier",
     "LimitExceededError",
+    "MooncakeTier",
     "PeerError",
+    "PeerStatusError",
     "PeerTier",
     "ProtocolError",
+    "RedisTier",
     "ShapeMismatchError",
     "Tier",
     "TierError",

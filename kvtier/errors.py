@@ -15,6 +15,7 @@ Messages never show a secret: string arguments pass through
     ├── TierError
     │   ├── TierFullError
     │   ├── PeerError
+    │   │   └── PeerStatusError
     │   └── DirectoryLockedError
     ├── ProtocolError (ValueError)
     │   └── LimitExceededError
@@ -38,6 +39,7 @@ __all__ = [
     "KVTierError",
     "LimitExceededError",
     "PeerError",
+    "PeerStatusError",
     "ProtocolError",
     "ShapeMismatchError",
     "TierError",
@@ -100,6 +102,14 @@ class ProtocolError(KVTierError, ValueError):
 
 class LimitExceededError(ProtocolError):
     """A batch body is well formed but holds more entries or a larger frame than allowed."""
+
+
+class PeerStatusError(PeerError):
+    """A peer answered with an HTTP error status (``status``); the peer itself is up."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ClosedError(KVTierError):

@@ -19,7 +19,8 @@ _PATTERNS = (
     re.compile(r"(?i)((?<![\w.-])(?:[\w.-]*(?:token|secret|password|passwd|credentials?)"
                r"|[\w.-]*_key|key)=)(?!env:|file:)[^&\s'\"<>,;)]+"),
     re.compile(r"(://[^/:@\s'\"]*:)[^/@\s'\"]+(@)"),
-    re.compile(r"(?i)(\bBearer\s+)[^\s'\",;)]+"),
+    # Case-sensitive: the scheme as kvtier sends it, not the English word ("bearer token").
+    re.compile(r"(\bBearer\s+)[^\s'\",;)]+"),
 )
 
 

@@ -673,6 +673,12 @@ async def _open(urls: Sequence[str | Tier],
             tier = tier_from_url(url, **opts)
             owned.append(tier)
             tiers.append(tier)
+        for tier in owned:
+            # A tier with an async open() (peers://) checks its configuration against the
+            # world here, so a wrong token fails at open, not at first use.
+            opener = getattr(tier, "open", None)
+            if opener is not None:
+                await opener()
         store = TieredStore(tiers, **options)
     except BaseException:
         for tier in owned:

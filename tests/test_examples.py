@@ -23,6 +23,14 @@ EXPECTED: dict[str, list[str]] = {
         r"tier hot .*promotions=[1-9]",
         r"tier warm .*demotions=[1-9]",
     ],
+    "scheduler_threads.py": [
+        r"4 threads, 480 prompt blocks, [1-9]\d* served from kvtier",
+        r"closed: queued writes flushed, loop thread joined",
+    ],
+    "vllm_connector_walkthrough.py": [
+        r"B: external hit 64 tokens, asynchronous load: True",
+        r"bytes equal to A's blocks \[0, 1, 2, 3\]: True",
+    ],
 }
 
 

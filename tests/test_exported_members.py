@@ -10,11 +10,12 @@ from kvtier import errors
 
 def test_all_is_pinned() -> None:
     assert sorted(kvtier.__all__) == sorted([
-        "BackendUnavailableError",
+        "BackendUnavailableError", "BlockingStore",
         "BlockTooLargeError", "ClosedError", "ConfigError", "CorruptBlockError",
         "DRAMTier", "DirectoryLockedError", "FsspecTier", "HBMTier", "InvalidKeyError",
-        "KVTierError", "KeyNamespace", "LMDBTier", "LimitExceededError", "PeerError",
-        "PeerTier", "ProtocolError", "ShapeMismatchError", "Tier", "TierError",
+        "KVTierError", "KeyNamespace", "LMDBTier", "LimitExceededError", "MooncakeTier",
+        "PeerError", "PeerStatusError", "PeerTier", "RedisTier", "ProtocolError",
+        "ShapeMismatchError", "Tier", "TierError",
         "TierFullError", "TieredStore", "UnknownSchemeError", "WrongLoopError",
         "__version__", "decode_frame", "encode_frame", "open_store", "prefix_keys",
         "register_tier", "tier_from_url",

@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import signal
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
 
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                         help="event loop: uvloop, asyncio's default, or auto (uvloop when "
                              "installed; pip install 'kvtier[uvloop]')")
+    parser.add_argument("--repair", metavar="POOL_URL",
+                        help="re-replicate this node's blocks to their current owners in the "
+                             "pool POOL_URL (peers://...; this node's self= defaults to its "
+                             "listen address) every --repair-interval seconds")
+    parser.add_argument("--repair-interval", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds between anti-entropy passes (default 10)")
 
 
 def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
@@ -112,16 +119,38 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     except BaseException:
         await store.aclose()
         raise
+    repair = None
+    if args.repair:
+        repair = await _start_repair(args, server)
     if token is None:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
-    print(f"kvtier serve listening on {server.member_id}"
-          f" ({'https' if ctx else 'http'}, node {server.node_id}, loop {loop_name})", flush=True)
+    # Handlers first: whoever reads "listening" may signal at once.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    print(f"kvtier serve listening on {server.member_id}"
+          f" ({'https' if ctx else 'http'}, node {server.node_id}, loop {loop_name})", flush=True)
     await stop.wait()
+    if repair is not None:
+        await repair.close()
     # In-flight requests finish, then the store flushes its write-back queues and closes.
     await server.stop()
     print(f"kvtier serve on {bound_host}:{bound_port} stopped", flush=True)
     return 0
+
+
+async def _start_repair(args: argparse.Namespace, server: Any) -> Any:
+    """The anti-entropy loop of ``--repair POOL_URL`` (see kvtier.peer.repair)."""
+    from kvtier.peer.repair import AntiEntropy
+    from kvtier.peer.tier import PeerTier
+
+    own = {} if "self=" in args.repair else {"self": server.member_id}
+    try:
+        pool = PeerTier.from_url(args.repair, local=server.segment, **own)
+        repair = AntiEntropy(server, pool, interval=args.repair_interval)
+        await repair.start()
+    except BaseException:
+        await server.stop()
+        raise
+    return repair

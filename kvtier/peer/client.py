@@ -21,7 +21,7 @@ from aiohttp import payload as aio_payload
 from aiohttp.abc import AbstractStreamWriter
 
 from kvtier.codec import EncodedFrame
-from kvtier.errors import PeerError
+from kvtier.errors import PeerError, PeerStatusError
 from kvtier.peer import protocol as proto
 from kvtier.peer.fastread import RawPool
 from kvtier.redact import mask_secrets
@@ -146,7 +146,8 @@ class PeerClient:
             return None
         if status != ok:
             text = bytes(data[:200]).decode("utf-8", "replace").strip()
-            raise PeerError(f"peer {self.member}: {method} {path[:60]} -> {status} {text}")
+            raise PeerStatusError(f"peer {self.member}: {method} {path[:60]} -> {status} {text}",
+                                  status)
         return data
 
     async def _request(self, method: str, path: str, *, body: Any = None,
@@ -163,8 +164,8 @@ class PeerClient:
                         return None
                     if resp.status not in ok:
                         text = (await resp.content.read(200)).decode("utf-8", "replace")
-                        raise PeerError(f"peer {self.member}: {method} {path[:60]} -> "
-                                        f"{resp.status} {text.strip()}")
+                        raise PeerStatusError(f"peer {self.member}: {method} {path[:60]} -> "
+                                              f"{resp.status} {text.strip()}", resp.status)
                     return await _read_capped(resp, self._answer_cap(path))
         except TimeoutError:
             raise PeerError(f"peer {self.member}: {method} timed out after "

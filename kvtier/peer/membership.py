@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -85,7 +86,12 @@ class Membership:
         self.health: dict[str, dict[str, Any]] = {}
         self.failures = 0
         self.recoveries = 0
+        # (monotonic time, member) of every failure, recovery, join and leave this process saw:
+        # the read path walks further while members have recently changed.
+        self._changes: dict[str, float] = {}
+        self.change_count = 0  # every change ever seen (anti-entropy skips quiet periods)
         self._task: asyncio.Task[None] | None = None
+        self._since = time.monotonic()
 
     # ----------------------------------------------------------------- state
     @property
@@ -108,13 +114,30 @@ class Membership:
             return
         self._dead.add(member)
         self.failures += 1
+        self._note_change(member)
         log.warning("peer %s marked down: %s", member, reason)
 
     def _mark_alive(self, member: str) -> None:
         if member in self._dead:
             self._dead.discard(member)
             self.recoveries += 1
+            self._note_change(member)
             log.info("peer %s is back", member)
+
+    def _note_change(self, member: str, at: float | None = None) -> None:
+        self._changes[member] = time.monotonic() if at is None else at
+        self.change_count += 1
+
+    def recent_changes(self, window: float) -> int:
+        """How many members failed, came back, restarted, joined or left in the last
+        ``window`` seconds."""
+        return len(self.recently_changed(window))
+
+    def recently_changed(self, window: float) -> set[str]:
+        """The members that failed, came back, restarted, joined or left in the last
+        ``window`` seconds."""
+        since = time.monotonic() - window
+        return {m for m, at in self._changes.items() if at >= since}
 
     def order(self, key: bytes) -> list[str]:
         """Every member in ring order for ``key`` (primary first)."""
@@ -172,11 +195,18 @@ class Membership:
         async def probe(member: str) -> None:
             client = self.client(member)
             try:
-                self.health[member] = await client.health(limit_s=max(client.timeout, 1.0))
+                doc = await client.health(limit_s=max(client.timeout, 1.0))
             except KVTierError as exc:
                 self.mark_dead(member, exc)
-            else:
-                self._mark_alive(member)
+                return
+            before = self.health.get(member)
+            self.health[member] = doc
+            known_for = time.monotonic() - self._since if before is None else _uptime(before)
+            if _uptime(doc) < known_for:
+                # (Re)started since this process last saw it, maybe empty: reads ask it first.
+                self._note_change(member)
+                log.info("peer %s restarted", member)
+            self._mark_alive(member)
 
         await asyncio.gather(*(probe(m) for m in members))
 
@@ -199,6 +229,9 @@ class Membership:
             return
         log.info("peers+dns: %s -> %s", host, sorted(found))
         gone = set(self.members) - found
+        now = time.monotonic()
+        for member in gone | (found - set(self.members)):
+            self._note_change(member, now)
         # Thousands of vnodes per member: build the new ring off the event loop.
         self.ring = await asyncio.to_thread(self.ring.with_members, found)
         for member in gone:
@@ -207,3 +240,8 @@ class Membership:
             client = self.clients.pop(member, None)
             if client is not None:
                 await client.close()
+
+
+def _uptime(doc: dict[str, Any]) -> float:
+    value = doc.get("uptime_s")
+    return float(value) if isinstance(value, int | float) else 0.0

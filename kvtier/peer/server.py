@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
-from kvtier.codec import FLAG_ZSTD, decode_frame, encode_frame, parse_header
+from kvtier.codec import FLAG_ZSTD, EncodedFrame, decode_frame, encode_frame, parse_header
 from kvtier.errors import (
     BlockTooLargeError,
     ConfigError,
@@ -32,7 +32,14 @@ from kvtier.errors import (
 )
 from kvtier.keys import key_from_hex
 from kvtier.peer import protocol as proto
+from kvtier.peer.guards import (
+    AcceptErrorFilter,
+    BodyBudget,
+    RefuseProtocol,
+    raise_open_files_limit,
+)
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
+from kvtier.peer.metrics import Family, render, store_families
 
 __all__ = ["PeerServer", "Segment"]
 
@@ -43,6 +50,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # other requests (a 1 MiB checksum takes ~0.1 ms, less than the hop to a worker thread).
 _INLINE_DECODE_BYTES = 1 << 20
 _WRITE_SLICE = 256 << 10
+# Request metrics are keyed by method: any other method a client invents counts as OTHER
+# (the key is taken before auth, so it must not grow with what strangers send).
+_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
 
 
 class Segment(Protocol):
@@ -85,30 +95,68 @@ class PeerServer:
         Serve without a token (only for trusted test networks).
     close_segment
         Whether :meth:`stop` also closes ``segment`` (flushing write-back queues).
+    max_inflight_bytes
+        Bytes of request bodies and batch answers held at once, server-wide (at least the
+        largest body); a request past it is refused with ``503`` and ``Retry-After``
+        before anything is allocated.
+    idle_timeout
+        Seconds a connection may sit idle, or take to send a request head, before it is
+        closed.
+    body_timeout
+        Seconds a request body may go without a byte arriving before it is refused (408).
+    max_connections
+        Open connections served at once; more are answered ``503`` and closed.
+
+    Notes
+    -----
+    :meth:`start` raises the process's soft open-files limit to the hard limit and
+    rate-limits the event loop's accept-error log (both process-wide).
     """
 
     def __init__(self, segment: Segment, *, token: str | None, host: str = "127.0.0.1",
                  port: int = 0, node_id: str | None = None, limits: proto.Limits | None = None,
                  ssl_context: ssl.SSLContext | None = None, insecure_no_auth: bool = False,
-                 close_segment: bool = False) -> None:
+                 close_segment: bool = False, max_inflight_bytes: int = 1 << 30,
+                 idle_timeout: float = 15.0, body_timeout: float = 10.0,
+                 max_connections: int = 4096) -> None:
         if token is None and not insecure_no_auth:
             raise ConfigError("token: a bearer token is required (or pass insecure_no_auth=True)")
         if token is not None and not token:
             raise ConfigError("token: must not be empty")
         self.segment = segment
         self.limits = limits or proto.Limits()
+        if not idle_timeout > 0 or not body_timeout > 0:
+            raise ConfigError("idle_timeout, body_timeout: expected > 0 seconds")
+        if max_connections < 1:
+            raise ConfigError(f"max_connections: expected >= 1, got {max_connections!r}")
+        if max_inflight_bytes < self.limits.max_body_bytes:
+            raise ConfigError(f"max_inflight_bytes: expected >= max_body_bytes "
+                              f"({self.limits.max_body_bytes}), got {max_inflight_bytes!r}")
+        self.budget = BodyBudget(max_inflight_bytes)
+        self._reserved: dict[int, int] = {}  # budget bytes held, by id(request)
+        self.idle_timeout = idle_timeout
+        self.body_timeout = body_timeout
+        self.max_connections = max_connections
         self.host, self.port = host, port
         self.node_id = node_id
         self._token = None if token is None else f"Bearer {token}".encode()
         self._ssl = ssl_context
         self._close_segment = close_segment
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self._started = time.monotonic()
         self.requests: Counter[tuple[str, str, int]] = Counter()
         self.bytes_in = 0
         self.bytes_out = 0
         self.corrupt_frames = 0
         self.client_gone = 0
+        self.puts_abandoned = 0  # stored, but the client had given up before the answer
+        self.body_timeouts = 0
+        self.connections_refused = 0
+        self.batch_truncated = 0
+        self.stored_keys: dict[bytes, None] = {}  # insertion-ordered; only when tracked
+        self._track_keys = False
+        self._accept_filter: AcceptErrorFilter | None = None
         self.app = self._build_app()
 
     # ----------------------------------------------------------------- lifecycle
@@ -131,20 +179,27 @@ class PeerServer:
         """Bind and start serving; returns the bound ``(host, port)``."""
         if self._runner is not None:
             raise RuntimeError("PeerServer already started")
+        raise_open_files_limit()
+        self._accept_filter = AcceptErrorFilter.install()
         # A refused body is drained for at most 1 s (not aiohttp's 10 s) before closing.
+        # keepalive_timeout also bounds the time to receive a request head: aiohttp's timer
+        # runs from the end of the last answer (or the accept) until a full head arrived.
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                               shutdown_timeout=10.0, lingering_time=1.0)
+                               shutdown_timeout=10.0, lingering_time=1.0,
+                               keepalive_timeout=self.idle_timeout)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, ssl_context=self._ssl,
-                           backlog=512, reuse_address=True)
+        # Our own listener instead of a TCPSite: its protocol factory enforces the
+        # connection cap before aiohttp builds a handler.
         try:
-            await site.start()
+            self._listener = await asyncio.get_running_loop().create_server(
+                self._protocol, self.host, self.port, ssl=self._ssl, backlog=512,
+                reuse_address=True)
         except BaseException:
             await runner.cleanup()
             raise
         self._runner = runner
         self._started = time.monotonic()
-        host, port = runner.addresses[0][:2]
+        host, port = self._listener.sockets[0].getsockname()[:2]
         self.host, self.port = str(host), int(port)
         if self.node_id is None:
             self.node_id = self.member_id
@@ -160,8 +215,28 @@ class PeerServer:
         """Base URL of the server."""
         return f"{'https' if self._ssl else 'http'}://{self.member_id}"
 
+    def _protocol(self) -> asyncio.BaseProtocol:
+        server = self._runner.server if self._runner is not None else None
+        if server is None or len(server.connections) >= self.max_connections:
+            self.connections_refused += 1
+            return RefuseProtocol()
+        return server()
+
+    def track_keys(self) -> None:
+        """Record the keys stored through this server in :attr:`stored_keys` (for the
+        anti-entropy pass, which prunes what the segment no longer holds)."""
+        self._track_keys = True
+
+    def _stored(self, keys: Iterable[bytes]) -> None:
+        if self._track_keys:
+            for key in keys:
+                self.stored_keys[key] = None
+
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then close the segment if owned."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
@@ -189,7 +264,9 @@ class PeerServer:
             status = exc.status
             raise
         finally:
-            self.requests[(route, request.method, status)] += 1
+            self.budget.give(self._reserved.pop(id(request), 0))
+            method = request.method if request.method in _METHODS else "OTHER"
+            self.requests[(route, method, status)] += 1
 
     @web.middleware
     async def _guard_mw(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -204,6 +281,10 @@ class PeerServer:
             raise _error(web.HTTPBadRequest, str(exc)) from None
         except TierFullError as exc:
             raise _error(web.HTTPInsufficientStorage, str(exc)) from None
+        except TimeoutError:
+            self.body_timeouts += 1
+            raise _error(web.HTTPRequestTimeout, f"no body bytes for {self.body_timeout} s",
+                         headers={"Connection": "close"}) from None
         except ConnectionError:
             # The client went away mid-request (e.g. a truncated body): nobody to answer.
             self.client_gone += 1
@@ -223,14 +304,26 @@ class PeerServer:
         return await handler(request)
 
     # -------------------------------------------------------------------- bodies
+    def _reserve(self, request: web.Request, nbytes: int) -> None:
+        """Take ``nbytes`` of the in-flight budget for this request (given back when the
+        request ends, by the metrics middleware), or refuse it with 503."""
+        if not self.budget.try_take(nbytes):
+            raise _error(web.HTTPServiceUnavailable,
+                         f"server busy: {self.budget.held} of {self.budget.limit} in-flight "
+                         f"body bytes taken; retry", headers={"Retry-After": "1"})
+        self._reserved[id(request)] = self._reserved.get(id(request), 0) + nbytes
+
     async def _read_body(self, request: web.Request, limit: int) -> bytes | memoryview:
         length = request.content_length
         if length is not None and length > limit:
             raise _error(web.HTTPRequestEntityTooLarge, f"body of {length} bytes exceeds {limit}",
                          max_size=limit, actual_size=length)
+        # Reserve before a byte is allocated; a chunked body may grow to the limit.
+        self._reserve(request, limit if length is None else length)
         if length is not None:
             return await self._read_exactly(request, length)
-        body = await request.read()
+        async with asyncio.timeout(self.body_timeout):
+            body = await request.read()
         if len(body) > limit:
             raise _error(web.HTTPRequestEntityTooLarge, f"body exceeds {limit} bytes",
                          max_size=limit, actual_size=len(body))
@@ -244,16 +337,25 @@ class PeerServer:
         # np.empty: no zero-fill of memory the body overwrites anyway.
         body = np.empty(length, dtype=np.uint8).data.cast("B")
         have = 0
-        while have < length:
-            chunk, _ = await request.content.readchunk()
-            if not chunk:
-                break
-            end = have + len(chunk)
-            if end > length:  # the HTTP parser stops at Content-Length; never trust it blindly
-                raise proto.ProtocolError(f"body: longer than its Content-Length {length}")
-            body[have:end] = chunk
-            have = end
+        try:
+            while have < length:
+                async with asyncio.timeout(self.body_timeout):
+                    chunk, _ = await request.content.readchunk()
+                if not chunk:
+                    break
+                end = have + len(chunk)
+                if end > length:  # the HTTP parser stops at Content-Length; never trust it
+                    raise proto.ProtocolError(f"body: longer than its Content-Length {length}")
+                body[have:end] = chunk
+                have = end
+        except BaseException:
+            # The exception's traceback holds this frame, and aiohttp keeps the exception
+            # on the request's stream, which the frame references: a cycle that would pin
+            # the whole buffer until a full GC. Drop the buffer before it forms.
+            del body
+            raise
         if have != length:
+            del body
             raise ConnectionResetError(f"body: {have} of {length} bytes before end of stream")
         self.bytes_in += length
         return body
@@ -312,11 +414,21 @@ class PeerServer:
         key = key_from_hex(request.match_info["key"])
         body = await self._read_body(request, self.limits.max_frame_bytes)
         block = await self._decode(key, body)
+        del body
         await self.segment.put(key, block)
+        self._stored((key,))
+        self._note_abandoned(request)
         return web.Response(status=204)
+
+    def _note_abandoned(self, request: web.Request) -> None:
+        # Stored anyway (the block is valid), but the client gave up waiting: count it, so a
+        # timeout set too low for this server shows up in its metrics.
+        if request.transport is None or request.transport.is_closing():
+            self.puts_abandoned += 1
 
     async def _delete_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
+        self.stored_keys.pop(key, None)
         if await self.segment.delete(key):
             return web.Response(status=204)
         raise web.HTTPNotFound(text="no such block")
@@ -327,10 +439,30 @@ class PeerServer:
         return proto.decode_keys(body, self.limits.max_batch)
 
     async def _batch_get(self, request: web.Request) -> web.StreamResponse:
+        """Blocks in request order. A key repeated in one request is served once (later
+        repeats answer as missing), and the answer stops growing at ``max_body_bytes`` and
+        at the in-flight budget: the keys past that point answer as missing, and the client
+        asks for them again."""
         keys = await self._read_keys(request)
-        blocks = await self.segment.get_many(keys) if keys else []
-        items = [(k, None if b is None else encode_frame(b, key=k)) for k, b in zip(keys, blocks,
-                                                                             strict=True)]
+        unique = list(dict.fromkeys(keys))
+        blocks = await self.segment.get_many(unique) if unique else []
+        found = {k: b for k, b in zip(unique, blocks, strict=True) if b is not None}
+        room = self.limits.max_body_bytes
+        items: list[tuple[bytes, EncodedFrame | None]] = []
+        for key in keys:
+            block = found.pop(key, None)  # pop: a repeat finds nothing
+            frame = None if block is None else encode_frame(block, key=key)
+            if frame is not None:
+                size = 2 + len(key) + 8 + frame.nbytes
+                if size > room or not self.budget.try_take(frame.nbytes):
+                    self.batch_truncated += 1
+                    found.clear()  # the rest answer as missing
+                    frame = None
+                else:
+                    room -= size
+                    self._reserved[id(request)] = self._reserved.get(id(request), 0) + frame.nbytes
+            items.append((key, frame))
+        del blocks, found
         return await self._send(request, proto.encode_blocks(items))
 
     async def _batch_put(self, request: web.Request) -> web.StreamResponse:
@@ -342,8 +474,11 @@ class PeerServer:
             if frame is None:
                 raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
             decoded.append((key, await self._decode(key, frame)))
+        del body, entries
         if decoded:
             await self.segment.put_many(decoded)
+            self._stored(k for k, _ in decoded)
+            self._note_abandoned(request)
         return web.Response(status=204)
 
     async def _batch_exists(self, request: web.Request) -> web.StreamResponse:
@@ -353,6 +488,8 @@ class PeerServer:
 
     async def _batch_delete(self, request: web.Request) -> web.StreamResponse:
         keys = await self._read_keys(request)
+        for key in keys:
+            self.stored_keys.pop(key, None)
         flags = [await self.segment.delete(k) for k in keys]
         return await self._send(request, [proto.encode_flags(flags)])
 
@@ -383,43 +520,56 @@ class PeerServer:
         return web.json_response(self.health())
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(text=self.metrics_text(), content_type="text/plain",
-                            charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+        body, content_type = render(self.metric_families())
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     def metrics_text(self) -> str:
-        """Prometheus text exposition of request counters and segment statistics."""
-        lines = ["# HELP kvtier_peer_requests_total Requests served, by route, method, status.",
-                 "# TYPE kvtier_peer_requests_total counter"]
+        """The ``/metrics`` exposition (Prometheus text format)."""
+        return render(self.metric_families())[0].decode()
+
+    def metric_families(self) -> list[Family]:
+        """Request counters, server resource counters and the segment's statistics."""
+        requests = Family("kvtier_peer_requests", "counter",
+                          "Requests served, by route, method, status.",
+                          ("route", "method", "status"))
         for (route, method, status), n in sorted(self.requests.items()):
-            lines.append(f'kvtier_peer_requests_total{{route="{_esc(route)}",method='
-                         f'"{_esc(method)}",status="{status}"}} {n}')
-        for name, value, kind, text in (
-            ("kvtier_peer_received_bytes_total", self.bytes_in, "counter", "Body bytes read."),
-            ("kvtier_peer_sent_bytes_total", self.bytes_out, "counter", "Body bytes sent."),
-            ("kvtier_peer_corrupt_frames_total", self.corrupt_frames, "counter",
+            requests.add(n, route, method, str(status))
+        out = [requests]
+        accept_suppressed = self._accept_filter.total_suppressed if self._accept_filter else 0
+        for name, kind, value, text in (
+            ("kvtier_peer_received_bytes", "counter", self.bytes_in, "Body bytes read."),
+            ("kvtier_peer_sent_bytes", "counter", self.bytes_out, "Body bytes sent."),
+            ("kvtier_peer_corrupt_frames", "counter", self.corrupt_frames,
              "Frames refused for a bad header or checksum."),
-            ("kvtier_peer_client_gone_total", self.client_gone, "counter",
+            ("kvtier_peer_client_gone", "counter", self.client_gone,
              "Responses not delivered because the client had disconnected."),
-            ("kvtier_peer_uptime_seconds", round(time.monotonic() - self._started, 3), "gauge",
+            ("kvtier_peer_puts_abandoned", "counter", self.puts_abandoned,
+             "Puts stored after their client had given up (timed out or disconnected)."),
+            ("kvtier_peer_body_timeouts", "counter", self.body_timeouts,
+             "Requests refused because their body stalled."),
+            ("kvtier_peer_busy_refusals", "counter", self.budget.refused,
+             "Requests refused with 503 because the in-flight body budget was taken."),
+            ("kvtier_peer_connections_refused", "counter", self.connections_refused,
+             "Connections refused at the connection cap."),
+            ("kvtier_peer_batch_truncated", "counter", self.batch_truncated,
+             "Batch get answers cut short at the body limit or the in-flight budget."),
+            ("kvtier_peer_accept_errors_suppressed", "counter", accept_suppressed,
+             "Accept-error log records suppressed by the rate limit (process-wide)."),
+            ("kvtier_peer_inflight_bytes", "gauge", self.budget.held,
+             "Body and answer bytes held by requests in flight."),
+            ("kvtier_peer_connections", "gauge", self._open_connections(),
+             "Open client connections."),
+            ("kvtier_peer_uptime_seconds", "gauge", round(time.monotonic() - self._started, 3),
              "Seconds since start."),
         ):
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        tiers = _tier_stats(self.segment)
-        fields = sorted({k for t in tiers for k, v in t.items()
-                         if isinstance(v, int | float) and not isinstance(v, bool)})
-        for field in fields:
-            metric = f"kvtier_store_{field}"
-            lines.append(f"# TYPE {metric} gauge")
-            for i, t in enumerate(tiers):
-                sample = t.get(field)
-                if isinstance(sample, int | float) and not isinstance(sample, bool):
-                    lines.append(f'{metric}{{tier="{i}",scheme="{_esc(str(t.get("scheme")))}"}} '
-                                 f"{sample}")
-        return "\n".join(lines) + "\n"
+            family = Family(name, kind, text)  # type: ignore[arg-type]
+            family.add(value)
+            out.append(family)
+        return out + store_families(_tier_stats(self.segment))
 
-
-def _esc(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def _open_connections(self) -> int:
+        server = self._runner.server if self._runner is not None else None
+        return 0 if server is None else len(server.connections)
 
 
 def _error(cls: type[web.HTTPException], text: str, **kwargs: Any) -> web.HTTPException:

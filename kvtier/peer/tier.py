@@ -20,7 +20,7 @@ from typing import Any, Self, TypeVar, cast
 
 from kvtier.codec import EncodedFrame, decode_frame, encode_frame
 from kvtier.codec import parse_compress as _compress_level
-from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError
+from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError, PeerStatusError
 from kvtier.peer import protocol as proto
 from kvtier.peer.client import PeerClient
 from kvtier.peer.frames import decode_from_peer
@@ -30,7 +30,7 @@ from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
 from kvtier.peer.tls import client_context
 from kvtier.tiers.base import Block, Tier
-from kvtier.urls import merge_options, parse_secret, parse_tier_url
+from kvtier.urls import merge_options, parse_secret, parse_size, parse_tier_url
 
 __all__ = ["PeerTier"]
 
@@ -38,7 +38,8 @@ log = logging.getLogger("kvtier.peer.tier")
 T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
-            "vnodes", "pool", "name", "max_batch", "max_body"}
+            "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
+            "change_window", "repair_bytes"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 
 
@@ -72,8 +73,21 @@ class PeerTier(Tier):
     timeout
         Seconds allowed for one request to one peer; a slower peer is a miss.
     ack
-        ``"all"``: ``put`` waits for every owner; ``"one"``: it returns after the first
-        acknowledgement and the other copies complete in the background.
+        ``"all"``: ``put`` returns when every copy finished and raises unless ``min_copies``
+        of them were stored; ``"one"``: it returns after ``min_copies`` acknowledgements and
+        the other copies complete in the background (:meth:`flush` waits for them).
+    min_copies
+        Copies a put needs to succeed (default: ``replicas`` for ``ack="all"``, 1 for
+        ``"one"``; capped at the member count). Copies made are counted in :meth:`stats`.
+    read_walk
+        Members asked past ``replicas`` "not here" answers before a read is a miss.
+    change_window
+        Seconds during which a member that failed, came back, restarted, joined or left
+        widens the read walk by one and is asked first.
+    repair_bytes
+        Most bytes of blocks held by read repairs (write-backs to owners that lacked a
+        block) in flight at once; a repair past it is dropped and counted (the next read,
+        or the anti-entropy pass, repairs that block).
     ssl_context
         Client TLS context (see :func:`kvtier.peer.tls.client_context`).
     tls_server_name
@@ -96,6 +110,7 @@ class PeerTier(Tier):
     """
 
     scheme = "peers"
+    #: Other processes read what this tier holds: private tiers above it write through.
     shared = True
 
     def __init__(self, members: Sequence[str] | None = None, *,
@@ -106,10 +121,16 @@ class PeerTier(Tier):
                  health_interval: float = 2.0, dns_interval: float = 5.0,
                  vnodes: int = DEFAULT_VNODES, pool_limit: int = 64,
                  limits: proto.Limits | None = None, name: str | None = None,
-                 tls_server_name: str | None = None) -> None:
+                 tls_server_name: str | None = None,
+                 min_copies: int | None = None, read_walk: int = 1,
+                 change_window: float = 300.0, repair_bytes: int = 256 << 20) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
+        if min_copies is not None and not 1 <= min_copies <= replicas:
+            raise ConfigError(f"min_copies: expected 1..replicas ({replicas}), got {min_copies!r}")
+        if read_walk < 0 or change_window < 0 or repair_bytes < 0:
+            raise ConfigError("read_walk, change_window, repair_bytes: expected >= 0")
         if not timeout > 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout!r}")
         if local is not None and self_id is None:
@@ -117,6 +138,11 @@ class PeerTier(Tier):
         if members is not None and self_id is not None and self_id not in members:
             raise ConfigError(f"self: {self_id!r} is not one of the members {list(members)}")
         self.replicas = replicas
+        self.min_copies = min_copies
+        self.read_walk = read_walk
+        self.change_window = change_window
+        self.repair_bytes = repair_bytes
+        self._repair_held = 0
         self.timeout = timeout
         self._token = token  # for /v1/locate (the clients hold their own copy)
         self._ssl_context = ssl_context
@@ -134,6 +160,7 @@ class PeerTier(Tier):
         self._start_lock = asyncio.Lock()
         self._started = False
         self._background: set[asyncio.Task[bool]] = set()
+        self._repairs: set[asyncio.Task[None]] = set()
         self.counts: dict[str, int] = defaultdict(int)
 
     # ------------------------------------------------------------------ config
@@ -184,6 +211,11 @@ class PeerTier(Tier):
             limits=limits,
             name=str(opts["name"]) if opts.get("name") else None,
             tls_server_name=tls.get("tls_server_name"),
+            min_copies=_number(opts["min_copies"], "min_copies", int, 1)
+            if opts.get("min_copies") not in (None, "") else None,
+            read_walk=_number(opts.get("read_walk", 1), "read_walk", int, 0),
+            change_window=_number(opts.get("change_window", 300.0), "change_window", float, 0),
+            repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
         )
 
     @property
@@ -206,19 +238,64 @@ class PeerTier(Tier):
                 await self.members.start()
                 self._started = True
 
+    async def open(self) -> None:
+        """Start membership and probe every member once (``open_store`` calls this).
+
+        Raises
+        ------
+        ConfigError
+            When every member that answered refused this tier's bearer token: puts and
+            gets would all fail. Unreachable members are only logged (pools start in any
+            order); they join the path when a health probe reaches them.
+        """
+        await self._start()
+        members = [m for m in self.members.members if m != self.members.self_id]
+        answers = await asyncio.gather(*(self._probe(m) for m in members))
+        refused = [m for m, a in zip(members, answers, strict=True) if a == "refused"]
+        if refused and "ok" not in answers:
+            raise ConfigError(
+                f"{self.name}: every reachable member refused the bearer token "
+                f"({', '.join(refused)} answered 401/403); check the token= option "
+                "(same secret as the servers' --token-file)")
+        down = [m for m, a in zip(members, answers, strict=True) if a == "down"]
+        if down:
+            log.warning("%s: %d of %d members unreachable at open (%s); they join when they "
+                        "answer a health probe", self.name, len(down), len(members),
+                        ", ".join(down))
+
+    async def _probe(self, member: str) -> str:
+        client = self.members.client(member)
+        try:
+            self.members.health[member] = await client.health(limit_s=max(self.timeout, 1.0))
+        except PeerStatusError as exc:
+            if exc.status in (401, 403):
+                return "refused"
+            self.members.mark_dead(member, exc)
+            return "down"
+        except KVTierError as exc:
+            self.members.mark_dead(member, exc)
+            return "down"
+        return "ok"
+
     def _is_local(self, member: str) -> bool:
         return self.local is not None and member == self.members.self_id
 
     async def _call(self, member: str, op: str, fn: Callable[[], Awaitable[T]]) -> T | object:
-        """Run one peer call; a failure marks the member down and returns ``_FAILED``."""
+        """Run one peer call; a failure is a miss for that peer only and returns ``_FAILED``.
+
+        Only transport errors, timeouts and 5xx answers take the member out of the path: a
+        4xx says the peer is up and refused this one request (oversized, full, bad token).
+        """
         self.counts[f"{op}_requests"] += 1
         try:
             return await fn()
         except asyncio.CancelledError:
             raise
-        except (KVTierError, OSError) as exc:
+        except Exception as exc:  # any failure of one peer (even MemoryError) is its miss
             self.counts["errors"] += 1
-            if not self._is_local(member):
+            refused = isinstance(exc, PeerStatusError) and exc.status < 500
+            if not self._is_local(member) and isinstance(exc, KVTierError | OSError) \
+                    and not refused:
                 self.members.mark_dead(member, exc)
             log.debug("peer %s: %s failed: %s", member, op, exc)
             return _FAILED
@@ -229,9 +306,9 @@ class PeerTier(Tier):
             return None
         try:
             return await decode_from_peer(frame, key, self.limits.max_block_bytes)
-        except CorruptBlockError as exc:
+        except (CorruptBlockError, MemoryError) as exc:  # corrupt, foreign or a bomb: a miss
             self.counts["corrupt"] += 1
-            log.warning("peer %s sent a corrupt frame: %s", member, exc)
+            log.warning("peer %s sent a bad frame: %s", member, exc)
             return None
 
     def _next(self, order: list[str], tried: set[str]) -> str | None:
@@ -247,35 +324,60 @@ class PeerTier(Tier):
     async def _contains(self, key: bytes) -> bool:
         return (await self._contains_many([key]))[0]
 
+    def _copies(self) -> tuple[int, int]:
+        """``(wanted, needed)`` copies of a put: ``replicas`` (at most one per member) and
+        how many must succeed for ``put`` not to raise."""
+        want = min(self.replicas, len(self.members.members))
+        need = self.min_copies if self.min_copies is not None else (
+            want if self.ack == "all" else 1)
+        return want, min(need, want)
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        # Referenced until done (a bare task can be garbage-collected mid-flight), and
+        # awaited by flush()/aclose() even when the put that made it was cancelled.
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _put(self, key: bytes, block: Block) -> None:
         await self._start()
-        frame = await self._encode(block)
+        frame = await self._encode(key, block)
         order = self.members.order(key)
-        targets = self.members.live_owners(key, self.replicas)
+        want, need = self._copies()
+        targets = self.members.live_owners(key, want)
         if not targets:
+            self.counts["puts_under_replicated"] += 1
             raise PeerError(f"{self.name}: no live peer to store {key.hex()}")
         if self.ack == "one" and len(targets) > 1 and not self.compress_level:
             # Copies finish after put() returns: they must not read the caller's buffer.
             frame = EncodedFrame(frame.header, memoryview(frame.payload.tobytes()))
-            block = decode_frame(frame.to_bytes())
+            block = decode_frame(frame.to_bytes(), key=key)
         used = set(targets)
         tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used))
                  for first in targets]
-        if self.ack == "all":
-            done = await asyncio.gather(*tasks)
-            if not all(done):
-                raise PeerError(f"{self.name}: {done.count(False)} of {len(done)} copies of "
-                                f"{key.hex()} failed")
-            return
+        for task in tasks:
+            self._track(task)
         pending: set[asyncio.Task[bool]] = set(tasks)
-        while pending:
+        copies = 0
+        # asyncio.wait, not gather: cancelling this put must not cancel copies in flight
+        # (a copy is all or nothing on its peer; flush() waits for the rest).
+        while pending and (self.ack == "all" or copies < need):
             finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if any(t.result() for t in finished):
-                self._background |= pending
-                for t in pending:
-                    t.add_done_callback(self._background.discard)
-                return
-        raise PeerError(f"{self.name}: every copy of {key.hex()} failed")
+            copies += sum(1 for t in finished if t.result())
+        if pending:  # ack=one: the remaining copies finish in the background
+            self.counts["copies_made"] += copies
+            for task in pending:
+                task.add_done_callback(self._count_copy)
+            return
+        self.counts["copies_made"] += copies
+        if copies < want:
+            self.counts["puts_under_replicated"] += 1
+        if copies < need:
+            raise PeerError(f"{self.name}: {copies} of {want} copies of {key.hex()} stored, "
+                            f"{need} required (ack={self.ack})")
+
+    def _count_copy(self, task: asyncio.Task[bool]) -> None:
+        if not task.cancelled() and task.exception() is None and task.result():
+            self.counts["copies_made"] += 1
 
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
                          order: list[str], used: set[str]) -> bool:
@@ -294,31 +396,46 @@ class PeerTier(Tier):
                 used.add(current)
         return False
 
-    async def _encode(self, block: Block) -> EncodedFrame:
+    async def _encode(self, key: bytes, block: Block) -> EncodedFrame:
+        # Bound to its key (frame version 2): a server or a later reader verifies it.
         if self.compress_level is None:
-            return encode_frame(block)
+            return encode_frame(block, key=key)
         return await asyncio.to_thread(encode_frame, block, compress_level=self.compress_level,
-                                       shuffle=True)
+                                       shuffle=True, key=key)
 
     async def _delete(self, key: bytes) -> bool:
         return (await self._delete_many([key]))[0]
 
     # ------------------------------------------------------------------ batch
+    def walk_limit(self) -> int:
+        """How many "not here" answers a read accepts before it calls a key a miss.
+
+        ``replicas`` owners, plus ``read_walk`` members past them (fallback copies written
+        while an owner was down, and the old owner after one member joined), plus one for
+        every member that failed, came back, joined or left in the last ``change_window``
+        seconds. Capped at the member count.
+        """
+        extra = self.read_walk + self.members.recent_changes(self.change_window)
+        return min(len(self.members.members), self.replicas + extra)
+
     async def _rounds(self, keys: Sequence[bytes], op: str,
                       fetch: Callable[[str, list[bytes]], Awaitable[list[Any]]],
-                      found: Callable[[Any], bool]) -> list[Any]:
-        """Ask owners in ring order, one request per owner per round, until each key is found
-        or ``replicas`` owners answered without it. Failed owners do not count as answers."""
+                      found: Callable[[Any], bool]) -> tuple[list[Any], list[list[str]]]:
+        """Ask members in ring order, one request per member per round, until each key is
+        found or :meth:`walk_limit` members answered without it. Failed members do not count
+        as answers. Returns the results and, per key, the members that answered "not here"."""
         await self._start()
+        limit = self.walk_limit()
         results: list[Any] = [None] * len(keys)
-        orders = [self.members.order(k) for k in keys]
+        changed = self.members.recently_changed(self.change_window)
+        orders = [self._read_order(k, changed) for k in keys]
         tried: list[set[str]] = [set() for _ in keys]
-        answered = [0] * len(keys)
+        missed: list[list[str]] = [[] for _ in keys]
         pending = list(range(len(keys)))
         while pending:
             groups: dict[str, list[int]] = defaultdict(list)
             for i in pending:
-                member = self._next(orders[i], tried[i]) if answered[i] < self.replicas else None
+                member = self._next(orders[i], tried[i]) if len(missed[i]) < limit else None
                 if member is not None:
                     tried[i].add(member)
                     groups[member].append(i)
@@ -329,29 +446,92 @@ class PeerTier(Tier):
             # One owner (every single-key call): await it directly, no task per request.
             replies = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
             pending = []
-            for (_member, idx), reply in zip(groups.items(), replies, strict=True):
+            for (member, idx), reply in zip(groups.items(), replies, strict=True):
                 if reply is _FAILED:
                     pending += idx
                     continue
                 for i, value in zip(idx, cast(list[Any], reply), strict=True):
                     results[i] = value
                     if not found(value):
-                        answered[i] += 1
+                        missed[i].append(member)
                         pending.append(i)
-        return results
+                    elif len(missed[i]) > self.replicas:
+                        self.counts["walk_hits"] += 1  # found past the owners' answers
+        return results, missed
+
+    def _read_order(self, key: bytes, changed: set[str]) -> list[str]:
+        """Ring order, except that owners which recently failed, restarted or joined are
+        asked first: if they came back without the key, the read finds the hole and read
+        repair fills it (else a hit on another owner would hide it until a second failure).
+        """
+        order = self.members.order(key)
+        if not changed:
+            return order
+        owners = self.members.live_owners(key, self.replicas)
+        first = [m for m in owners if m in changed]
+        return first + [m for m in order if m not in first] if first else order
 
     async def _fetch_blocks(self, member: str, keys: list[bytes]) -> list[Block | None]:
         if self._is_local(member):
             return await self.local.get_many(keys)  # type: ignore[union-attr]
         client = self.members.client(member)
         if len(keys) == 1:
-            frames: list[bytes | memoryview | None] = [await client.get(keys[0])]
-        else:
-            frames = list(await client.get_many(keys))
-        return [await self._decode(member, k, f) for k, f in zip(keys, frames, strict=True)]
+            return [await self._decode(member, keys[0], await client.get(keys[0]))]
+        # A server answers a key repeated in one request once: ask for each key once.
+        ask = list(dict.fromkeys(keys))
+        blocks: dict[bytes, Block | None] = {}
+        while ask:
+            frames = await client.get_many(ask)
+            for key, frame in zip(ask, frames, strict=True):
+                blocks[key] = await self._decode(member, key, frame)
+            # A server ends a batch answer at its body limit and answers the remaining keys
+            # as missing: while answers come back that full, ask again for the missing ones.
+            sent = sum(len(f) for f in frames if f is not None)
+            full = sent > self.limits.max_body_bytes - self.limits.max_frame_bytes
+            ask = [k for k, f in zip(ask, frames, strict=True) if f is None] \
+                if full and sent else []
+        return [blocks[k] for k in keys]
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
-        return await self._rounds(keys, "get", self._fetch_blocks, lambda b: b is not None)
+        blocks, missed = await self._rounds(keys, "get", self._fetch_blocks,
+                                            lambda b: b is not None)
+        for key, block, not_here in zip(keys, blocks, missed, strict=True):
+            if block is not None and not_here:
+                self._read_repair(key, block, not_here)
+        return cast(list[Block | None], blocks)
+
+    def _read_repair(self, key: bytes, block: Block, not_here: list[str]) -> None:
+        """Write a block found away from its first live owners back to those that lacked it,
+        in the background, within ``repair_bytes`` (past it the repair is dropped, counted;
+        the next read or the anti-entropy pass repairs the block)."""
+        owners = self.members.live_owners(key, self.replicas)
+        targets = [m for m in not_here if m in owners]
+        if not targets:
+            return
+        if self._repair_held + block.nbytes > self.repair_bytes:
+            self.counts["read_repairs_dropped"] += 1
+            return
+        self._repair_held += block.nbytes
+        task = asyncio.create_task(self._repair(key, block, targets))
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
+
+    async def _repair(self, key: bytes, block: Block, targets: list[str]) -> None:
+        try:
+            await self._repair_copies(key, block, targets)
+        finally:
+            self._repair_held -= block.nbytes
+
+    async def _repair_copies(self, key: bytes, block: Block, targets: list[str]) -> None:
+        frame = await self._encode(key, block)
+        for target in targets:
+            if self._is_local(target):
+                result = await self._call(target, "repair", lambda: self.local.put(key, block))  # type: ignore[union-attr]
+            else:
+                result = await self._call(target, "repair", partial(
+                    self.members.client(target).put, key, frame))
+            if result is not _FAILED:
+                self.counts["read_repairs"] += 1
 
     async def _exists(self, member: str, keys: list[bytes]) -> list[bool]:
         if self._is_local(member):
@@ -359,15 +539,15 @@ class PeerTier(Tier):
         return await self.members.client(member).exists_many(keys)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        got = await self._rounds(keys, "exists", self._exists, bool)
+        got, _ = await self._rounds(keys, "exists", self._exists, bool)
         return [bool(g) for g in got]
 
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._start()
-        frames = [await self._encode(block) for _, block in items]
+        frames = [await self._encode(key, block) for key, block in items]
         orders = [self.members.order(k) for k, _ in items]
-        used = [set(self.members.live_owners(k, self.replicas)) for k, _ in items]
-        wanted = [len(u) for u in used]
+        want, need = self._copies()
+        used = [set(self.members.live_owners(k, want)) for k, _ in items]
         stored = [0] * len(items)
         plan: dict[str, list[int]] = defaultdict(list)
         for i, owners in enumerate(used):
@@ -388,11 +568,12 @@ class PeerTier(Tier):
                     if fallback is not None:
                         used[i].add(fallback)
                         plan[fallback].append(i)
-        need = [1 if self.ack == "one" else max(w, 1) for w in wanted]
-        short = sum(1 for s, n in zip(stored, need, strict=True) if s < n)
+        self.counts["copies_made"] += sum(stored)
+        self.counts["puts_under_replicated"] += sum(1 for n in stored if n < want)
+        short = sum(1 for n in stored if n < max(need, 1))
         if short:
-            raise PeerError(f"{self.name}: {short} of {len(items)} blocks not stored on "
-                            f"enough peers (ack={self.ack})")
+            raise PeerError(f"{self.name}: {short} of {len(items)} blocks stored on fewer than "
+                            f"{max(need, 1)} peers (ack={self.ack}, replicas={self.replicas})")
 
     async def _store_many(self, member: str, items: Sequence[tuple[bytes, Block]],
                           frames: list[EncodedFrame], idx: list[int]) -> None:
@@ -435,22 +616,23 @@ class PeerTier(Tier):
                                    ssl_context=self._ssl_context)
 
     async def flush(self) -> None:
-        """Wait for background copies of ``ack=one`` puts."""
-        if self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        """Wait for background copies (``ack=one`` puts, cancelled puts) and read repairs."""
+        while self._background or self._repairs:
+            await asyncio.gather(*self._background, *self._repairs, return_exceptions=True)
 
     async def _aclose(self) -> None:
         try:
             await asyncio.wait_for(self.flush(), timeout=max(self.timeout * 4, 1.0))
         except TimeoutError:
             log.warning("%s: closing with %d background copies unfinished", self.name,
-                        len(self._background))
-            for task in list(self._background):
+                        len(self._background) + len(self._repairs))
+            for task in [*self._background, *self._repairs]:
                 task.cancel()
         await self.members.close()
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), **self.counts, "members": list(self.members.members),
                 "dead": sorted(self.members.dead), "replicas": self.replicas,
+                "walk_limit": self.walk_limit(), "repairs_in_flight": len(self._repairs),
                 "member_failures": self.members.failures,
                 "member_recoveries": self.members.recoveries}

@@ -1,0 +1,373 @@
+"""Chaos soak of the peer pool: `kvtier serve` processes killed, restarted empty and frozen
+while clients put and get blocks whose bytes derive from their key.
+
+    python -m benchmarks.soak [--duration 180] [--concurrency 16] [--servers 3] [--replicas 2]
+    kvtier bench --only soak [--full]          (quick: 25 s; --full: 180 s)
+
+N servers (`kvtier serve --repair`, DRAM segments) run on loopback. One client process runs
+`--concurrency` workers on one store over ``peers://`` (``ack=all``), paced to `--rate`
+operations per second: half put a new key, half get an acknowledged one and check its bytes.
+Every `--chaos-interval` seconds the chaos loop either SIGKILLs a random server and restarts
+it (empty: DRAM only) or SIGSTOPs one for `--stop-seconds` and resumes it; one fault at a time.
+
+At the end every server is up; a fresh client reads back every acknowledged key. An
+unreadable key counts as "replication could not help" when `replicas` distinct servers were
+killed after its put was acknowledged, each within `--repair-grace` seconds of the previous
+(no anti-entropy pass could have re-replicated in between); every other unreadable key is a
+loss replication should have prevented. Wrong bytes and exceptions must be 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+_LISTEN = re.compile(r"kvtier serve listening on (\S+)")
+
+
+def block_for(key: bytes, nbytes: int) -> np.ndarray:
+    """The block stored under ``key``: bytes that derive from the key alone."""
+    return np.frombuffer(hashlib.shake_128(key).digest(nbytes), dtype=np.uint8)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+@dataclass
+class Server:
+    """One `kvtier serve` child on a fixed port (so a restart keeps its member id)."""
+
+    port: int
+    args: list[str]
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    stopped: bool = False
+    log_index: int = 0
+
+    @property
+    def member(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.log_index += 1
+        log = open(self.workdir / f"serve-{self.port}-{self.log_index}.log", "wb")  # noqa: SIM115
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "serve", "--listen", self.member, *self.args],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.stopped = False
+
+    async def wait_ready(self, within: float = 60.0) -> None:
+        path = self.workdir / f"serve-{self.port}-{self.log_index}.log"
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if _LISTEN.search(path.read_text(errors="replace")):
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"server {self.member} did not start:\n{path.read_text()[-2000:]}")
+
+    def send(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.send(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop_all(self) -> None:
+        if self.proc is None:
+            return
+        self.send(signal.SIGCONT)
+        self.send(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@dataclass
+class Tally:
+    puts: int = 0
+    gets: int = 0
+    acked: dict[bytes, float] = field(default_factory=dict)  # key -> ack time
+    put_errors: int = 0
+    get_errors: int = 0
+    get_misses: int = 0
+    wrong_bytes: int = 0
+    put_lat: list[float] = field(default_factory=list)
+    get_lat: list[float] = field(default_factory=list)
+    kills: list[tuple[float, int]] = field(default_factory=list)
+    stops: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+async def _workers(store: object, tally: Tally, args: argparse.Namespace, until: float,
+                   rng: random.Random) -> None:
+    keys: list[bytes] = []
+    interval = args.concurrency / args.rate
+    counter = iter(range(1 << 62))
+
+    async def worker(w: int) -> None:
+        next_at = time.monotonic() + rng.random() * interval
+        while time.monotonic() < until:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += interval
+            if not keys or rng.random() < 0.5:
+                key = hashlib.blake2b(f"soak-{args.seed}-{next(counter)}".encode(),
+                                      digest_size=16).digest()
+                t0 = time.perf_counter()
+                try:
+                    await store.put(key, block_for(key, args.block_bytes))  # type: ignore[attr-defined]
+                except Exception as exc:
+                    tally.put_errors += 1
+                    tally.errors.append(f"put: {exc!r}"[:300])
+                    continue
+                tally.put_lat.append(time.perf_counter() - t0)
+                tally.puts += 1
+                tally.acked[key] = time.monotonic()
+                keys.append(key)
+            else:
+                key = rng.choice(keys)
+                t0 = time.perf_counter()
+                try:
+                    got = await store.get(key)  # type: ignore[attr-defined]
+                except Exception as exc:
+                    tally.get_errors += 1
+                    tally.errors.append(f"get: {exc!r}"[:300])
+                    continue
+                tally.get_lat.append(time.perf_counter() - t0)
+                tally.gets += 1
+                if got is None:
+                    tally.get_misses += 1
+                elif not np.array_equal(np.asarray(got).view(np.uint8).ravel(),
+                                        block_for(key, args.block_bytes)):
+                    tally.wrong_bytes += 1
+
+    await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+
+
+async def _chaos(servers: list[Server], tally: Tally, args: argparse.Namespace, until: float,
+                 rng: random.Random) -> None:
+    kill_next = True
+    while time.monotonic() + args.chaos_interval < until:
+        await asyncio.sleep(args.chaos_interval)
+        index = rng.randrange(len(servers))
+        victim = servers[index]
+        if kill_next:
+            victim.kill()
+            tally.kills.append((time.monotonic(), index))
+            await asyncio.sleep(rng.uniform(0.5, 3.0))
+            victim.start()
+            await victim.wait_ready()
+        else:
+            victim.send(signal.SIGSTOP)
+            tally.stops += 1
+            await asyncio.sleep(args.stop_seconds)
+            victim.send(signal.SIGCONT)
+        kill_next = not kill_next
+
+
+def _excused(acked_at: float, kills: list[tuple[float, int]], replicas: int,
+             grace: float) -> bool:
+    """Whether ``replicas`` distinct servers were killed after the ack, each within ``grace``
+    seconds of the previous kill (too fast for re-replication in between)."""
+    after = [(t, i) for t, i in kills if t >= acked_at]
+    for start in range(len(after)):
+        seen = {after[start][1]}
+        last = after[start][0]
+        for t, i in after[start + 1:]:
+            if t - last > grace:
+                break
+            if i not in seen:
+                seen.add(i)
+            last = t
+            if len(seen) >= replicas:
+                return True
+        if len(seen) >= replicas:
+            return True
+    return replicas <= 1 and bool(after)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+
+async def soak(args: argparse.Namespace) -> dict[str, object]:
+    """Run the soak; returns the figures the table prints."""
+    import kvtier
+    from kvtier.peer.client import PeerClient
+
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-soak-"))
+    token = workdir / "token"
+    token.write_text("soak-token\n")
+    ports = [_free_port() for _ in range(args.servers)]
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    pool = (f"peers://{members}?replicas={args.replicas}&token=file:{token}"
+            f"&timeout={args.timeout}&health_interval=0.5")
+    serve_args = ["--tier", "dram://?capacity=2GiB", "--token-file", str(token)]
+    if args.repair_interval > 0:
+        serve_args += ["--repair", pool, "--repair-interval", str(args.repair_interval)]
+    servers = [Server(p, serve_args, workdir) for p in ports]
+    tally = Tally()
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            await s.wait_ready()
+        rss_start = [_rss_mib(s.proc.pid) for s in servers if s.proc]
+        store = await kvtier.open_store([pool])
+        t0 = time.monotonic()
+        until = t0 + args.duration
+        async with store:
+            await asyncio.gather(_workers(store, tally, args, until, rng),
+                                 _chaos(servers, tally, args, until, rng))
+            client_stats = store.stats()["tiers"][0]
+        wall = time.monotonic() - t0
+        for s in servers:
+            s.send(signal.SIGCONT)
+        await asyncio.sleep(args.settle)
+        rss_end = [_rss_mib(s.proc.pid) for s in servers if s.proc]
+        # Read every acknowledged key back through a fresh client, all servers up.
+        keys = list(tally.acked)
+        unreadable: list[bytes] = []
+        wrong_end = 0
+        async with await kvtier.open_store([pool]) as reader:
+            for start in range(0, len(keys), 64):
+                chunk = keys[start:start + 64]
+                for key, got in zip(chunk, await reader.get_many(chunk), strict=True):
+                    if got is None:
+                        unreadable.append(key)
+                    elif not np.array_equal(np.asarray(got).view(np.uint8).ravel(),
+                                            block_for(key, args.block_bytes)):
+                        wrong_end += 1
+        held = 0
+        if unreadable:  # which unreadable keys some live server still holds
+            clients = [PeerClient(s.member, token="soak-token", timeout=5.0) for s in servers]
+            try:
+                flags = [await c.exists_many(unreadable) for c in clients]
+            finally:
+                for c in clients:
+                    await c.close()
+            held = sum(1 for row in zip(*flags, strict=True) if any(row))
+        excused = sum(1 for k in unreadable
+                      if _excused(tally.acked[k], tally.kills, args.replicas, args.repair_grace))
+    finally:
+        for s in servers:
+            s.stop_all()
+    return {
+        "args": args, "tally": tally, "wall": wall, "rss_start": rss_start, "rss_end": rss_end,
+        "unreadable": len(unreadable), "excused": excused, "held": held,
+        "wrong": tally.wrong_bytes + wrong_end, "client": client_stats,
+    }
+
+
+def table(r: dict[str, object]) -> str:
+    """The soak's figures as a markdown table."""
+    a: argparse.Namespace = r["args"]  # type: ignore[assignment]
+    t: Tally = r["tally"]  # type: ignore[assignment]
+    c: dict[str, object] = r["client"]  # type: ignore[assignment]
+    unreadable, excused = int(r["unreadable"]), int(r["excused"])  # type: ignore[call-overload]
+    rows = [
+        ("duration (s), servers, replicas, concurrency",
+         f"{r['wall']:.0f}, {a.servers}, {a.replicas}, {a.concurrency}"),
+        ("chaos: SIGKILL+restart empty / SIGSTOP+resume", f"{len(t.kills)} / {t.stops}"),
+        ("operations: puts acknowledged / gets", f"{t.puts} / {t.gets}"),
+        ("gets that missed during chaos", f"{t.get_misses}"),
+        ("acknowledged keys unreadable at end (all servers up)",
+         f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
+        ("  of which every holder was killed (replication could not help)", f"{excused}"),
+        ("  of which replication should have prevented", f"{unreadable - excused}"),
+        ("wrong bytes returned", f"{r['wrong']}"),
+        ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
+        ("put latency p50 / p99 / max (ms)",
+         f"{_pct(t.put_lat, 0.5):.1f} / {_pct(t.put_lat, 0.99):.1f} / "
+         f"{max(t.put_lat, default=0) * 1e3:.1f}"),
+        ("get latency p50 / p99 / max (ms)",
+         f"{_pct(t.get_lat, 0.5):.1f} / {_pct(t.get_lat, 0.99):.1f} / "
+         f"{max(t.get_lat, default=0) * 1e3:.1f}"),
+        ("server RSS start -> end (MiB)",
+         " ; ".join(f"{s:.0f} -> {e:.0f}" for s, e in zip(r["rss_start"], r["rss_end"],  # type: ignore[call-overload]
+                                                         strict=False))),
+        ("client: read repairs / walk hits / copies made / under-replicated puts",
+         f"{c.get('read_repairs', 0)} / {c.get('walk_hits', 0)} / {c.get('copies_made', 0)} / "
+         f"{c.get('puts_under_replicated', 0)}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    out = [f"| {'soak':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
+    out += [f"| {k:<{width}} | {v} |" for k, v in rows]
+    if t.errors:
+        out.append("first exceptions: " + "; ".join(t.errors[:3]))
+    return "\n".join(out)
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds of chaos")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--servers", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--rate", type=float, default=100.0, help="operations per second")
+    parser.add_argument("--block-bytes", type=int, default=16 << 10)
+    parser.add_argument("--chaos-interval", type=float, default=15.0)
+    parser.add_argument("--stop-seconds", type=float, default=3.0)
+    parser.add_argument("--repair-interval", type=float, default=5.0,
+                        help="servers' anti-entropy interval (0: no --repair)")
+    parser.add_argument("--repair-grace", type=float, default=12.0,
+                        help="kills closer than this are 'too fast for re-replication'")
+    parser.add_argument("--timeout", type=float, default=1.0, help="per-peer request timeout")
+    parser.add_argument("--settle", type=float, default=3.0,
+                        help="seconds between the last fault and the read-back")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    options(parser)
+    args = parser.parse_args(argv)
+    result = asyncio.run(soak(args))
+    print(table(result))
+    t: Tally = result["tally"]  # type: ignore[assignment]
+    bad = (int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
+           + int(result["wrong"]) + t.put_errors + t.get_errors)  # type: ignore[call-overload]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

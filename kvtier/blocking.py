@@ -1,0 +1,283 @@
+"""``BlockingStore``: the thread-safe synchronous facade over a :class:`~kvtier.TieredStore`.
+
+Engine schedulers and many servers call from plain threads. ``BlockingStore`` owns one
+background thread running an event loop, opens the store on that loop, and hands every call
+to it with :func:`asyncio.run_coroutine_threadsafe`; the calling thread waits (bounded by a
+per-call timeout) on the returned future. The store is only ever touched on its own loop, so
+any number of threads may call at once. It is not a set of generated sync twins of the async
+methods, and never ``asyncio.run`` per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Self, TypeVar
+
+from kvtier.errors import ClosedError
+from kvtier.store import TieredStore, open_store
+from kvtier.tiers.base import Block, Tier
+
+__all__ = ["BlockingStore"]
+
+T = TypeVar("T")
+
+# Read calls hand their timeout to the store (a slow tier becomes a miss); the calling thread
+# waits this much longer before it gives up, so the store's own deadline normally wins.
+_READ_GRACE_S = 1.0
+_UNSET: Any = object()
+
+
+def _check_timeout(value: object, name: str = "timeout") -> float | None:
+    """Seconds as a positive number, or ``None``/``math.inf`` for no limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected seconds as a number or None, got {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name}: expected > 0 seconds (math.inf: no limit), got {value!r}")
+    return None if math.isinf(value) else float(value)
+
+
+class BlockingStore:
+    """A :class:`~kvtier.TieredStore` usable from synchronous code and from many threads.
+
+    Parameters
+    ----------
+    urls
+        Tier URLs (or tier objects), top first, as for :func:`kvtier.open_store`.
+    timeout
+        Default per-call timeout in seconds (``None``: wait forever). Read calls (``get``,
+        ``get_many``, ``get_many_into``, ``contains``, ``lookup_prefix``) pass it to the store
+        as its deadline, so a tier slower than that counts as a miss; every call also stops
+        waiting after it (plus one second of grace for reads), cancels the operation (which
+        leaves its full effect or none) and raises :class:`TimeoutError`.
+    close_timeout
+        How long :meth:`close` waits for calls in flight and for the store to flush.
+    loop_factory
+        Builds the event loop of the store's thread (default :func:`asyncio.new_event_loop`;
+        pass ``uvloop.new_event_loop`` for uvloop).
+    tier_options, **options
+        As for :func:`kvtier.open_store` (store options such as ``write_policy``).
+
+    Raises
+    ------
+    ConfigError, TypeError, ValueError
+        As :func:`kvtier.open_store` would; the thread is stopped again.
+
+    Notes
+    -----
+    Concurrency: every method may be called from any thread at once, except from inside the
+    store's own loop thread (that would deadlock; it raises ``RuntimeError``). Blocks returned
+    by ``get``/``get_many`` may be read-only views owned by the store: copy before mutating.
+    Buffers passed to ``get_many_into`` must stay alive and untouched until the call returns.
+
+    :meth:`close` (also run by ``with``) refuses new calls, waits for calls in flight, flushes
+    queued writes, closes the tiers and joins the thread; calling it again does nothing. Any
+    call after ``close`` raises :class:`~kvtier.ClosedError`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from kvtier import BlockingStore
+    >>> with BlockingStore(["dram://?capacity=64MiB"]) as store:
+    ...     store.put(b"k" * 16, np.arange(4, dtype=np.uint16))
+    ...     store.get(b"k" * 16).tolist()
+    [0, 1, 2, 3]
+    """
+
+    def __init__(self, urls: Sequence[str | Tier], *, timeout: float | None = 30.0,
+                 close_timeout: float = 60.0,
+                 loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+                 tier_options: Mapping[int | str, Mapping[str, Any]] | None = None,
+                 **options: Any) -> None:
+        self._timeout = _check_timeout(timeout)
+        checked_close = _check_timeout(close_timeout, "close_timeout")
+        self._close_timeout = checked_close
+        self._lock = threading.Lock()
+        self._closed = False
+        self._inflight: set[concurrent.futures.Future[Any]] = set()
+        self._loop = (loop_factory or asyncio.new_event_loop)()
+        self._thread = threading.Thread(target=self._run_loop, name="kvtier-blocking-store",
+                                        daemon=True)
+        self._thread.start()
+        async def open_on_loop() -> TieredStore:
+            # The store binds to the loop it is opened on: this thread's loop.
+            return await open_store(urls, tier_options=tier_options, **options)
+
+        opening = asyncio.run_coroutine_threadsafe(open_on_loop(), self._loop)
+        try:
+            self._store: TieredStore = opening.result()
+        except BaseException:
+            self._closed = True
+            self._stop_loop()
+            raise
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called."""
+        return self._closed
+
+    @property
+    def store(self) -> TieredStore:
+        """The underlying store. Use it only through :meth:`submit` (it belongs to the loop)."""
+        return self._store
+
+    def submit(self, fn: Callable[[TieredStore], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Schedule ``fn(store)`` on the store's loop and return its future without waiting.
+
+        This is the non-blocking form engines use to overlap I/O with compute, e.g.
+        ``fut = bs.submit(lambda s: s.put_many(items))``; ``fut.result(timeout)`` or
+        ``fut.done()`` later. Cancelling the future cancels the operation.
+
+        Raises
+        ------
+        ClosedError
+            After :meth:`close`.
+        """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BlockingStore called from its own loop thread (would deadlock); "
+                               "await the TieredStore (BlockingStore.store) directly there")
+        with self._lock:
+            if self._closed:
+                raise ClosedError("BlockingStore is closed")
+
+            async def call() -> T:
+                return await fn(self._store)
+
+            future = asyncio.run_coroutine_threadsafe(call(), self._loop)
+            self._inflight.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._inflight.discard(future)
+
+    def _wait(self, future: concurrent.futures.Future[T], timeout: float | None) -> T:
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"kvtier call did not finish within {timeout} s") from None
+
+    def _timeout_of(self, timeout: float | None) -> float | None:
+        return self._timeout if timeout is _UNSET else _check_timeout(timeout)
+
+    def _read(self, fn: Callable[[TieredStore, float | None], Awaitable[T]],
+              timeout: float | None) -> T:
+        seconds = self._timeout_of(timeout)
+        wait = None if seconds is None else seconds + _READ_GRACE_S
+        return self._wait(self.submit(lambda s: fn(s, seconds)), wait)
+
+    def _write(self, fn: Callable[[TieredStore], Awaitable[T]], timeout: float | None) -> T:
+        return self._wait(self.submit(fn), self._timeout_of(timeout))
+
+    # ------------------------------------------------------------------ reads
+    def get(self, key: bytes, *, timeout: float | None = _UNSET) -> Block | None:
+        """:meth:`TieredStore.get`: the block, or ``None`` on a miss."""
+        return self._read(lambda s, t: s.get(key, timeout=t), timeout)
+
+    def get_many(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET
+                 ) -> list[Block | None]:
+        """:meth:`TieredStore.get_many`: blocks or ``None``, in key order."""
+        return self._read(lambda s, t: s.get_many(keys, timeout=t), timeout)
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
+                      timeout: float | None = _UNSET) -> list[bool]:
+        """:meth:`TieredStore.get_many_into`: fill caller buffers; ``False`` where missing."""
+        return self._read(lambda s, t: s.get_many_into(keys, outs, timeout=t), timeout)
+
+    def contains(self, key: bytes, *, timeout: float | None = _UNSET) -> bool:
+        """:meth:`TieredStore.contains` (refreshes no recency)."""
+        return self._read(lambda s, t: s.contains(key, timeout=t), timeout)
+
+    def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET) -> int:
+        """:meth:`TieredStore.lookup_prefix`: how many leading keys some tier holds."""
+        return self._read(lambda s, t: s.lookup_prefix(keys, timeout=t), timeout)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: bytes, value: object, *, timeout: float | None = _UNSET) -> None:
+        """:meth:`TieredStore.put`."""
+        self._write(lambda s: s.put(key, value), timeout)
+
+    def put_many(self, items: Iterable[tuple[bytes, object]], *,
+                 timeout: float | None = _UNSET) -> None:
+        """:meth:`TieredStore.put_many` (``items`` is materialised on the calling thread)."""
+        pairs = list(items)
+        self._write(lambda s: s.put_many(pairs), timeout)
+
+    def delete(self, key: bytes, *, timeout: float | None = _UNSET) -> bool:
+        """:meth:`TieredStore.delete`: whether some tier held ``key``."""
+        return self._write(lambda s: s.delete(key), timeout)
+
+    def pin(self, keys: Sequence[bytes], *, tier: int | None = None,
+            timeout: float | None = _UNSET) -> None:
+        """:meth:`TieredStore.pin`."""
+        self._write(lambda s: s.pin(keys, tier=tier), timeout)
+
+    def unpin(self, keys: Sequence[bytes], *, tier: int | None = None,
+              timeout: float | None = _UNSET) -> None:
+        """:meth:`TieredStore.unpin`."""
+        self._write(lambda s: s.unpin(keys, tier=tier), timeout)
+
+    def stats(self, *, timeout: float | None = _UNSET) -> dict[str, Any]:
+        """:meth:`TieredStore.stats`, read on the store's loop."""
+        async def read(store: TieredStore) -> dict[str, Any]:
+            return store.stats()
+        return self._write(read, timeout)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Refuse new calls, wait for those in flight, flush and close the store, join the thread.
+
+        Calling it again (from any thread) does nothing. Calls still running after
+        ``close_timeout`` are cancelled.
+        """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BlockingStore.close() called from its own loop thread")
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._inflight)
+        _, not_done = concurrent.futures.wait(pending, timeout=self._close_timeout)
+        for future in not_done:
+            future.cancel()
+        closing = asyncio.run_coroutine_threadsafe(self._store.aclose(), self._loop)
+        try:
+            closing.result(self._close_timeout)
+        except concurrent.futures.TimeoutError:
+            closing.cancel()
+            raise TimeoutError(f"BlockingStore.close: the store did not flush within "
+                               f"{self._close_timeout} s") from None
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> Self:
+        if self._closed:
+            raise ClosedError("BlockingStore is closed")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<BlockingStore {state} {self._store!r}>"

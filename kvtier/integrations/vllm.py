@@ -1,0 +1,399 @@
+"""vLLM v1 KV connector: ``KVTierConnector`` (load with ``kv_connector_module_path``).
+
+::
+
+    --kv-transfer-config '{"kv_connector":"KVTierConnector",
+        "kv_connector_module_path":"kvtier.integrations.vllm","kv_role":"kv_both",
+        "kv_connector_extra_config":{"tiers":["dram://?capacity=8GiB","file:///mnt/kv"]}}'
+
+vLLM constructs the connector twice: in the scheduler (``role`` SCHEDULER) and in each worker
+(``role`` WORKER), usually in different processes. The scheduler side
+(:class:`~kvtier.integrations.vllm_plan.SchedulerPlanner`) answers prefix lookups and plans
+loads and saves; the worker side (:class:`WorkerSide`) moves blocks between vLLM's paged
+per-layer tensors and kvtier through a :class:`~kvtier.BlockingStore`. See
+``docs/integrations/vllm.md``.
+
+This module imports without vLLM (the class then derives from a small local base with the
+same metadata-binding methods), so it can be driven by fakes and type-checked anywhere.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.blocking import BlockingStore
+from kvtier.errors import ConfigError
+from kvtier.integrations.paged import PagedLayers
+from kvtier.integrations.vllm_plan import (
+    BlockPlan,
+    ConnectorSettings,
+    KeyMaker,
+    KVTierMetadata,
+    SchedulerPlanner,
+)
+from kvtier.keys import KeyNamespace
+from kvtier.store import TieredStore
+
+__all__ = ["KVTierConnector", "KVTierMetadata", "WorkerSide", "vllm_available"]
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+
+class _LocalBase:
+    """Stands in for ``KVConnectorBase_V1`` when vLLM is not installed (metadata binding)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        self._vllm_config = vllm_config
+        self._role = role
+        self._kv_cache_config = kv_cache_config
+        self._kv_transfer_config = vllm_config.kv_transfer_config
+        self._connector_metadata: Any = None
+
+    @property
+    def role(self) -> Any:
+        return self._role
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self) -> Any:
+        if self._connector_metadata is None:
+            raise RuntimeError("no connector metadata bound for this step")
+        return self._connector_metadata
+
+
+def _vllm_bases() -> tuple[type[Any], ...]:
+    try:
+        base: Any = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    except ImportError:
+        return (_LocalBase,)
+    return (base.KVConnectorBase_V1, base.SupportsHMA)
+
+
+_BASES = _vllm_bases()
+
+
+def vllm_available() -> bool:
+    """Whether the connector derives from vLLM's real ``KVConnectorBase_V1``."""
+    return _BASES[0] is not _LocalBase
+
+
+def _metadata_bases() -> tuple[type[Any], ...]:
+    try:
+        base: Any = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    except ImportError:
+        return ()
+    return (base.KVConnectorMetadata,)
+
+
+@dataclass
+class _VLLMMetadata(KVTierMetadata, *_metadata_bases()):  # type: ignore[misc]
+    """:class:`KVTierMetadata` registered as vLLM ``KVConnectorMetadata``."""
+
+
+def namespace_for(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings,
+                  tp_size: int) -> KeyNamespace:
+    """The base key namespace: model, KV dtype, a layout tag (engine, device, shapes), TP size.
+
+    :class:`KeyMaker` adds each shard's TP rank and PP stage.
+    """
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    served = getattr(model_config, "served_model_name", None)
+    if isinstance(served, list | tuple):  # vLLM allows several names; the first is canonical
+        served = served[0] if served else None
+    model = settings.model or str(served or model_config.model)
+    dtype = str(cache_config.cache_dtype)
+    if dtype == "auto":
+        dtype = str(model_config.dtype).removeprefix("torch.")
+    layout = settings.layout
+    if layout is None:
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        device = getattr(vllm_config.device_config, "device_type", "") or ""
+        # No layer count: with PP the scheduler's and each stage's configs list different
+        # layers, and the model name already fixes it.
+        layout = (f"vllm/{device}/{type(spec).__name__}/H{spec.num_kv_heads}"
+                  f"/D{spec.head_size}/B{spec.block_size}")
+    return KeyNamespace(model=model, dtype=dtype, layout=layout, tp_size=tp_size)
+
+
+@dataclass
+class _Load:
+    plan: BlockPlan
+    future: concurrent.futures.Future[list[bool]]
+    staging: list[npt.NDArray[np.uint8]] = field(default_factory=list)
+
+
+class WorkerSide:
+    """The worker side: executes each step's :class:`KVTierMetadata` on the paged tensors.
+
+    Loads run through ``store.get_many_into`` into host staging buffers, then scatter into the
+    engine's blocks (synchronous loads before the forward pass, asynchronous ones when
+    :meth:`finished_loads` finds them done). Saves gather each block (the one copy; the engine
+    may reuse the pages right after) and ``put_many`` in the background; a later load of a key
+    waits for its save. Called from the worker thread only.
+    """
+
+    def __init__(self, store: BlockingStore, keys: KeyMaker, shard: tuple[int, int],
+                 io_timeout_s: float) -> None:
+        self.store = store
+        self.keys = keys
+        self.shard = shard
+        self.io_timeout_s = io_timeout_s
+        self.layers: PagedLayers | None = None
+        self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
+        self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
+        self._finishing: set[str] = set()
+        self._async_loads: list[_Load] = []
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        self.layers = PagedLayers(kv_caches, num_blocks)
+
+    def _keys(self, plan: BlockPlan) -> list[bytes]:
+        n = plan.first + len(plan.block_ids)
+        return self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
+
+    def _layers(self) -> PagedLayers:
+        if self.layers is None:
+            raise RuntimeError("register_kv_caches was not called before the first transfer")
+        return self.layers
+
+    def start_loads(self, meta: KVTierMetadata) -> None:
+        layers = self._layers()
+        for plan in meta.loads:
+            keys = self._keys(plan)
+            for key in keys:  # a block saved moments ago must be readable first
+                saving = self._saving.get(key)
+                if saving is not None:
+                    concurrent.futures.wait([saving], timeout=self.io_timeout_s)
+            # Into host staging, never straight into vLLM's pages: a load abandoned at its
+            # timeout keeps running in a thread and must not write a page vLLM recomputes.
+            staging = [layers.empty() for _ in keys]
+            future = self.store.submit(partial(_get_into, keys=keys, outs=staging))
+            load = _Load(plan, future, staging)
+            if plan.load_async:
+                self._async_loads.append(load)
+            else:
+                self._finish_load(load, wait=True)
+
+    def _finish_load(self, load: _Load, *, wait: bool) -> None:
+        layers = self._layers()
+        try:
+            hits = load.future.result(self.io_timeout_s if wait else 0)
+        except Exception as exc:
+            log.warning("kvtier load for %s failed (%r); vLLM recomputes it", load.plan.req_id,
+                        exc)
+            load.future.cancel()
+            hits = [False] * len(load.plan.block_ids)
+        for block_id, hit, data in zip(load.plan.block_ids, hits, load.staging, strict=True):
+            if hit:
+                layers.scatter(block_id, data)
+            else:
+                self._load_errors.add(block_id)
+
+    def finished_loads(self) -> set[str]:
+        done = [load for load in self._async_loads if load.future.done()]
+        for load in done:
+            self._async_loads.remove(load)
+            self._finish_load(load, wait=False)
+        return {load.plan.req_id for load in done}
+
+    def save(self, meta: KVTierMetadata) -> None:
+        if not meta.saves:
+            return
+        layers = self._layers()
+        for plan in meta.saves:
+            keys = self._keys(plan)
+            items = [(key, layers.gather(block_id))
+                     for key, block_id in zip(keys, plan.block_ids, strict=True)]
+            future = self.store.submit(partial(_put_and_flush, items=items))
+            for key in keys:
+                self._saving[key] = future
+            self._req_saves.setdefault(plan.req_id, []).append(future)
+            future.add_done_callback(partial(self._saved, keys=keys))
+
+    def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes]) -> None:
+        for key in keys:
+            if self._saving.get(key) is future:
+                del self._saving[key]
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
+
+    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves all completed (they were written through to every
+        tier, so other processes can read them); vLLM frees their blocks after this."""
+        self._finishing |= finished_req_ids & self._req_saves.keys()
+        done = {r for r in self._finishing if all(f.done() for f in self._req_saves[r])}
+        for req_id in done:
+            self._finishing.discard(req_id)
+            del self._req_saves[req_id]
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        for load in self._async_loads:
+            load.future.cancel()
+        self._async_loads.clear()
+        self.store.close()
+
+
+class KVTierConnector(*_BASES):  # type: ignore[misc]
+    """vLLM ``KVConnectorBase_V1`` (and ``SupportsHMA``) backed by a kvtier pool.
+
+    Parameters
+    ----------
+    vllm_config, role, kv_cache_config
+        As vLLM's connector factory passes them. ``kv_transfer_config.kv_connector_extra_config``
+        holds the settings (:class:`~kvtier.integrations.vllm_plan.ConnectorSettings`):
+        ``tiers`` is required.
+
+    Notes
+    -----
+    The scheduler-side object opens a :class:`~kvtier.BlockingStore` over
+    ``scheduler_tiers`` (when there are any); each worker opens one over ``tiers``. Only
+    full blocks are stored; one kvtier block is one vLLM block across all layers. Saves copy
+    each block out of vLLM's pages, then ``put_many`` and flush the write-through queue in the
+    background; a request with saves reports ``True`` from :meth:`request_finished`, and the
+    workers report it from :meth:`get_finished` once those writes reached every tier, so a
+    finished request's blocks are readable by other processes sharing a pool or persistent
+    tier.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self._settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError(
+                f"KVTierConnector handles one KV cache group; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model): start vLLM with "
+                "--disable-hybrid-kv-cache-manager")
+        parallel = vllm_config.parallel_config
+        tp_size = int(parallel.tensor_parallel_size)
+        pp_size = int(getattr(parallel, "pipeline_parallel_size", 1))
+        block_size = int(vllm_config.cache_config.block_size)
+        self._kv_cache_config = kv_cache_config
+        self._is_worker = getattr(role, "name", str(role)).upper().endswith("WORKER")
+        shard = _shard() if self._is_worker else (0, 0)
+        keys = KeyMaker(self._settings,
+                        namespace_for(vllm_config, kv_cache_config, self._settings, tp_size),
+                        block_size, pp_size)
+        # Write-through: a block saved into this worker's private DRAM must also reach the
+        # shared tiers below, where other engines (and this engine's scheduler) can see it.
+        options = {"write_policy": "write_through", **self._settings.store_options}
+        self._planner: SchedulerPlanner | None = None
+        self._worker: WorkerSide | None = None
+        if self._is_worker:
+            self._worker = WorkerSide(BlockingStore(list(self._settings.tiers), **options),
+                                      keys, shard, self._settings.io_timeout_s)
+        else:
+            sched = list(self._settings.scheduler_tiers)
+            self._planner = SchedulerPlanner(
+                self._settings, keys, BlockingStore(sched, **options) if sched else None)
+
+    # ---------------------------------------------------------------- worker side
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side method called on the scheduler-side connector")
+        return self._worker
+
+    def _planner_side(self) -> SchedulerPlanner:
+        if self._planner is None:
+            raise RuntimeError("scheduler-side method called on the worker-side connector")
+        return self._planner
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker_side().register(kv_caches, int(self._kv_cache_config.num_blocks))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker_side().start_loads(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Synchronous loads completed in :meth:`start_load_kv`; nothing to wait for."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Blocks are saved across all layers at once in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        self._worker_side().save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        worker = self._worker_side()
+        sent = worker.finished_saves(finished_req_ids)
+        done = worker.finished_loads()
+        return sent or None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._planner is not None and self._planner.store is not None:
+            self._planner.store.close()
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._planner_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._planner_side().update_state_after_alloc(request, blocks.get_block_ids()[0],
+                                                      num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        plan = self._planner_side().build_connector_meta(scheduler_output)
+        return _VLLMMetadata(loads=plan.loads, saves=plan.saves)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._planner_side().load_errors(sorted(invalid))
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copied their blocks already; freeing waits only so that the request ends
+        # once its blocks are readable by other processes (get_finished reports it then).
+        return self._planner_side().request_finished(request.request_id), None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
+
+async def _put_and_flush(store: TieredStore, *, items: list[tuple[bytes, Any]]) -> None:
+    await store.put_many(items)
+    await store.flush()
+
+
+async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -> list[bool]:
+    return await store.get_many_into(keys, outs)
+
+
+def _shard() -> tuple[int, int]:
+    """This worker's (TP rank, PP stage); (0, 0) outside a vLLM worker (fakes, tests)."""
+    try:
+        parallel: Any = importlib.import_module("vllm.distributed.parallel_state")
+        return (int(parallel.get_tensor_model_parallel_rank()),
+                int(parallel.get_pipeline_model_parallel_rank()))
+    except (ImportError, AssertionError, AttributeError):
+        return 0, 0
+

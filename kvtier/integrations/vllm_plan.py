@@ -1,0 +1,370 @@
+"""Settings, keys and the scheduler-side plan of :class:`~kvtier.integrations.vllm.KVTierConnector`.
+
+Nothing here imports vLLM: the scheduler side reads only the attributes vLLM passes (a
+``Request``'s ``request_id``, ``prompt_token_ids``, ``all_token_ids``, ``cache_salt``,
+``lora_request``, ``mm_features``; a ``SchedulerOutput``'s ``scheduled_new_reqs``,
+``scheduled_cached_reqs`` and ``num_scheduled_tokens``), so tests drive it with small fakes.
+
+The plan for each step is a :class:`KVTierMetadata` the worker side executes: which engine
+blocks to fill from kvtier (loads) and which to copy into kvtier (saves), each with the token
+ids that name them. Workers hash those tokens in their own namespace (their TP rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvtier.blocking import BlockingStore
+from kvtier.errors import ConfigError
+from kvtier.keys import KEY_DIGEST_BYTES, KeyNamespace, prefix_keys
+
+__all__ = ["BlockPlan", "ConnectorSettings", "KVTierMetadata", "SchedulerPlanner",
+           "page_hash_keys"]
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+# Schemes whose data lives in one process (or behind a lock one process holds): the
+# scheduler process cannot see what the worker process put there.
+PRIVATE_SCHEMES = frozenset({"dram", "hbm", "lmdb", "memory"})
+KeyScheme = Literal["prefix", "page-sha256"]
+_MM_TOKEN_BASE = 1 << 62  # substituted multimodal tokens sit above any vocabulary id
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` of the connector, validated.
+
+    Keys: ``tiers`` (required list of tier URLs, opened by each worker), ``scheduler_tiers``
+    (tiers the scheduler process opens for lookups; default: those of ``tiers`` that other
+    processes can read, i.e. not ``dram``/``hbm``/``lmdb``/``memory``), ``model``, ``layout``
+    and ``salt`` (namespace overrides), ``key_scheme`` (``"prefix"``: :func:`kvtier.prefix_keys`;
+    ``"page-sha256"``: SGLang's page hashes, to share a pool with SGLang), ``lookup_timeout_s``
+    (bound on the scheduler's lookup, default 0.1), ``io_timeout_s`` (worker loads, default 30),
+    ``async_load`` (``"auto"``: asynchronous when the hit came from ``scheduler_tiers``;
+    ``"always"``; ``"never"``), ``index_blocks`` (keys of blocks this engine saved that the
+    scheduler remembers, default 65536) and ``store_options`` (passed to
+    :class:`~kvtier.BlockingStore`).
+    """
+
+    tiers: tuple[str, ...]
+    scheduler_tiers: tuple[str, ...]
+    model: str | None = None
+    layout: str | None = None
+    salt: str = ""
+    key_scheme: KeyScheme = "prefix"
+    lookup_timeout_s: float = 0.1
+    io_timeout_s: float = 30.0
+    async_load: Literal["auto", "always", "never"] = "auto"
+    index_blocks: int = 65536
+    store_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Validate ``kv_connector_extra_config``; a bad value raises :class:`ConfigError`."""
+        extra = dict(extra or {})
+        known = {"tiers", "scheduler_tiers", "model", "layout", "salt", "key_scheme",
+                 "lookup_timeout_s", "io_timeout_s", "async_load", "index_blocks",
+                 "store_options"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} "
+                              f"(known: {', '.join(sorted(known))})")
+        tiers = extra.get("tiers")
+        if (not isinstance(tiers, list | tuple) or not tiers
+                or not all(isinstance(t, str) for t in tiers)):
+            raise ConfigError('kv_connector_extra_config["tiers"]: expected a non-empty list '
+                              "of tier URL strings")
+        sched = extra.get("scheduler_tiers")
+        if sched is None:
+            sched = [t for t in tiers if t.split("://", 1)[0].lower() not in PRIVATE_SCHEMES]
+        elif not isinstance(sched, list | tuple) or not all(isinstance(t, str) for t in sched):
+            raise ConfigError('kv_connector_extra_config["scheduler_tiers"]: expected a list '
+                              "of tier URL strings")
+        for name in ("model", "layout", "salt"):
+            if extra.get(name) is not None and not isinstance(extra[name], str):
+                raise ConfigError(f'kv_connector_extra_config["{name}"]: expected a string')
+        if extra.get("key_scheme", "prefix") not in ("prefix", "page-sha256"):
+            raise ConfigError('kv_connector_extra_config["key_scheme"]: expected "prefix" or '
+                              '"page-sha256"')
+        if extra.get("async_load", "auto") not in ("auto", "always", "never"):
+            raise ConfigError('kv_connector_extra_config["async_load"]: expected "auto", '
+                              '"always" or "never"')
+        for name in ("lookup_timeout_s", "io_timeout_s"):
+            value = extra.get(name, 1.0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f'kv_connector_extra_config["{name}"]: expected seconds > 0')
+        index_blocks = extra.get("index_blocks", 65536)
+        if isinstance(index_blocks, bool) or not isinstance(index_blocks, int) or index_blocks < 0:
+            raise ConfigError('kv_connector_extra_config["index_blocks"]: expected an int >= 0')
+        options = extra.get("store_options", {})
+        if not isinstance(options, Mapping):
+            raise ConfigError('kv_connector_extra_config["store_options"]: expected a mapping')
+        return cls(tiers=tuple(tiers), scheduler_tiers=tuple(sched), model=extra.get("model"),
+                   layout=extra.get("layout"), salt=extra.get("salt") or "",
+                   key_scheme=extra.get("key_scheme", "prefix"),
+                   lookup_timeout_s=float(extra.get("lookup_timeout_s", 0.1)),
+                   io_timeout_s=float(extra.get("io_timeout_s", 30.0)),
+                   async_load=extra.get("async_load", "auto"), index_blocks=index_blocks,
+                   store_options=dict(options))
+
+
+def page_hash_keys(tokens: Sequence[int], page_size: int, namespace: KeyNamespace
+                   ) -> list[bytes]:
+    """Keys of SGLang's page hashes: ``H(namespace root || sha256 page chain)``.
+
+    SGLang names page ``i`` ``sha256(page_{i-1} || tokens of page i as u32 LE)`` (hex); the
+    SGLang adapter receives those names, the vLLM adapter with ``key_scheme="page-sha256"``
+    computes them from token ids. Both map a name to a kvtier key with :func:`engine_page_key`.
+    """
+    keys: list[bytes] = []
+    prior: bytes | None = None
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        h = hashlib.sha256()
+        if prior is not None:
+            h.update(prior)
+        for t in tokens[start:start + page_size]:
+            h.update(int(t).to_bytes(4, "little", signed=False))
+        prior = h.digest()
+        keys.append(engine_page_key(namespace, prior.hex()))
+    return keys
+
+
+def engine_page_key(namespace: KeyNamespace, page_name: str) -> bytes:
+    """The kvtier key of an engine-named page (e.g. an SGLang page hash) in ``namespace``."""
+    h = hashlib.blake2b(namespace.root_key(), digest_size=KEY_DIGEST_BYTES,
+                        person=b"kvtier-page")
+    h.update(page_name.encode("utf-8"))
+    return h.digest()
+
+
+def request_hash_tokens(request: Any) -> tuple[list[int], str]:
+    """Token ids that name a request's blocks, and the request's namespace salt.
+
+    Multimodal placeholder tokens are replaced by values derived from the item's hash and
+    position (above any vocabulary id), so two images never share a block while the text
+    before them still does. ``cache_salt`` and the LoRA adapter go into the salt.
+    """
+    tokens = [int(t) for t in request.all_token_ids]
+    for feature in getattr(request, "mm_features", None) or ():
+        pos = feature.mm_position
+        seed = hashlib.blake2b(str(feature.identifier).encode(), digest_size=8).digest()
+        base = int.from_bytes(seed, "little") & ((1 << 61) - 1)
+        for j in range(pos.offset, min(pos.offset + pos.length, len(tokens))):
+            tokens[j] = _MM_TOKEN_BASE | ((base + j - pos.offset) & ((1 << 61) - 1))
+    parts = []
+    if getattr(request, "cache_salt", None):
+        parts.append(f"salt={request.cache_salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}")
+    return tokens, ";".join(parts)
+
+
+@dataclass
+class BlockPlan:
+    """Blocks of one request to move this step: ``block_ids[i]`` is block ``first + i``."""
+
+    req_id: str
+    tokens: list[int]  # hash tokens up to the last block named here
+    salt: str
+    first: int
+    block_ids: list[int]
+    load_async: bool = False
+
+
+@dataclass
+class KVTierMetadata:
+    """One step's plan, from the scheduler to every worker (picklable)."""
+
+    loads: list[BlockPlan] = field(default_factory=list)
+    saves: list[BlockPlan] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # leading blocks known to be in kvtier (saved, loaded or found)
+    planned_saves: bool = False
+
+
+class KeyMaker:
+    """Makes a request's keys in one shard's namespace (``salt`` is per request).
+
+    A shard is a (TP rank, PP stage) pair: each stores its own slice of every block, so each
+    has its own keys (the TP rank in :class:`KeyNamespace`, the PP stage in its layout).
+    """
+
+    def __init__(self, settings: ConnectorSettings, base: KeyNamespace, block_size: int,
+                 pp_size: int = 1) -> None:
+        self.settings = settings
+        self.base = base
+        self.block_size = block_size
+        self.shards = [(tp, pp) for pp in range(pp_size) for tp in range(base.tp_size)]
+        self.pp_size = pp_size
+
+    def namespace(self, salt: str, shard: tuple[int, int] = (0, 0)) -> KeyNamespace:
+        combined = ";".join(s for s in (self.settings.salt, salt) if s)
+        layout = self.base.layout if self.pp_size == 1 else \
+            f"{self.base.layout}/pp{shard[1]}of{self.pp_size}"
+        return KeyNamespace(model=self.base.model, dtype=self.base.dtype, layout=layout,
+                            tp_rank=shard[0], tp_size=self.base.tp_size, salt=combined)
+
+    def keys(self, tokens: Sequence[int], salt: str, n_blocks: int,
+             shard: tuple[int, int] = (0, 0)) -> list[bytes]:
+        ns = self.namespace(salt, shard)
+        head = tokens[:n_blocks * self.block_size]
+        if self.settings.key_scheme == "page-sha256":
+            return page_hash_keys(head, self.block_size, ns)
+        return prefix_keys(list(head), self.block_size, ns)
+
+
+class SchedulerPlanner:
+    """The scheduler side: answers lookups and plans each step's loads and saves.
+
+    Lookups ask ``store`` (the tiers other processes can read) and an in-memory index of the
+    blocks this engine's workers saved or loaded (held in their private tiers); a block found
+    only through ``store`` loads asynchronously under ``async_load="auto"``. Called from the
+    scheduler thread only.
+    """
+
+    def __init__(self, settings: ConnectorSettings, keys: KeyMaker,
+                 store: BlockingStore | None) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.store = store
+        self.block_size = keys.block_size
+        self._index: OrderedDict[bytes, None] = OrderedDict()
+        self._requests: dict[str, _Request] = {}
+        self._pending_loads: dict[str, BlockPlan] = {}
+        self._inflight: dict[int, bytes] = {}  # block id -> rank-0 key of this step's loads
+        self._lookups: dict[str, tuple[int, bool]] = {}
+
+    # ---------------------------------------------------------------- index
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        if self.settings.index_blocks == 0:
+            return
+        for key in keys:
+            self._index[key] = None
+            self._index.move_to_end(key)
+        while len(self._index) > self.settings.index_blocks:
+            self._index.popitem(last=False)
+
+    def _lookup(self, keys: list[bytes], salt: str, tokens: Sequence[int]) -> tuple[int, bool]:
+        local = 0
+        while local < len(keys) and keys[local] in self._index:
+            local += 1
+        shared = 0
+        if self.store is not None and local < len(keys):
+            n = len(keys)
+            try:
+                # Every shard must hold a block for vLLM to load it.
+                shared = min(self.store.lookup_prefix(
+                    self.keys.keys(tokens, salt, n, shard),
+                    timeout=self.settings.lookup_timeout_s) for shard in self.keys.shards)
+            except Exception as exc:  # a slow or failing pool is a miss, never a stall
+                log.warning("kvtier lookup failed (%r); treating as a miss", exc)
+                shared = 0
+        hit = max(local, shared)
+        while hit < len(keys) and keys[hit] in self._index:
+            hit += 1
+        slow = shared > local
+        return hit, slow
+
+    # ---------------------------------------------------------------- vLLM hooks
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        prompt = request.prompt_token_ids or []
+        # Never the whole prompt: vLLM must compute at least its last token.
+        n_blocks = max(0, (len(prompt) - 1) // self.block_size)
+        if n_blocks * self.block_size <= num_computed_tokens:
+            return 0, False
+        if self.settings.key_scheme == "page-sha256" and getattr(request, "mm_features", None):
+            return 0, False  # SGLang's page names carry no multimodal content
+        tokens, salt = request_hash_tokens(request)
+        keys = self.keys.keys(tokens, salt, n_blocks)
+        hit, slow = self._lookup(keys, salt, tokens)
+        self._lookups[request.request_id] = (hit, slow)
+        external = hit * self.block_size - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        mode = self.settings.async_load
+        return external, mode == "always" or (mode == "auto" and slow)
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        state = self._requests.setdefault(request.request_id, _Request(request))
+        state.request = request
+        hit, slow = self._lookups.pop(request.request_id, (0, False))
+        if num_external_tokens <= 0:
+            return
+        first = hit - num_external_tokens // self.block_size
+        tokens, salt = request_hash_tokens(request)
+        mode = self.settings.async_load
+        self._pending_loads[request.request_id] = BlockPlan(
+            request.request_id, tokens[:hit * self.block_size], salt, first,
+            list(block_ids[first:hit]), load_async=mode == "always" or (mode == "auto" and slow))
+        state.saved = max(state.saved, hit)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        self._inflight = {}
+        for plan in meta.loads:
+            keys = self.keys.keys(plan.tokens, plan.salt, plan.first + len(plan.block_ids))
+            self._inflight.update(zip(plan.block_ids, keys[plan.first:], strict=True))
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            state.saved = max(state.saved, new.num_computed_tokens // self.block_size)
+            self._plan_save(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted and back: a new block table
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan_save(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan_save(self, meta: KVTierMetadata, state: _Request, computed: int) -> None:
+        tokens, salt = request_hash_tokens(state.request)
+        full = min(computed, len(tokens), len(state.block_ids) * self.block_size) \
+            // self.block_size
+        if full <= state.saved:
+            return
+        if self.settings.key_scheme == "page-sha256" and getattr(state.request, "mm_features",
+                                                                  None):
+            return
+        first = state.saved
+        meta.saves.append(BlockPlan(state.request.request_id, tokens[:full * self.block_size],
+                                    salt, first, state.block_ids[first:full]))
+        self._remember(self.keys.keys(tokens, salt, full)[first:])
+        state.saved = full
+        state.planned_saves = True
+
+    def load_errors(self, block_ids: Sequence[int]) -> None:
+        """Forget blocks whose load failed (they vanished from the workers' tiers)."""
+        for block_id in block_ids:
+            key = self._inflight.get(block_id)
+            if key is not None:
+                self._index.pop(key, None)
+
+    def request_finished(self, request_id: str) -> bool:
+        """Forget the request; whether its workers have saves to report (see get_finished)."""
+        state = self._requests.pop(request_id, None)
+        self._lookups.pop(request_id, None)
+        self._pending_loads.pop(request_id, None)
+        return state is not None and state.planned_saves

@@ -1,0 +1,123 @@
+"""Server resource guards: a byte budget for request bodies in flight, a connection cap,
+the open-files limit, and a rate limit on accept-error logging.
+
+A peer server is reachable by every member of the pool and, by mistake or malice, by more:
+each guard turns one way of exhausting the process (memory for declared bodies, file
+descriptors for idle connections, disk for error logs) into a refused request instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from typing import cast
+
+__all__ = ["AcceptErrorFilter", "BodyBudget", "RefuseProtocol", "raise_open_files_limit"]
+
+log = logging.getLogger("kvtier.peer.server")
+
+
+class BodyBudget:
+    """Bytes of request bodies (and batch answers) the server holds at once, server-wide.
+
+    :meth:`try_take` reserves before anything is allocated; a request that does not fit is
+    refused (``503`` with ``Retry-After``) rather than queued, so a burst of large declared
+    bodies costs the senders a retry, not the server its memory.
+
+    Parameters
+    ----------
+    limit
+        Most bytes reserved at once.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit: expected >= 1, got {limit!r}")
+        self.limit = limit
+        self.held = 0
+        self.refused = 0
+
+    def try_take(self, nbytes: int) -> bool:
+        """Reserve ``nbytes``; ``False`` (and counted) when that would pass the limit."""
+        if self.held + nbytes > self.limit:
+            self.refused += 1
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        """Return a reservation."""
+        self.held = max(0, self.held - nbytes)
+
+
+class RefuseProtocol(asyncio.Protocol):
+    """Answers ``503`` and closes: what a connection past the connection cap gets."""
+
+    _ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+               b"Content-Length: 21\r\nConnection: close\r\nRetry-After: 1\r\n\r\n"
+               b"too many connections\n")
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # No isinstance check: uvloop's transports do not derive from asyncio's classes.
+        cast(asyncio.WriteTransport, transport).write(self._ANSWER)
+        transport.close()
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; returns the new
+    ``(soft, hard)``. A server at the common 1024 default runs out of descriptors long
+    before memory."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as exc:  # e.g. a hard limit the kernel caps lower
+        log.warning("cannot raise the open-files limit from %d to %d: %s", soft, want, exc)
+        return soft, hard
+    return want, hard
+
+
+class AcceptErrorFilter(logging.Filter):
+    """Lets one accept-error record through per ``interval`` seconds and counts the rest.
+
+    When descriptors run out, the event loop reports every failed ``accept()`` with a
+    traceback; at thousands per second that fills a disk. Installed once per process on
+    the ``asyncio`` logger (which asyncio and uvloop both report through).
+    """
+
+    def __init__(self, interval: float = 5.0) -> None:
+        super().__init__()
+        self.interval = interval
+        self.suppressed = 0
+        self.total_suppressed = 0
+        self._last = -float("inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if "accept" not in message.lower():
+            return True
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            self.suppressed += 1
+            self.total_suppressed += 1
+            return False
+        self._last = now
+        if self.suppressed:
+            record.msg = f"{message} ({self.suppressed} more suppressed since the last report)"
+            self.suppressed = 0
+        return True
+
+    @classmethod
+    def install(cls) -> AcceptErrorFilter:
+        """The process's filter on the ``asyncio`` logger (added on first call)."""
+        logger = logging.getLogger("asyncio")
+        for existing in logger.filters:
+            if isinstance(existing, cls):
+                return existing
+        added = cls()
+        logger.addFilter(added)
+        return added

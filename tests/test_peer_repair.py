@@ -1,0 +1,205 @@
+"""Reads that find what the pool holds: the read walk past "not here", read repair and
+anti-entropy re-replication, against real in-process servers on loopback. A "restart" is a
+new server with an empty segment on the same port (what a `kvtier serve` restart with DRAM
+leaves)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from peer_helpers import TOKEN, ServeProcess, token_file
+
+from kvtier.peer.repair import AntiEntropy
+from kvtier.peer.server import PeerServer
+from kvtier.peer.tier import PeerTier
+from kvtier.testing.conformance import key_of, sample_block
+from kvtier.tiers.dram import DRAMTier
+
+
+class Pool:
+    """Servers that can be stopped and restarted empty on their own port."""
+
+    def __init__(self) -> None:
+        self.servers: dict[str, PeerServer] = {}
+
+    async def start(self, port: int = 0) -> str:
+        server = PeerServer(DRAMTier(), token=TOKEN, port=port, close_segment=True)
+        await server.start()
+        self.servers[server.member_id] = server
+        return server.member_id
+
+    async def stop(self, member: str) -> None:
+        await self.servers.pop(member).stop()
+
+    async def restart_empty(self, member: str) -> None:
+        await self.stop(member)
+        await self.start(int(member.rpartition(":")[2]))
+
+    async def close(self) -> None:
+        for server in list(self.servers.values()):
+            await server.stop()
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[Pool]:
+    p = Pool()
+    yield p
+    await p.close()
+
+
+def _url(members: list[str], **opts: object) -> str:
+    query = "&".join(f"{k}={v}" for k, v in
+                     {"token": TOKEN, "timeout": 2, "health_interval": 0.05, **opts}.items())
+    return f"peers://{','.join(members)}?{query}"
+
+
+async def _read_all(tier: PeerTier, n: int) -> int:
+    """How many of keys 0..n-1 read back with the right bytes."""
+    got = await tier.get_many([key_of(i) for i in range(n)])
+    return sum(1 for i, b in enumerate(got)
+               if b is not None and np.array_equal(b, sample_block(i)))
+
+
+async def _until_alive(tier: PeerTier, member: str) -> None:
+    for _ in range(400):
+        if tier.members.alive(member):
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"{member} never came back")
+
+
+async def _until_changed(tier: PeerTier, member: str) -> None:
+    for _ in range(400):
+        if member in tier.members.recently_changed(60) and tier.members.alive(member):
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"the restart of {member} was never noticed")
+
+
+async def test_restart_empty_then_read_all_then_second_failure_loses_nothing(
+        pool: Pool) -> None:
+    """Kill X, restart it empty, read every key through the pool (read repair puts X's
+    copies back), kill Y: no key is lost."""
+    members = [await pool.start() for _ in range(3)]
+    n = 120
+    async with PeerTier.from_url(_url(members, replicas=2)) as tier:
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])
+        x, y = members[0], members[1]
+        await pool.restart_empty(x)
+        await _until_changed(tier, x)  # its health probe sees the restart
+        assert await _read_all(tier, n) == n
+        await tier.flush()  # read repairs run in the background
+        assert tier.stats()["read_repairs"] > 0
+        await pool.stop(y)
+        assert await _read_all(tier, n) == n
+
+
+async def test_anti_entropy_rereplicates_to_a_node_back_empty(pool: Pool) -> None:
+    """Nobody reads: the survivors' anti-entropy pass alone restores the restarted node's
+    copies, so a second failure loses nothing."""
+    members = [await pool.start() for _ in range(3)]
+    url = _url(members, replicas=2)
+    repairs = []
+    for member, server in pool.servers.items():
+        node = PeerTier.from_url(url, self=member, local=server.segment)
+        repairs.append(AntiEntropy(server, node, interval=3600))
+    n = 120
+    async with PeerTier.from_url(url) as tier:
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])
+    x, y = members[0], members[1]
+    await pool.restart_empty(x)
+    for repair in repairs:
+        if repair.server.member_id != x:
+            await repair.pool.open()
+            await repair.run_pass()
+    assert sum(r.counts["pushed"] for r in repairs) > 0
+    await pool.stop(y)
+    try:
+        async with PeerTier.from_url(_url(members, replicas=2)) as tier:
+            assert await _read_all(tier, n) == n
+    finally:
+        for repair in repairs:
+            await repair.close()
+
+
+async def test_write_with_an_owner_down_then_back_every_key_readable(pool: Pool) -> None:
+    members = [await pool.start() for _ in range(3)]
+    n = 90
+    async with PeerTier.from_url(_url(members, replicas=1)) as tier:
+        down = members[0]
+        await pool.stop(down)
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])  # fallbacks
+        for i in range(n, n + 10):
+            await tier.put(key_of(i), sample_block(i))
+        await pool.start(int(down.rpartition(":")[2]))  # back, holding none of them
+        await _until_alive(tier, down)
+        assert await _read_all(tier, n + 10) == n + 10
+        assert all([await tier.get(key_of(i)) is not None for i in range(n, n + 10)])
+    # A client that never saw the outage reads them too.
+    async with PeerTier.from_url(_url(members, replicas=1)) as fresh:
+        assert await _read_all(fresh, n + 10) == n + 10
+
+
+async def test_grow_from_three_to_four_members_every_key_readable(pool: Pool) -> None:
+    members = [await pool.start() for _ in range(4)]
+    n = 200
+    async with PeerTier.from_url(_url(members[:3], replicas=1)) as old:
+        await old.put_many([(key_of(i), sample_block(i)) for i in range(n)])
+    async with PeerTier.from_url(_url(members, replicas=1)) as grown:
+        moved = sum(1 for i in range(n) if grown.members.ring.primary(key_of(i)) == members[3])
+        assert moved > 0  # the new member owns some keys it does not hold
+        assert await _read_all(grown, n) == n
+        await grown.flush()
+        assert grown.stats()["read_repairs"] == moved  # now on their new owner
+
+
+async def test_miss_walk_is_bounded(pool: Pool) -> None:
+    """A true miss asks replicas + read_walk members (plus recently changed ones), not the
+    whole pool."""
+    members = [await pool.start() for _ in range(5)]
+    async with PeerTier.from_url(_url(members, replicas=1, read_walk=1)) as tier:
+        assert tier.walk_limit() == 2
+        assert await tier.get(key_of(1)) is None
+        asked = sum(sum(s.requests.values()) for s in pool.servers.values())
+        assert asked == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_kvtier_serve_repair_refills_a_node_restarted_empty(tmp_path: Path) -> None:
+    """`kvtier serve --repair POOL_URL` wiring: a node killed and restarted empty gets its
+    blocks back from its peer's anti-entropy pass, with no client reading anything."""
+    token = token_file(tmp_path)
+    members = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    url = _url(members, replicas=2, health_interval=0.1)
+    args = ["--tier", "dram://", "--repair", url.replace(f"token={TOKEN}", f"token=file:{token}"),
+            "--repair-interval", "0.2"]
+    procs = [ServeProcess(args, token) for _ in members]
+    try:
+        for proc, member in zip(procs, members, strict=True):
+            proc.start(listen=member, timeout=60)
+        async with PeerTier.from_url(url) as tier:
+            await tier.put_many([(key_of(i), sample_block(i)) for i in range(50)])
+        procs[1].signal(signal.SIGKILL)
+        procs[1].proc.wait(10)  # type: ignore[union-attr]
+        procs[1].start(listen=members[1], timeout=60)
+        async with PeerTier.from_url(_url([members[1]])) as restarted:
+            for _ in range(300):
+                held = await restarted.contains_many([key_of(i) for i in range(50)])
+                if all(held):
+                    break
+                await asyncio.sleep(0.1)
+            assert all(held), f"{held.count(False)} of 50 blocks not re-replicated"
+    finally:
+        for proc in procs:
+            proc.stop()

@@ -1,0 +1,264 @@
+"""``KVTierConnector`` driven by fakes of what vLLM passes (the real-vLLM lane is
+``tests/vllm_lane/``): save in one engine, load into different block ids in another."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvtier import ConfigError
+from kvtier.integrations.paged import PagedLayers
+from kvtier.integrations.vllm import KVTierConnector
+from tests.vllm_fakes import (
+    BLOCK,
+    Blocks,
+    FakeEngine,
+    Request,
+    Role,
+    cached_step,
+    kv_cache_config,
+    kv_of,
+    vllm_config,
+)
+
+PROMPT = [(13 * i + 7) % 997 + 1 for i in range(22)]  # 5 full blocks of 4, plus 2 tokens
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> dict[str, object]:
+    """Each engine: a private DRAM tier over a file:// tier both can read."""
+    return {"tiers": ["dram://?capacity=4MiB", f"file://{tmp_path / 'pool'}"],
+            "model": "tiny-test"}
+
+
+def _expected(engine: FakeEngine, tokens: list[int], block_index: int) -> bytes:
+    return (kv_of(tokens, block_index, (BLOCK, 2, 4), np.float16).tobytes()
+            + kv_of(tokens, block_index, (2, BLOCK, 2, 4), np.float32).tobytes())
+
+
+def test_engine_b_loads_what_engine_a_saved_into_other_block_ids(
+        shared: dict[str, object], tmp_path: Path) -> None:
+    a = FakeEngine(shared)
+    req = Request("a-1", PROMPT)
+    assert a.prefill(req, [3, 9, 4, 10, 5, 11]) == (0, False, set())
+    assert a.finish(req) == {"a-1"}  # reported once its blocks reached every tier
+    # Already in the shared file tier, before this engine shuts down.
+    assert any(p.is_file() for p in (tmp_path / "pool").rglob("*"))
+
+    b = FakeEngine(shared)
+    try:
+        ext, load_async, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
+        assert ext == 5 * BLOCK and errors == set()
+        assert load_async  # found in the file:// tier, not in this engine's own DRAM
+        for index, block_id in enumerate([20, 2, 21, 1, 22]):
+            assert b.block_bytes(block_id) == _expected(b, PROMPT, index)
+        # Nothing was saved by this request (all its full blocks came from kvtier).
+        assert b.finish(Request("b-1", PROMPT)) == set()
+    finally:
+        b.close()
+        a.close()
+
+
+def test_partial_hit_and_never_the_whole_prompt(shared: dict[str, object]) -> None:
+    a = FakeEngine(shared)
+    a.prefill(Request("a-1", PROMPT[:20]), [0, 1, 2, 3, 4])  # exactly 5 full blocks
+    a.close()
+    b = FakeEngine(shared)
+    try:
+        # Same first 3 blocks, then different tokens: a partial hit.
+        other = PROMPT[:12] + [999] * 10
+        ext, _, errors = b.prefill(Request("b-1", other), [5, 6, 7, 8, 9, 10])
+        assert ext == 3 * BLOCK and errors == set()
+        for index, block_id in enumerate([5, 6, 7]):
+            assert b.block_bytes(block_id) == _expected(b, other, index)
+        # The 20-token prompt is fully stored, but vLLM must compute its last token.
+        ext, _, _ = b.prefill(Request("b-2", PROMPT[:20]), [11, 12, 13, 14, 15])
+        assert ext == 4 * BLOCK
+        # Local prefix-cache hits are not loaded again.
+        ext, _ = b.scheduler.get_num_new_matched_tokens(Request("b-3", PROMPT), 2 * BLOCK)
+        assert ext == 3 * BLOCK
+    finally:
+        b.close()
+
+
+def test_block_evicted_between_lookup_and_load_is_a_load_error(
+        shared: dict[str, object], tmp_path: Path) -> None:
+    a = FakeEngine(shared)
+    a.prefill(Request("a-1", PROMPT), list(range(6)))
+    a.close()
+    b = FakeEngine(shared)
+    try:
+        req = Request("b-1", PROMPT)
+        ext, load_async = b.scheduler.get_num_new_matched_tokens(req, 0)
+        assert ext == 5 * BLOCK
+        shutil.rmtree(tmp_path / "pool")  # every block vanishes after the lookup
+        (tmp_path / "pool").mkdir()
+        b.scheduler.update_state_after_alloc(req, Blocks([8, 9, 10, 11, 12, 13]), ext)
+        assert load_async
+        errors = b.wait_for_async_load(req)
+        assert errors == {8, 9, 10, 11, 12}  # vLLM recomputes these
+    finally:
+        b.close()
+
+
+def test_preempted_request_resumes_from_its_own_saved_blocks() -> None:
+    """One engine with only a private DRAM tier: the scheduler's index finds its own saves."""
+    engine = FakeEngine({"tiers": ["dram://?capacity=4MiB"], "model": "tiny-test"})
+    try:
+        assert engine.scheduler._planner is not None and engine.scheduler._planner.store is None
+        req = Request("r-1", PROMPT)
+        engine.prefill(req, [0, 1, 2, 3, 4, 5])
+        # Decode 2 tokens: block 5 fills up (tokens 20..23) and is saved too.
+        req.output_token_ids = [5, 6]
+        engine.run_step(cached_step(req, None, 22, 1))
+        engine.finish_step(req, [0, 1, 2, 3, 4, 5], 5, 24)
+        originals = [engine.block_bytes(b) for b in range(6)]
+        # Preempted: vLLM frees its blocks (they get overwritten) and later reschedules it.
+        for name in engine.kv:
+            engine.kv[name][...] = 0
+        ext, load_async = engine.scheduler.get_num_new_matched_tokens(req, 0)
+        assert (ext, load_async) == (5 * BLOCK, False)  # prompt blocks; never the last token
+        new_ids = [30, 29, 28, 27, 26, 25]
+        engine.scheduler.update_state_after_alloc(req, Blocks(new_ids), ext)
+        engine.run_step(cached_step(req, new_ids, ext, 24 - ext, resumed=True))
+        _, errors = engine.finish_step(req, new_ids, 5, 24)
+        assert errors == set()
+        assert [engine.block_bytes(b) for b in new_ids] == originals
+    finally:
+        engine.close()
+
+
+def test_namespace_keeps_salts_loras_and_images_apart(shared: dict[str, object]) -> None:
+    a = FakeEngine(shared)
+    a.prefill(Request("a-1", PROMPT, cache_salt="tenant-1"), list(range(6)))
+    a.close()
+    b = FakeEngine(shared)
+    try:
+        def hit(req: Request) -> int:
+            return b.scheduler.get_num_new_matched_tokens(req, 0)[0]
+        assert hit(Request("s", PROMPT, cache_salt="tenant-1")) == 5 * BLOCK
+        assert hit(Request("t", PROMPT, cache_salt="tenant-2")) == 0
+        assert hit(Request("u", PROMPT)) == 0
+        lora = SimpleNamespace(lora_name="adapter")
+        assert hit(Request("v", PROMPT, cache_salt="tenant-1", lora_request=lora)) == 0
+        image = SimpleNamespace(identifier="img-1",
+                                mm_position=SimpleNamespace(offset=8, length=4))
+        # Text before the image still matches; the image's block does not.
+        assert hit(Request("w", PROMPT, cache_salt="tenant-1", mm_features=[image])) == 2 * BLOCK
+    finally:
+        b.close()
+
+
+def test_extra_config_is_validated() -> None:
+    for extra, match in [({}, "tiers"), ({"tiers": "dram://"}, "tiers"),
+                         ({"tiers": ["dram://"], "bogus": 1}, "bogus"),
+                         ({"tiers": ["dram://"], "async_load": "maybe"}, "async_load"),
+                         ({"tiers": ["dram://"], "lookup_timeout_s": 0}, "lookup_timeout_s")]:
+        with pytest.raises(ConfigError, match=match):
+            KVTierConnector(vllm_config(extra), Role.SCHEDULER, kv_cache_config())
+    hybrid = kv_cache_config()
+    hybrid.kv_cache_groups = hybrid.kv_cache_groups * 2
+    with pytest.raises(ConfigError, match="disable-hybrid-kv-cache-manager"):
+        KVTierConnector(vllm_config({"tiers": ["dram://"]}), Role.WORKER, hybrid)
+
+
+def test_scheduler_side_opens_only_tiers_other_processes_can_read(tmp_path: Path) -> None:
+    extra = {"tiers": ["dram://?capacity=1MiB", f"lmdb://{tmp_path / 'l'}?capacity=1MiB",
+                       f"file://{tmp_path / 'f'}"]}
+    sched = KVTierConnector(vllm_config(extra), Role.SCHEDULER, kv_cache_config())
+    worker = KVTierConnector(vllm_config(extra), Role.WORKER, kv_cache_config())
+    try:
+        assert sched._planner is not None and sched._planner.store is not None
+        assert [t["scheme"] for t in sched._planner.store.stats()["tiers"]] == ["file"]
+        assert worker._worker is not None
+        assert [t["scheme"] for t in worker._worker.store.stats()["tiers"]] == [
+            "dram", "lmdb", "file"]
+        with pytest.raises(RuntimeError, match="scheduler-side"):
+            worker.get_num_new_matched_tokens(Request("x", PROMPT), 0)
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def test_paged_layers_round_trip_and_checks() -> None:
+    kv = {"a": np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2),
+          "b": np.arange(2 * 4 * 5, dtype=np.uint16).reshape(2, 4, 5)}
+    layers = PagedLayers(kv, 4)
+    assert layers.block_bytes == 3 * 2 * 4 + 2 * 5 * 2
+    data = layers.gather(1)
+    assert data.tobytes() == kv["a"][1].tobytes() + kv["b"][0, 1].tobytes() + \
+        kv["b"][1, 1].tobytes()
+    layers.scatter(3, data)
+    assert np.array_equal(kv["a"][3], kv["a"][1]) and np.array_equal(kv["b"][:, 3], kv["b"][:, 1])
+    with pytest.raises(ValueError, match="block dimension"):
+        PagedLayers({"c": np.zeros((3, 3, 5))}, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        PagedLayers({"c": np.zeros((4, 6))[:, ::2]}, 4)
+    with pytest.raises(IndexError):
+        layers.gather(4)
+    with pytest.raises(ValueError, match="uint8"):
+        layers.scatter(0, np.zeros(3, np.uint8))
+
+
+def test_tensor_parallel_shards_are_stored_and_found_per_rank(
+        shared: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TP=2 each rank saves its own shard; a block counts only once every rank has it."""
+    import kvtier.integrations.vllm as vllm_mod
+    from tests.vllm_fakes import new_step
+
+    cfg = vllm_config(dict(shared), tp_size=2)
+    workers = []
+    for rank in (0, 1):
+        monkeypatch.setattr(vllm_mod, "_shard", lambda rank=rank: (rank, 0))
+        worker = KVTierConnector(cfg, Role.WORKER, kv_cache_config())
+        worker.register_kv_caches({"l0": np.full((32, BLOCK, 8), rank, np.float16)})
+        workers.append(worker)
+    planner = KVTierConnector(cfg, Role.SCHEDULER, kv_cache_config())
+    req = Request("tp", PROMPT)
+    assert planner.get_num_new_matched_tokens(req, 0) == (0, False)
+    planner.update_state_after_alloc(req, Blocks(list(range(6))), 0)
+    meta = planner.build_connector_meta(new_step(req, list(range(6)), 0, len(PROMPT)))
+
+    def save(worker: KVTierConnector) -> None:
+        worker.bind_connector_metadata(meta)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        while not worker.get_finished({"tp"})[0]:
+            time.sleep(0.002)
+
+    fresh = KVTierConnector(cfg, Role.SCHEDULER, kv_cache_config())  # no index of saves
+    try:
+        save(workers[0])
+        assert fresh.get_num_new_matched_tokens(Request("q", PROMPT), 0)[0] == 0
+        save(workers[1])
+        assert fresh.get_num_new_matched_tokens(Request("q", PROMPT), 0)[0] == 5 * BLOCK
+        keys0 = workers[0]._worker._keys(meta.saves[0])  # type: ignore[union-attr]
+        keys1 = workers[1]._worker._keys(meta.saves[0])  # type: ignore[union-attr]
+        assert not set(keys0) & set(keys1)
+        pp = planner._planner.keys  # type: ignore[union-attr]
+        pp.pp_size = 2
+        assert pp.keys(PROMPT, "", 5, (0, 0)) != pp.keys(PROMPT, "", 5, (0, 1))
+    finally:
+        for side in (*workers, planner, fresh):
+            side.shutdown()
+
+
+def test_cross_layer_buffer_is_one_copy_with_the_same_bytes() -> None:
+    """Layers as views of one (blocks, layers, ...) buffer: one contiguous region per block,
+    and the bytes equal those of separate per-layer tensors holding the same values."""
+    base = np.random.default_rng(0).standard_normal((6, 3, 4, 2)).astype(np.float16)
+    views = {f"l{i}": base[:, i] for i in range(3)}  # not contiguous on their own
+    cross = PagedLayers(views, 6)
+    separate = PagedLayers({f"l{i}": np.ascontiguousarray(base[:, i]) for i in range(3)}, 6)
+    assert cross.cross_layer and not separate.cross_layer
+    assert cross.gather(4).tobytes() == separate.gather(4).tobytes() == base[4].tobytes()
+    cross.scatter(1, separate.gather(5))
+    assert np.array_equal(base[1], base[5])
+    # Registration order differing from memory order is not cross-layer (bytes would differ).
+    with pytest.raises(ValueError, match="contiguous"):
+        PagedLayers({"l1": base[:, 1], "l0": base[:, 0], "l2": base[:, 2]}, 6)

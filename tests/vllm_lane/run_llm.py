@@ -1,0 +1,68 @@
+"""One vLLM run for the real-vLLM lane: tiny random Llama, optional KVTierConnector.
+
+Run as ``python tests/vllm_lane/run_llm.py MODEL_DIR [--tiers URL ...] [--extra JSON]``; prints
+one JSON line ``{"outputs": [[token ids], ...], "num_cached_tokens": [...]}`` to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+BLOCK = 32  # the CPU backend needs block_size to be a multiple of 32
+
+
+def build_model(path: Path) -> None:
+    """Save a seeded random-weight 2-layer Llama (no hub access needed)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (path / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, max_position_embeddings=1024, torch_dtype="float32")
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--tiers", nargs="*", default=None)
+    parser.add_argument("--extra", default="{}")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    build_model(args.model_dir)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs = {}
+    if args.tiers is not None:
+        # A generous lookup bound: CI machines are shared and slow; the default (0.1 s) would
+        # turn a slow file:// listing into a miss and make the lane flaky.
+        extra = {"tiers": args.tiers, "model": "tiny-llama-lane", "lookup_timeout_s": 5.0,
+                 **json.loads(args.extra)}
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=extra)
+    llm = LLM(model=str(args.model_dir), skip_tokenizer_init=True, enforce_eager=True,
+              block_size=BLOCK, max_model_len=512, dtype="float32", seed=0,
+              enable_prefix_caching=True, **kwargs)
+    # Two prompts: 100 tokens (3 full blocks + 4) and 64 tokens (exactly 2 blocks).
+    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + 3) % 1000 + 1 for i in range(100)]),
+               TokensPrompt(prompt_token_ids=[(11 * i + 5) % 1000 + 1 for i in range(64)])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
+    outs = llm.generate(prompts, params)
+    print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                      "num_cached_tokens": [o.num_cached_tokens for o in outs]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

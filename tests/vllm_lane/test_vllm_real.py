@@ -1,0 +1,115 @@
+"""The real-vLLM lane: ``KVTierConnector`` loaded by vLLM's own factory inside ``vllm.LLM``.
+
+Skipped unless vLLM imports (the default suite skips it; ``tox -e vllm`` and ``.ci/run``'s
+second venv with the CPU build run it). Each run is a separate process
+(``tests/vllm_lane/run_llm.py``) on a tiny random-weight Llama generated at test time:
+
+1. a baseline run without any connector;
+2. two runs over a shared ``file://`` tier: the second must report the prompts' full blocks
+   as cached (``RequestOutput.num_cached_tokens``) and produce exactly the baseline's tokens;
+3. the same two runs over a pool: a ``kvtier serve`` process and ``peers://``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if os.environ.get("KVTIER_VLLM_LANE") == "1":
+    import vllm  # noqa: F401  (the lane itself: a missing vLLM is a failure, not a skip)
+else:
+    pytest.importorskip("vllm", reason="the real-vLLM lane needs vLLM (tox -e vllm)")
+
+# Each vLLM start takes 20-90 s on a loaded machine; a test runs two or three of them.
+pytestmark = pytest.mark.timeout(1800)
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "tests" / "vllm_lane" / "run_llm.py"
+BLOCK = 32
+PROMPT_LENGTHS = (100, 64)
+# The connector never claims a prompt's last token: full blocks of prompt[:-1].
+EXPECTED_CACHED = [(n - 1) // BLOCK * BLOCK for n in PROMPT_LENGTHS]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _run(model: Path, label: str, tiers: list[str] | None = None) -> dict[str, Any]:
+    cmd = [sys.executable, str(RUN), str(model)]
+    if tiers is not None:
+        cmd += ["--tiers", *tiers]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=900, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"outputs"')]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"{label}: vLLM run failed (rc={proc.returncode})\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    print(f"[vllm lane] {label:<28} {time.monotonic() - started:5.1f}s "
+          f"num_cached_tokens={result['num_cached_tokens']} outputs={result['outputs']}",
+          flush=True)
+    return result
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-llama") / "model"
+
+
+@pytest.fixture(scope="module")
+def baseline(model: Path) -> dict[str, Any]:
+    result = _run(model, "baseline (no connector)")
+    assert result["num_cached_tokens"] == [0, 0]
+    return result
+
+
+def _check_pair(model: Path, baseline: dict[str, Any], tiers: list[str], label: str) -> None:
+    first = _run(model, f"{label}: run 1 (saves)", tiers)
+    assert first["num_cached_tokens"] == [0, 0]
+    assert first["outputs"] == baseline["outputs"]
+    second = _run(model, f"{label}: run 2 (new process)", tiers)
+    assert second["num_cached_tokens"] == EXPECTED_CACHED
+    assert second["outputs"] == baseline["outputs"]
+    print(f"[vllm lane] {label}: run 2 cached {second['num_cached_tokens']} of prompt lengths "
+          f"{list(PROMPT_LENGTHS)} (expected {EXPECTED_CACHED}); outputs identical to the "
+          f"baseline: {second['outputs'] == baseline['outputs']}", flush=True)
+
+
+def test_two_runs_share_a_file_tier(model: Path, baseline: dict[str, Any],
+                                    tmp_path: Path) -> None:
+    _check_pair(model, baseline, ["dram://?capacity=64MiB", f"file://{tmp_path / 'kv'}"],
+                "file:// tier")
+
+
+def test_two_runs_share_a_peer_pool(model: Path, baseline: dict[str, Any],
+                                    tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("lane-secret-token-0123456789")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--listen", "127.0.0.1:0",
+         "--tier", "dram://?capacity=256MiB", "--token-file", str(token)],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        match = re.search(r"listening on (\S+)", line)
+        assert match, f"kvtier serve did not start: {line}"
+        peers = f"peers://{match.group(1)}?token=file:{token}&timeout=5"
+        _check_pair(model, baseline, ["dram://?capacity=64MiB", peers], "kvtier serve + peers://")
+    finally:
+        server.terminate()
+        server.wait(30)
+        if server.stdout is not None:
+            server.stdout.close()
