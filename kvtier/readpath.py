@@ -398,5 +398,12 @@ class ReadPath:
         return hit
 
 
+#: uvloop's clock and timers tick in milliseconds: a timeout may fire up to one tick before
+#: ``loop.time()`` reaches its deadline. Within this much of it, the deadline counts as passed
+#: (else a leader whose tier just timed out would hand its followers a miss).
+_CLOCK_TICK = 0.001
+
+
 def _expired(deadline: float | None) -> bool:
-    return deadline is not None and asyncio.get_running_loop().time() >= deadline
+    return (deadline is not None
+            and asyncio.get_running_loop().time() >= deadline - _CLOCK_TICK)
