@@ -5,7 +5,8 @@ throughput over ``numpy.copyto`` of the same block size, measured in the same ru
 zero-copy ``get`` the ratio says how many memcpys one get is worth, not a bandwidth).
 
 Targets: a top-tier ``store.get`` hit at 64 KiB has p50 <= 5 us; ``store.put`` of 1 MiB
-reaches >= 0.8x memcpy bandwidth.
+reaches >= 0.8x memcpy bandwidth. The two ``evicts`` store rows show what a KV-event
+subscriber adds to a put (``store.events()``; without one nothing is emitted).
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ async def _cells(size: str, nbytes: int, min_ops: int, min_time: float) -> list[
     await cell("store get (top hit, zero copy)", lambda: store.get(KEY))
     await cell("store put (write_back)", lambda: store.put(KEY, value))
     await store.aclose()
+
+    # KV events: a put of a new key into a full tier (BlockStored + BlockRemoved per put),
+    # without and with a subscriber that reads nothing (its bounded buffer drops the oldest).
+    events = TieredStore([DRAMTier(capacity=64 * nbytes)])
+    fresh = (i.to_bytes(16, "big") for i in itertools.count(1))
+    await cell("store put (new key, evicts)", lambda: events.put(next(fresh), value))
+    sub = events.events(buffer=1024)
+    await cell("store put (evicts, subscribed)", lambda: events.put(next(fresh), value))
+    sub.close()
+    await events.aclose()
 
     # A hit in the second tier without promotion: the cost of walking one tier further.
     walk = TieredStore([DRAMTier(capacity=64 * nbytes), DRAMTier(capacity=256 * nbytes)],

@@ -15,11 +15,15 @@ import concurrent.futures
 import math
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvtier.errors import ClosedError
+from kvtier.events import Subscription
 from kvtier.store import TieredStore, open_store
 from kvtier.tiers.base import Block, Tier
+
+if TYPE_CHECKING:
+    from kvtier.peer.locate import PrefixLocation
 
 __all__ = ["BlockingStore"]
 
@@ -212,16 +216,31 @@ class BlockingStore:
         """:meth:`TieredStore.lookup_prefix`: how many leading keys some tier holds."""
         return self._read(lambda s, t: s.lookup_prefix(keys, timeout=t), timeout)
 
+    def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None
+                      ) -> PrefixLocation:
+        """:meth:`TieredStore.locate_prefix`; ``timeout`` is its deadline for the members'
+        answers (default: the store's, else 0.05 s), not this facade's call timeout."""
+        return self._wait(self.submit(lambda s: s.locate_prefix(keys, timeout=timeout)),
+                          self._timeout)
+
+    def events(self, *, buffer: int | None = None) -> Subscription:
+        """:meth:`TieredStore.events`, subscribed on the store's loop. A thread polls it with
+        ``Subscription.drain_nowait()`` (never blocks); ``sub.close()`` ends it."""
+        async def subscribe(store: TieredStore) -> Subscription:
+            return store.events(buffer=buffer)
+        return self._write(subscribe, _UNSET)
+
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, value: object, *, timeout: float | None = _UNSET) -> None:
         """:meth:`TieredStore.put`."""
         self._write(lambda s: s.put(key, value), timeout)
 
     def put_many(self, items: Iterable[tuple[bytes, object]], *,
-                 timeout: float | None = _UNSET) -> None:
-        """:meth:`TieredStore.put_many` (``items`` is materialised on the calling thread)."""
+                 timeout: float | None = _UNSET, parent: bytes | None = None) -> None:
+        """:meth:`TieredStore.put_many` (``items`` is materialised on the calling thread;
+        ``parent``: the key before the chain, for KV events)."""
         pairs = list(items)
-        self._write(lambda s: s.put_many(pairs), timeout)
+        self._write(lambda s: s.put_many(pairs, parent=parent), timeout)
 
     def delete(self, key: bytes, *, timeout: float | None = _UNSET) -> bool:
         """:meth:`TieredStore.delete`: whether some tier held ``key``."""

@@ -94,3 +94,4 @@ class CloseFlush:
             else:
                 chain.counters.close_flushed += len(items)
                 chain.tier_counters[target].bytes_in += sum(b.nbytes for _, b in items)
+                chain.stored(target, [k for k, _ in items])

@@ -84,15 +84,19 @@ class Placement:
         self._chain.counters.puts += 1
         self._keys.invalidate(key)
         placed = await self._place(key, block, first)
+        self._chain.stored(placed, (key,))
         pool = self._pool_below[placed]
         if pool is not None:
             await finish_even_if_cancelled(self._pool_put([(key, block)], pool))
+            self._chain.stored(pool, (key,))
         if self._writes is not None:
             await self._writes.enqueue(key, block, (placed if pool is None else pool) + 1)
 
-    async def put_many(self, items: dict[bytes, tuple[Block, int]], count: int) -> None:
+    async def put_many(self, items: dict[bytes, tuple[Block, int]], count: int,
+                       parent: bytes | None = None) -> None:
         """Place validated blocks (``key -> (block, first fitting tier)``); ``count`` is the
-        number of puts the caller made (repeated keys included)."""
+        number of puts the caller made (repeated keys included). The keys are taken as a
+        prefix chain after ``parent`` for the ``BlockStored`` events."""
         chain = self._chain
         chain.counters.puts += count
         for key in items:
@@ -112,6 +116,10 @@ class Placement:
         for key, (block, first) in items.items():
             if key not in placed:
                 placed[key] = await self._place(key, block, first)
+        keys = list(items)
+        events = chain.events.subscribers > 0
+        if events:
+            chain.stored_runs([placed[k] for k in keys], keys, parent)
         per_pool: dict[int, list[tuple[bytes, Block]]] = {}
         for key, index in placed.items():
             pool = self._pool_below[index]
@@ -119,6 +127,8 @@ class Placement:
                 per_pool.setdefault(pool, []).append((key, items[key][0]))
         for pool, pool_items in per_pool.items():
             await finish_even_if_cancelled(self._pool_put(pool_items, pool))
+        if per_pool and events:
+            chain.stored_runs([self._pool_below[placed[k]] for k in keys], keys, parent)
         if self._writes is not None:
             for key, (block, _) in items.items():
                 pool = self._pool_below[placed[key]]
@@ -223,6 +233,7 @@ class Placement:
                 except Exception as exc:
                     self._chain.error(index, "delete_many", exc)
                     continue
+                self._chain.removed_where(index, keys, gone)
                 removed = [a or bool(b) for a, b in zip(removed, gone, strict=True)]
         finally:
             for state in locked:

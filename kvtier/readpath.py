@@ -298,6 +298,10 @@ class ReadPath:
                 c = self._chain.tier_counters[target]
                 c.promotions += len(items)
                 c.bytes_in += sum(b.nbytes for _, b in items)
+                if self._chain.events.subscribers:
+                    promoted = set(fresh)
+                    self._chain.stored_runs([target if j in promoted else None
+                                             for j in range(len(keys))], keys)
             held[target].extend(fresh)
 
     async def _touch_held(self, keys: list[bytes], held: list[list[int]]) -> None:

@@ -10,18 +10,23 @@ loop, and delegates to the parts it builds (see ``docs/architecture.md``):
 * :class:`~kvtier.placement.Placement`: put placement, pool copies, demotion, delete;
 * :class:`~kvtier.writethrough.WriteThrough`: the byte-bounded write-through queue;
 * :class:`~kvtier.closeflush.CloseFlush`: the warm hand-off into persistent tiers at close;
-* :mod:`kvtier.stats`: the figures of :meth:`TieredStore.stats`.
+* :mod:`kvtier.stats`: the figures of :meth:`TieredStore.stats`;
+* :class:`~kvtier.events.EventHub`: the KV events (:meth:`TieredStore.events`), fed by the
+  tier chain;
+* :mod:`kvtier.peer.locate`: :meth:`TieredStore.locate_prefix` (imported on first use).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Generator, Iterable, Mapping, Sequence
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
 from kvtier.errors import ClosedError, ConfigError, WrongLoopError
+from kvtier.events import EventHub, Subscription
 from kvtier.keys import validate_key
 from kvtier.placement import Placement
 from kvtier.promotion import Promote, Promotion
@@ -33,13 +38,19 @@ from kvtier.tiers.base import Block, Tier
 from kvtier.tiers.registry import tier_from_url
 from kvtier.writethrough import WriteThrough
 
+if TYPE_CHECKING:
+    from kvtier.peer.locate import PrefixLocation
+
 __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
+
+#: Default seconds :meth:`TieredStore.locate_prefix` waits for the pool's members.
+LOCATE_DEADLINE = 0.05
 
 WritePolicy = Literal["write_back", "write_through"]
 
 _STORE_OPTIONS = ("promote", "write_policy", "timeout", "write_queue_size", "write_queue_bytes",
                   "write_workers", "promote_counter_size", "pool_write_through", "close_flush",
-                  "close_flush_timeout")
+                  "close_flush_timeout", "node", "block_tokens")
 
 
 class TieredStore:
@@ -81,6 +92,11 @@ class TieredStore:
         without a persistent tier).
     close_flush_timeout
         Seconds that copy may take at most (default 30).
+    node
+        This node's id in KV events and :meth:`locate_prefix` (default: the ``self=`` member
+        id of a ``peers://`` tier in the chain, else the host name).
+    block_tokens
+        Tokens per block, reported in ``BlockStored`` events (default ``None``: unknown).
 
     Raises
     ------
@@ -111,7 +127,8 @@ class TieredStore:
                  write_queue_size: int = 256, write_queue_bytes: int = 256 << 20,
                  write_workers: int = 4, promote_counter_size: int = 65536,
                  pool_write_through: bool = True, close_flush: bool = True,
-                 close_flush_timeout: float = 30.0) -> None:
+                 close_flush_timeout: float = 30.0, node: str | None = None,
+                 block_tokens: int | None = None) -> None:
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence) or not tiers:
             raise TypeError("tiers: expected a non-empty sequence of Tier objects")
         for i, tier in enumerate(tiers):
@@ -127,11 +144,17 @@ class TieredStore:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         flush_timeout = check_timeout(close_flush_timeout, "close_flush_timeout")
+        if node is not None and (not isinstance(node, str) or not node):
+            raise ValueError(f"node: expected a non-empty str, got {node!r}")
+        if block_tokens is not None:
+            check_positive_int(block_tokens, "block_tokens")
+        self._events = EventHub(node or _default_node(tiers))
         self._timeout = check_timeout(timeout)
         self._write_policy: WritePolicy = write_policy
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._chain = chain = TierChain(list(tiers), StoreCounters())
+        self._chain = chain = TierChain(list(tiers), StoreCounters(), self._events,
+                                        block_tokens)
         self._keys = KeyRegistry()
         self._promotion = Promotion(promote, promote_counter_size)
         self._writes = WriteThrough(
@@ -164,6 +187,17 @@ class TieredStore:
     def write_policy(self) -> WritePolicy:
         """``"write_back"`` or ``"write_through"``."""
         return self._write_policy
+
+    @property
+    def node(self) -> str:
+        """This node's id, as stamped on KV events and keyed in :meth:`locate_prefix`."""
+        return self._events.node
+
+    @property
+    def event_hub(self) -> EventHub:
+        """The store's KV event hub (what :meth:`events` subscribes to; hand it to
+        ``kvtier.events_zmq.ZmqEventPublisher`` to publish on ZMQ)."""
+        return self._events
 
     def _enter(self) -> None:
         """Every call's entry check: open, and on the store's own event loop."""
@@ -320,12 +354,21 @@ class TieredStore:
         first = self._placement.first_fitting(block.nbytes, "value")
         await self._placement.put(key, block, first)
 
-    async def put_many(self, items: Iterable[tuple[bytes, object]]) -> None:
+    async def put_many(self, items: Iterable[tuple[bytes, object]], *,
+                       parent: bytes | None = None) -> None:
         """Store ``(key, value)`` pairs; all are validated before anything is written.
 
         Blocks that fit the top tier go there in one batch call, and the chain's recency is
         refreshed tail-to-head so eviction takes the end of a prefix chain first. A repeated
         key keeps its last value.
+
+        Parameters
+        ----------
+        items
+            ``(key, value)`` pairs, a prefix chain in order.
+        parent
+            The key chained before the first item's (for KV events' ``parent``; ``None``:
+            unknown or the prompt's start).
 
         Raises
         ------
@@ -335,6 +378,8 @@ class TieredStore:
             If every tier that could hold one of the blocks failed, or the pool copy failed.
         """
         self._enter()
+        if parent is not None:
+            validate_key(parent, "parent")
         if isinstance(items, bytes | str | Mapping) or not isinstance(items, Iterable):
             raise TypeError(f"items: expected an iterable of (key, value) pairs, "
                             f"got {type(items).__name__}")
@@ -352,7 +397,7 @@ class TieredStore:
             last[key] = (block, first)
             count += 1
         if last:
-            await self._placement.put_many(last, count)
+            await self._placement.put_many(last, count, parent)
 
     async def flush(self) -> None:
         """Wait until every queued write-through write has been attempted."""
@@ -373,6 +418,67 @@ class TieredStore:
         """Batch :meth:`delete`; one batch call per tier."""
         self._enter()
         return await self._placement.delete(keys_list(keys))
+
+    # ------------------------------------------------------------------ routers
+    def events(self, *, buffer: int | None = None) -> Subscription:
+        """Subscribe to this store's KV events (call on the store's event loop).
+
+        ``BlockStored`` when a tier admits blocks (puts, promotions, demotions, write-through
+        and pool copies, the close flush), ``BlockRemoved`` when blocks leave a tier (budget
+        eviction, delete, a copy superseded above a newer one) and ``AllBlocksCleared`` per
+        tier when the store closes; see ``docs/events.md``.
+
+        Parameters
+        ----------
+        buffer
+            Events this subscription buffers (default 10,000). A consumer that falls behind
+            loses the oldest ones, counted in ``Subscription.dropped``; the store never waits.
+
+        Returns
+        -------
+        kvtier.events.Subscription
+            An async iterator of events (``async for batch in sub.batches()`` takes them in
+            batches); ``sub.close()`` ends it, as does :meth:`aclose`.
+        """
+        self._enter()
+        return self._events.subscribe(buffer=buffer)
+
+    async def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
+                            ) -> PrefixLocation:
+        """Where the leading blocks of a prefix can be served without a network fetch.
+
+        This node answers for its private tiers (and the pool segment it serves, if any);
+        every member of each ``peers://`` tier is asked (``POST /v1/locate``), concurrently,
+        one request each; the store's own leading run over all its tiers gives the
+        pool-wide count. Nothing refreshes recency.
+
+        Parameters
+        ----------
+        keys
+            A prefix chain, in order.
+        timeout
+            Seconds to wait for answers (default: the store's ``timeout``, else 0.05). A
+            member that has not answered by then is left out of ``nodes``.
+
+        Returns
+        -------
+        kvtier.peer.locate.PrefixLocation
+            ``.nodes``: ``{node id: LocalPrefix(blocks, tier, by_tier)}``; ``.pool``: leading
+            blocks readable pool-wide; ``.node``: this node's id.
+        """
+        from kvtier.peer.locate import locate_in_pool  # aiohttp: only when locating
+
+        self._enter()
+        key_list = keys_list(keys)
+        seconds = check_timeout(timeout) if timeout is not None else None
+        seconds = seconds or self._timeout or LOCATE_DEADLINE
+        deadline = TierChain.deadline(seconds)
+
+        async def leading() -> int:
+            present = await self._reads.contains_many(key_list, deadline)
+            return next((i for i, p in enumerate(present) if not p), len(present))
+
+        return await locate_in_pool(self.node, self._chain.tiers, key_list, seconds, leading())
 
     # ------------------------------------------------------------------ pins
     async def pin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:
@@ -422,18 +528,24 @@ class TieredStore:
             tier's own figure with one of these names is kept as ``tier_<name>``);
             plus ``gets``, ``hits``, ``misses``, ``hit_rate``, ``puts``, ``deletes``,
             ``single_flight_joins``, ``dropped`` (evicted blocks no lower tier took),
-            ``pool_writes``, ``close_flushed``, ``write_policy``, ``write_queue_depth`` and
-            ``write_queue_bytes``.
+            ``pool_writes``, ``close_flushed``, ``write_policy``, ``write_queue_depth``,
+            ``write_queue_bytes``, ``node``, ``event_subscribers``, ``events_emitted`` and
+            ``events_dropped`` (events subscribers lost to their buffer bound).
         """
         return {**store_stats(self._chain.tiers, self._chain.tier_counters,
                               self._chain.counters),
                 "write_policy": self._write_policy,
                 "write_queue_depth": self._writes.depth,
-                "write_queue_bytes": self._writes.pending_bytes}
+                "write_queue_bytes": self._writes.pending_bytes,
+                "node": self._events.node,
+                "event_subscribers": self._events.subscribers,
+                "events_emitted": self._events.emitted,
+                "events_dropped": self._events.dropped}
 
     async def aclose(self) -> None:
         """Flush write-through writes, copy volatile tiers into persistent ones (bounded,
-        see ``close_flush``), then close every tier. Calling it again does nothing."""
+        see ``close_flush``), then close every tier (an ``AllBlocksCleared`` event each) and
+        end the :meth:`events` subscriptions. Calling it again does nothing."""
         if self._closed:
             return
         loop = asyncio.get_running_loop()
@@ -450,6 +562,8 @@ class TieredStore:
                     await tier.aclose()
                 except Exception as exc:
                     self._chain.error(index, "aclose", exc)
+                self._events.cleared(tier=tier.name, medium=self._chain.mediums[index])
+            self._events.close()
 
     async def __aenter__(self) -> Self:
         self._enter()
@@ -462,6 +576,16 @@ class TieredStore:
         chain = " -> ".join(t.name for t in self._chain.tiers)
         return (f"<TieredStore {chain} promote={self._promotion.policy!r} "
                 f"{self._write_policy}>")
+
+
+def _default_node(tiers: Sequence[Tier]) -> str:
+    """The ``self=`` member id of a pool tier in ``tiers`` (so that locate answers and events
+    name this node as its peers do), else the host name."""
+    for tier in tiers:
+        self_id = getattr(getattr(tier, "members", None), "self_id", None)
+        if isinstance(self_id, str) and self_id:
+            return self_id
+    return socket.gethostname() or "localhost"
 
 
 class _OpeningStore:
@@ -505,8 +629,8 @@ def open_store(urls: Sequence[str | Tier], *,
     **options
         Store options: ``promote``, ``write_policy``, ``timeout``, ``write_queue_size``,
         ``write_queue_bytes``, ``write_workers``, ``promote_counter_size``,
-        ``pool_write_through``, ``close_flush``, ``close_flush_timeout`` (see
-        :class:`TieredStore`).
+        ``pool_write_through``, ``close_flush``, ``close_flush_timeout``, ``node``,
+        ``block_tokens`` (see :class:`TieredStore`).
 
     Raises
     ------

@@ -1,6 +1,6 @@
 """The tier chain as every store part sees it: the tiers, what the store observed of each,
-and the few guarded calls all parts make (one tier write, one quiet delete, a chain touch,
-deadlines).
+the few guarded calls all parts make (one tier write, one quiet delete, a chain touch,
+deadlines), and the KV events of blocks entering and leaving tiers.
 
 A :class:`TierChain` is built once by :class:`~kvtier.store.TieredStore` and handed to each
 part (read path, placement, write-through, close flush); it owns no policy of its own.
@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 from kvtier.errors import BlockTooLargeError, TierFullError
+from kvtier.events import EventHub, medium_of
 from kvtier.keys import validate_key
 from kvtier.stats import StoreCounters, TierCounters
 from kvtier.tiers.base import Block, Tier
@@ -88,18 +89,61 @@ class TierChain:
         Tier objects, fastest first.
     counters
         The store-wide counters (shared with every part).
+    events
+        Where :meth:`stored` / :meth:`removed` go (``BlockStored`` / ``BlockRemoved``);
+        default: a hub of its own (node ``"local"``).
+    block_tokens
+        Tokens per block, stamped on ``BlockStored`` (``None``: unknown).
 
     Notes
     -----
     Every method runs on the store's event loop; none takes a lock. The guarded calls turn a
     tier's failure into a counted, logged error and a ``False``/``None`` result, never an
-    exception, except for the caller's own cancellation.
+    exception, except for the caller's own cancellation. Without a subscriber the events
+    cost one check each.
     """
 
-    def __init__(self, tiers: list[Tier], counters: StoreCounters) -> None:
+    def __init__(self, tiers: list[Tier], counters: StoreCounters,
+                 events: EventHub | None = None, block_tokens: int | None = None) -> None:
         self.tiers = tiers
         self.counters = counters
         self.tier_counters = [TierCounters() for _ in tiers]
+        self.events = events if events is not None else EventHub(node="local")
+        self.block_tokens = block_tokens
+        self.mediums = [medium_of(t) for t in tiers]
+        for index, tier in enumerate(tiers):
+            tier.on_drop = self._dropper(index)
+
+    # ------------------------------------------------------------------ events
+    def stored(self, index: int, keys: Sequence[bytes], parent: bytes | None = None) -> None:
+        """``BlockStored``: tier ``index`` admitted ``keys`` (a chain run after ``parent``)."""
+        self.events.stored(keys, tier=self.tiers[index].name, medium=self.mediums[index],
+                           parent=parent, block_tokens=self.block_tokens)
+
+    def stored_runs(self, where: Sequence[int | None], keys: Sequence[bytes],
+                    parent: bytes | None = None) -> None:
+        """One ``BlockStored`` per run of consecutive ``keys`` (a prefix chain after
+        ``parent``) admitted by one tier; ``where[j]`` is the tier of ``keys[j]`` (``None``:
+        not admitted anywhere). A run's parent is the key before it in the chain."""
+        if not self.events.subscribers:
+            return
+        start = 0
+        for j in range(1, len(keys) + 1):
+            if j < len(keys) and where[j] == where[start]:
+                continue
+            index = where[start]
+            if index is not None:
+                self.stored(index, keys[start:j], keys[start - 1] if start else parent)
+            start = j
+
+    def removed(self, index: int, keys: Sequence[bytes]) -> None:
+        """``BlockRemoved``: ``keys`` left tier ``index``."""
+        self.events.removed(keys, tier=self.tiers[index].name, medium=self.mediums[index])
+
+    def _dropper(self, index: int) -> Callable[[Sequence[bytes]], None]:
+        def dropped(keys: Sequence[bytes]) -> None:
+            self.removed(index, keys)
+        return dropped
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -140,16 +184,23 @@ class TierChain:
         elif why == "demote":
             c.demotions += 1
         c.bytes_in += block.nbytes
+        self.stored(index, (key,))
         return True
 
     async def quiet_delete(self, index: int, keys: list[bytes]) -> bool:
         """Delete ``keys`` from one tier; ``False`` (counted) if the tier failed."""
         try:
-            await self.tiers[index]._delete_many(keys)
+            gone = await self.tiers[index]._delete_many(keys)
         except Exception as exc:
             self.error(index, "delete", exc)
             return False
+        self.removed_where(index, keys, gone)
         return True
+
+    def removed_where(self, index: int, keys: Sequence[bytes], gone: Sequence[bool]) -> None:
+        """``BlockRemoved`` for the ``keys`` a delete in tier ``index`` found (``gone``)."""
+        if self.events.subscribers:
+            self.removed(index, [k for k, g in zip(keys, gone, strict=True) if g])
 
     async def touch(self, index: int, keys: list[bytes]) -> None:
         """Refresh a chain's recency in one tier, tail to head."""

@@ -198,3 +198,17 @@ def test_runs_its_store_on_uvloop() -> None:
         bs.put_many([(_key(i), np.full(4, i, np.uint8)) for i in range(3)])
         assert bs.lookup_prefix([_key(0), _key(1), _key(2), _key(9)]) == 3
         assert int(bs.get(_key(2))[0]) == 2  # type: ignore[index]
+
+
+def test_events_and_locate_from_a_thread() -> None:
+    with BlockingStore(["dram://?capacity=1MiB"], node="n0", block_tokens=16) as bs:
+        sub = bs.events(buffer=100)
+        keys = [_key(i) for i in range(3)]
+        bs.put_many([(k, np.arange(8, dtype=np.uint16)) for k in keys], parent=_key(99))
+        events = sub.drain_nowait()
+        assert [(type(e).__name__, e.keys, e.parent, e.node) for e in events] == [  # type: ignore[union-attr]
+            ("BlockStored", tuple(keys), _key(99), "n0")]
+        found = bs.locate_prefix([*keys, _key(7)])
+        assert found.node == "n0" and found.pool == 3 and found.nodes["n0"].blocks == 3
+        sub.close()
+        assert bs.stats()["event_subscribers"] == 0

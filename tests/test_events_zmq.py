@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
 
 from kvtier.events import EventHub
 from kvtier.events_zmq import ZmqEventPublisher
+from kvtier.store import TieredStore
+from kvtier.tiers.dram import DRAMTier
+from kvtier.tiers.lmdb import LMDBTier
 
 
 # What a vLLM subscriber decodes with (vllm/distributed/kv_events.py), copied field for field.
@@ -147,3 +152,50 @@ async def test_replay_socket_resends_missed_batches() -> None:
 async def test_bad_endpoint_is_refused() -> None:
     with pytest.raises(ValueError, match="endpoint"):
         ZmqEventPublisher(EventHub("n"), "localhost:5557")
+
+
+async def test_store_events_reach_a_real_subscriber(tmp_path: Path) -> None:
+    # End to end: real tiers -> store.events' hub -> ZMQ PUB -> SUB decoding vLLM's structs.
+    block = np.arange(2048, dtype=np.uint16)
+    store = TieredStore([DRAMTier(2 * block.nbytes, name="ram"),
+                         LMDBTier(tmp_path / "db", capacity=1 << 22, name="disk")],
+                        node="node7", block_tokens=16)
+    parent = b"p" * 16
+    async with ZmqEventPublisher(store.event_hub, "tcp://127.0.0.1:0", model="m",
+                                 vllm_medium_names=True) as pub:
+        sub = await _subscribe(pub.endpoint, b"kv@node7@m")
+        try:
+            for _ in range(100):  # PUB/SUB joins asynchronously: probe until it delivers
+                store.event_hub.cleared()
+                try:
+                    await asyncio.wait_for(sub.recv_multipart(), 0.1)
+                    break
+                except TimeoutError:
+                    continue
+            else:
+                pytest.fail("subscriber never joined")
+            while True:  # drain probes still in flight
+                try:
+                    await asyncio.wait_for(sub.recv_multipart(), 0.3)
+                except TimeoutError:
+                    break
+            await store.put_many([(k, block) for k in K[:2]], parent=parent)
+            await store.put(K[2], block)  # evicts one block from RAM into the disk tier
+            await store.aclose()  # clears both tiers and ends the publisher's subscription
+            events: list[Any] = []
+            while sum(isinstance(e, AllBlocksCleared) for e in events) < 2:
+                events += DECODER.decode((await _recv(sub))[2]).events
+        finally:
+            sub.close(linger=0)
+    first, demoted, removed, third, flushed, *cleared = events
+    assert isinstance(first, BlockStored) and first.block_hashes == K[:2]
+    assert first.parent_block_hash == parent and first.block_size == 16
+    assert first.medium == "CPU" and first.lora_name is None
+    assert isinstance(demoted, BlockStored) and demoted.medium == "DISK"
+    assert isinstance(removed, BlockRemoved) and removed.medium == "CPU"
+    assert removed.block_hashes == demoted.block_hashes and demoted.block_hashes[0] in K[:2]
+    assert isinstance(third, BlockStored) and third.block_hashes == K[2:3]
+    # The close flush copies what RAM held into the disk tier, then both tiers are cleared.
+    assert isinstance(flushed, BlockStored) and flushed.medium == "DISK"
+    assert K[2] in flushed.block_hashes
+    assert len(cleared) == 2 and all(isinstance(e, AllBlocksCleared) for e in cleared)

@@ -18,8 +18,6 @@ from kvtier.peer.locate import (
     decode_answer,
     local_tiers,
     locate_prefix,
-    make_locate_handler,
-    tiers_answer,
 )
 from kvtier.peer.server import PeerServer
 from kvtier.store import TieredStore
@@ -35,10 +33,7 @@ async def _server(tmp: Path, name: str) -> tuple[PeerServer, TieredStore]:
     segment = TieredStore([DRAMTier(1 << 20, name=f"dram-{name}"),
                            LMDBTier(tmp / name, capacity=1 << 22, name=f"lmdb-{name}")])
     server = PeerServer(segment, token=TOKEN, node_id=name, limits=proto.Limits(max_batch=16))
-    # The one-line registration a PeerServer needs (before start):
-    server.app.router.add_post(LOCATE_PATH, make_locate_handler(
-        tiers_answer(local_tiers(segment.tiers)), node=name, limits=server.limits))
-    await server.start()
+    await server.start()  # serves /v1/locate for its segment's local tiers
     return server, segment
 
 

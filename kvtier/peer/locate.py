@@ -17,11 +17,10 @@ Wire format (documented in ``docs/peer-protocol.md``):
   the token (the server's auth), nothing else changes state: locating never refreshes
   recency and never pins.
 
-Registration on a :class:`~kvtier.peer.server.PeerServer` (before ``start``)::
-
-    server.app.router.add_post(LOCATE_PATH, make_locate_handler(
-        tiers_answer(local_tiers(server.segment.tiers)), node=server.node_id or "",
-        limits=server.limits))
+A :class:`~kvtier.peer.server.PeerServer` registers the route for its segment with
+``make_locate_handler(segment_answer(segment), node=..., limits=...)``;
+:meth:`kvtier.TieredStore.locate_prefix` asks the members through :func:`locate_prefix` and
+answers for its own private tiers with :func:`locate_in_pool`.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +40,9 @@ from aiohttp import web
 from kvtier.events import MEDIUM_SHARED, medium_of
 from kvtier.peer import protocol as proto
 
-__all__ = ["LOCATE_PATH", "LocalPrefix", "LocateAnswer", "decode_answer", "encode_answer",
-           "local_tiers", "locate_prefix", "make_locate_handler", "tiers_answer"]
+__all__ = ["LOCATE_PATH", "LocalPrefix", "LocateAnswer", "PrefixLocation", "decode_answer",
+           "encode_answer", "local_tiers", "locate_in_pool", "locate_prefix",
+           "make_locate_handler", "segment_answer", "segment_tiers", "tiers_answer"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,37 @@ class LocalPrefix:
 LocateAnswer = Callable[[list[bytes]], Awaitable[LocalPrefix]]
 
 
+@dataclass(frozen=True)
+class PrefixLocation:
+    """What :meth:`kvtier.TieredStore.locate_prefix` returns: where a prefix's leading blocks
+    can be served from.
+
+    Attributes
+    ----------
+    node
+        The asking process's node id (its entry in ``nodes``).
+    nodes
+        ``{node id: LocalPrefix}``: for this process (its private tiers, and its own pool
+        segment when it serves one) and for every pool member that answered within the
+        deadline (members are named by their ``host:port``), how many leading blocks it
+        serves *without a network fetch* and from which tier. A member that did not answer
+        in time is absent, not zero.
+    pool
+        Leading blocks readable through the asking store at all (its private tiers and its
+        shared tiers, a fetch from the pool included); ``pool >= nodes[node].blocks``.
+    """
+
+    node: str
+    nodes: Mapping[str, LocalPrefix]
+    pool: int
+
+    def best(self) -> str | None:
+        """The node with the longest local run (``None`` if no node holds the first block);
+        ties go to the first answer in ``nodes`` (this process first)."""
+        node = max(self.nodes, key=lambda n: self.nodes[n].blocks, default=None)
+        return node if node is not None and self.nodes[node].blocks else None
+
+
 class _LocalTier(Protocol):
     name: str
 
@@ -80,6 +112,18 @@ def local_tiers(tiers: Sequence[Any]) -> list[Any]:
     """The tiers a node serves without a network fetch: every tier whose event medium is not
     ``shared_storage`` (a ``peers://`` pool, ``redis://``, ``s3://``, ... are left out)."""
     return [t for t in tiers if medium_of(t) != MEDIUM_SHARED]
+
+
+def segment_tiers(segment: object) -> list[Any]:
+    """The tiers of a served segment: a store's ``tiers``, or the segment itself (a tier)."""
+    tiers = getattr(segment, "tiers", None)
+    return list(tiers) if isinstance(tiers, list) else [segment]
+
+
+def segment_answer(segment: object) -> LocateAnswer:
+    """The ``/v1/locate`` answer of a :class:`~kvtier.peer.server.PeerServer`'s segment: its
+    local (not ``shared_storage``) tiers, top first."""
+    return tiers_answer(local_tiers(segment_tiers(segment)))
 
 
 def tiers_answer(tiers: Sequence[_LocalTier]) -> LocateAnswer:
@@ -139,10 +183,11 @@ def decode_answer(body: bytes, max_blocks: int) -> tuple[str, LocalPrefix]:
     return node, LocalPrefix(blocks, tier, by_tier)
 
 
-def make_locate_handler(answer: LocateAnswer, *, node: str,
+def make_locate_handler(answer: LocateAnswer, *, node: str | Callable[[], str],
                         limits: proto.Limits | None = None
                         ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """An aiohttp handler for ``POST /v1/locate`` answering with ``answer``.
+    """An aiohttp handler for ``POST /v1/locate`` answering with ``answer``; ``node`` (or a
+    callable returning it, read per request) names the node in the answers.
 
     Authentication is the application's (a ``PeerServer``'s middleware); the handler bounds
     the body (``413``) and refuses malformed key lists (``400``) before calling ``answer``.
@@ -173,7 +218,8 @@ def make_locate_handler(answer: LocateAnswer, *, node: str,
         except proto.ProtocolError as exc:
             raise web.HTTPBadRequest(text=str(exc)) from None
         prefix = await answer(keys) if keys else LocalPrefix(0)
-        return web.Response(body=encode_answer(node, prefix), content_type="application/json")
+        name = node() if callable(node) else node
+        return web.Response(body=encode_answer(name, prefix), content_type="application/json")
 
     return handle
 
@@ -188,8 +234,12 @@ async def _ask(session: aiohttp.ClientSession, base: str, body: bytes, headers: 
 
 async def locate_prefix(members: Sequence[str], keys: Sequence[bytes], *, token: str | None,
                         deadline: float = 0.05, session: aiohttp.ClientSession | None = None,
-                        scheme: str = "http") -> dict[str, LocalPrefix]:
+                        scheme: str | None = None, ssl_context: ssl.SSLContext | None = None
+                        ) -> dict[str, LocalPrefix]:
     """Ask every member (``host:port``) how many leading ``keys`` it holds locally.
+
+    ``scheme`` defaults to ``https`` with an ``ssl_context`` (the pool's client TLS context),
+    else ``http``.
 
     One request per member, all concurrent; a member that has not answered within
     ``deadline`` seconds, or answers with an error, is left out of the result (logged at
@@ -214,7 +264,11 @@ async def locate_prefix(members: Sequence[str], keys: Sequence[bytes], *, token:
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
     own = session is None
-    sess = session or aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=deadline))
+    if scheme is None:
+        scheme = "https" if ssl_context is not None else "http"
+    sess = session or aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=deadline),
+        connector=aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else False))
     start = time.monotonic()
     try:
         tasks = {asyncio.ensure_future(_ask(sess, f"{scheme}://{m}", body, headers,
@@ -233,9 +287,53 @@ async def locate_prefix(members: Sequence[str], keys: Sequence[bytes], *, token:
             else:
                 log.debug("locate: %s left out: %r", member, exc)
         for task in pending:
+            if not task.cancelled():
+                task.exception()  # ended by the session's own timeout meanwhile: retrieved
             log.debug("locate: %s left out: no answer within %.3f s", tasks[task],
                       time.monotonic() - start)
         return out
     finally:
         if own:
             await sess.close()
+
+
+class _PoolTier(Protocol):
+    local: Any
+
+    async def locate(self, keys: Sequence[bytes], deadline: float
+                     ) -> dict[str, LocalPrefix]: ...
+
+
+async def locate_in_pool(node: str, tiers: Sequence[Any], keys: list[bytes], deadline: float,
+                         pool_count: Awaitable[int]) -> PrefixLocation:
+    """Locate ``keys`` for a store whose chain is ``tiers``: its own answer (its local tiers,
+    plus the segment it serves to the pool), every member of its pool tiers (``locate``),
+    and ``pool_count`` (the store's leading run over all its tiers), concurrently, within
+    ``deadline`` seconds. Anything late is left out (``pool`` then counts 0)."""
+    own: list[Any] = local_tiers(tiers)
+    pools: list[_PoolTier] = [t for t in tiers if callable(getattr(t, "locate", None))]
+    for pool_tier in pools:
+        if pool_tier.local is not None:
+            own += [t for t in local_tiers(segment_tiers(pool_tier.local))
+                    if all(t is not o for o in own)]
+
+    async def bounded(aw: Awaitable[Any]) -> Any:
+        async with asyncio.timeout(deadline):
+            return await aw
+
+    results = await asyncio.gather(
+        bounded(tiers_answer(own)(keys)), bounded(pool_count),
+        *(pool_tier.locate(keys, deadline) for pool_tier in pools), return_exceptions=True)
+    mine, pool, *remote = results
+    nodes: dict[str, LocalPrefix] = {}
+    if isinstance(mine, LocalPrefix):
+        nodes[node] = mine
+    else:
+        log.debug("locate: this node's own answer left out: %r", mine)
+    for answer in remote:
+        if isinstance(answer, dict):
+            for member, prefix in answer.items():
+                nodes.setdefault(member, prefix)
+        else:
+            log.debug("locate: a pool tier failed: %r", answer)
+    return PrefixLocation(node, nodes, pool if isinstance(pool, int) else 0)

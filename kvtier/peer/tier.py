@@ -24,6 +24,7 @@ from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError
 from kvtier.peer import protocol as proto
 from kvtier.peer.client import PeerClient
 from kvtier.peer.frames import decode_from_peer
+from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
@@ -143,6 +144,8 @@ class PeerTier(Tier):
         self.repair_bytes = repair_bytes
         self._repair_held = 0
         self.timeout = timeout
+        self._token = token  # for /v1/locate (the clients hold their own copy)
+        self._ssl_context = ssl_context
         self.ack = ack
         self.compress_level = compress_level
         self.local = local
@@ -603,6 +606,15 @@ class PeerTier(Tier):
         return out
 
     # ------------------------------------------------------------------ close
+    async def locate(self, keys: Sequence[bytes], deadline: float
+                     ) -> dict[str, LocalPrefix]:
+        """Ask every other member (``POST /v1/locate``, concurrently, within ``deadline``
+        seconds) how many leading ``keys`` it serves locally; late or failing members are
+        left out. See :func:`kvtier.peer.locate.locate_prefix`."""
+        others = [m for m in self.members.members if m != self.members.self_id]
+        return await locate_prefix(others, keys, token=self._token, deadline=deadline,
+                                   ssl_context=self._ssl_context)
+
     async def flush(self) -> None:
         """Wait for background copies (``ack=one`` puts, cancelled puts) and read repairs."""
         while self._background or self._repairs:

@@ -122,7 +122,6 @@ class Cluster:
         return self
 
     async def _start_pool(self) -> None:
-        from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, tiers_answer
         from kvtier.peer.server import PeerServer
         from kvtier.peer.tier import PeerTier
 
@@ -130,9 +129,7 @@ class Cluster:
         token = self.token
         self.segments = [TieredStore(self._local_tiers(i, 1)) for i in range(cfg.nodes)]
         for i, segment in enumerate(self.segments):
-            server = PeerServer(segment, token=token, node_id=f"node{i}")
-            server.app.router.add_post(LOCATE_PATH, make_locate_handler(
-                tiers_answer(segment.tiers), node=f"node{i}", limits=server.limits))
+            server = PeerServer(segment, token=token, node_id=f"node{i}")  # serves /v1/locate
             await server.start()
             self.servers.append(server)
         members = [s.member_id for s in self.servers]

@@ -27,11 +27,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BATCH_CONCURRENCY",
-    "Block", "EvictionCallback", "Tier", "check_output_buffer", "check_output_spec", "copy_into",
+    "Block", "DropCallback", "EvictionCallback", "Tier", "check_output_buffer",
+    "check_output_spec", "copy_into",
 ]
 
 Block = npt.NDArray[np.generic]
 EvictionCallback = Callable[[bytes, Block], Awaitable[None]]
+#: ``on_drop(keys)``: keys a tier dropped on its own (budget eviction), once unreadable.
+DropCallback = Callable[[Sequence[bytes]], None]
 log = logging.getLogger("kvtier.tiers")
 #: Operations the default batch implementations run at once.
 BATCH_CONCURRENCY = 16
@@ -109,7 +112,8 @@ class Tier(abc.ABC):
     hooks, ``_touch_chain``, ``_pin``/``_unpin``, ``_get_into`` and ``_aclose``.
 
     A tier with a byte budget calls :meth:`_evict` for every block it drops by its budget,
-    *before* the block stops being readable, so the store can demote it.
+    *before* the block stops being readable, so the store can demote it, and
+    :meth:`_report_dropped` once it is gone (the store's KV events say so).
 
     The default batch implementations run at most :data:`BATCH_CONCURRENCY` operations at
     once.
@@ -134,6 +138,7 @@ class Tier(abc.ABC):
     def __init__(self, *, name: str | None = None) -> None:
         self.name = name or self.scheme
         self.on_evict: EvictionCallback | None = None
+        self.on_drop: DropCallback | None = None
         self.evictions = 0
         self.eviction_errors = 0
         self._closed = False
@@ -341,6 +346,11 @@ class Tier(abc.ABC):
         except Exception:
             self.eviction_errors += 1
             log.exception("tier %s: demotion of evicted block %s failed", self.name, key.hex())
+
+    def _report_dropped(self, keys: Sequence[bytes]) -> None:
+        """Tell ``on_drop`` that ``keys`` left the tier on its own (not by a delete)."""
+        if self.on_drop is not None:
+            self.on_drop(keys)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} used={self.used} capacity={self.capacity}>"

@@ -246,6 +246,7 @@ class BudgetedTier(Tier):
                 self._reattach(entry)
             else:
                 self._dropped(entry)
+                self._report_dropped((entry.key,))
         entry.block = None
         if entry.done is not None and not entry.done.done():
             entry.done.set_result(None)
@@ -289,6 +290,7 @@ class BudgetedTier(Tier):
                     self.evictions += 1
                     victim_size = policy.remove(victim) or 0
                     self._dropped(Leaving(victim, victim_size, self._detach(victim)))
+                    self._report_dropped((victim,))
                 await self._commit(items, [])
                 policy.admit(key, size)
                 return
