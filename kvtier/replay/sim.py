@@ -108,13 +108,22 @@ class Chain:
         return True
 
 
+_ANCHOR = 1_000_000
+
+
 def _parse_placement(placement: str) -> int:
+    """Blocks per placement run: 1 (``block``), N (``chunk:N``), -R (``root:R``) or
+    -R - 1000000 (``anchor:R``)."""
     if placement == "block":
         return 1
     kind, _, size = placement.partition(":")
     if kind == "chunk" and size.isdigit() and int(size) >= 1:
         return int(size)
-    raise ValueError(f"placement: expected 'block' or 'chunk:N', got {placement!r}")
+    if kind == "root" and size.isdigit():
+        return -int(size)
+    if kind == "anchor" and size.isdigit():
+        return -int(size) - _ANCHOR
+    raise ValueError(f"placement: expected 'block', 'chunk:N' or 'root:R', got {placement!r}")
 
 
 class Simulation:
@@ -282,10 +291,19 @@ class Simulation:
             if chunk == 1:
                 memo = self._owner
                 owners = [memo[k] if k in memo else owner(k) for k in keys]
-            else:
+            elif chunk > 1:
                 # A run of `chunk` blocks lives with the owner of its first block: the first
                 # block's key is a digest of the whole prefix, so every client agrees.
                 owners = [owner(keys[i - i % chunk]) for i in range(nkeys)]
+            elif chunk > -_ANCHOR:
+                # root:R: blocks 0..R-1 by their own keys, the rest of the chain with the
+                # owner of block R (which names the conversation after a shared prompt).
+                root = -chunk
+                owners = [owner(keys[i if i < root else root]) for i in range(nkeys)]
+            else:
+                # anchor:R: the whole chain (a shared head too, copied per chain) with the
+                # owner of block R, or of its last block when shorter.
+                owners = [owner(keys[min(-chunk - _ANCHOR, nkeys - 1)])] * nkeys
             chains = self.chains
             if len(self.capacities) == 1:  # hot path: one tier per owner
                 tops = self._tops
