@@ -29,7 +29,8 @@ from kvtier.replay.hybrid import HybridSimulation
 from kvtier.replay.sim import Simulation
 from kvtier.replay.trace import BLOCK_TOKENS, Request, iter_trace
 
-__all__ = ["DEFAULT_CANDIDATES", "cell_table", "main", "parse_candidate", "run_matrix"]
+__all__ = ["DEFAULT_CANDIDATES", "cell_table", "main", "parse_candidate", "rank_candidates",
+           "rows_of_replay", "run_matrix"]
 
 DEFAULT_CANDIDATES = ("lru", "s3fifo", "arc", "lru+cascade", "s3fifo+cascade", "arc+cascade")
 SESSION_POLICIES = ("lru", "s3fifo", "arc")
@@ -178,6 +179,29 @@ def cell_table(rows: Sequence[dict[str, Any]], default: str,
     return "\n".join(out)
 
 
+def rank_candidates(rows: Sequence[dict[str, Any]]) -> str:
+    """Every pooled configuration measured in all cells of ``rows``: in how many cells it
+    reaches the target minus :data:`SLACK`, and its worst and summed shortfall (points)."""
+    cells: dict[tuple[str, int, int], dict[str, float]] = {}
+    for r in rows:
+        cells.setdefault((r["trace"], r["nodes"], r["capacity_blocks"]), {})[r["config"]] = (
+            100 * r["prefix_hit_rate_blocks"])
+    targets = {k: max(max(v[f"session {p}"] for p in SESSION_POLICIES), v["ideal lru"])
+               for k, v in cells.items()}
+    configs = {c[7:] for v in cells.values() for c in v if c.startswith("pooled ")}
+    ranked = []
+    for c in configs:
+        gaps = [v[f"pooled {c}"] - targets[k] for k, v in cells.items() if f"pooled {c}" in v]
+        if len(gaps) == len(cells):
+            ranked.append((sum(g >= -SLACK for g in gaps), sum(min(g, 0.0) for g in gaps),
+                           min(gaps), c))
+    lines = [f"| pooled configuration | cells meeting the goal (of {len(cells)}) | worst gap | "
+             "summed shortfall |", "|---|---:|---:|---:|"]
+    for met, short, worst, c in sorted(ranked, key=lambda t: (-t[0], -t[1])):
+        lines.append(f"| `{c}` | {met} | {worst:+.2f} | {short:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -199,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         rows = [row for path in args.table for row in _load(path)]
         print(cell_table(rows, args.default))
+        print()
+        print(rank_candidates(rows))
         return 0
     if not args.traces:
         parser.error("give TRACE files (or --table)")
