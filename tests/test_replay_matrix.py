@@ -80,3 +80,11 @@ def test_goal_column_uses_session_best_and_ideal_lru_minus_slack() -> None:
     assert "| 30.00 (s3fifo) | 28.00 | 31.00 (s3fifo) | 29.60 (x) | 29.60 | 30.00 | -0.40 | yes |" \
         in table
     assert "| -0.60 | no |" in cell_table(rows, "y")
+
+
+def test_anchor_and_notail_handle_a_request_of_one_partial_block() -> None:
+    # notail feeds such a request with no keys at all; anchor placement must not index it
+    sim = Simulation("pooled", "rr", "arc", 4, [10], placement="anchor:1")
+    wrapped = _NoTail(sim)
+    run_dry([_row([7], tokens=100), _row([7, 8], tokens=600)], [wrapped], block_bytes=1)
+    assert wrapped.result(1)["block_refs"] == 3

@@ -303,7 +303,7 @@ class Simulation:
             else:
                 # anchor:R: the whole chain (a shared head too, copied per chain) with the
                 # owner of block R, or of its last block when shorter.
-                owners = [owner(keys[min(-chunk - _ANCHOR, nkeys - 1)])] * nkeys
+                owners = [owner(keys[min(-chunk - _ANCHOR, nkeys - 1)])] * nkeys if keys else []
             chains = self.chains
             if len(self.capacities) == 1:  # hot path: one tier per owner
                 tops = self._tops
