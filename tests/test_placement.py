@@ -53,3 +53,9 @@ def test_bad_mode_is_rejected(mode: str) -> None:
 def test_bad_memo_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="memo_keys"):
         ChainPlacement("anchor:1", memo_keys=-1)
+
+
+def test_root_places_the_head_by_own_keys_and_the_rest_by_block_r() -> None:
+    k = _chain(5)
+    assert ChainPlacement("root:2").placement_keys(k) == [k[0], k[1], k[2], k[2], k[2]]
+    assert ChainPlacement("root:9").placement_keys(k) == k

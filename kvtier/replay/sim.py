@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
+from kvtier.placement import ChainPlacement
 from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
@@ -108,24 +109,6 @@ class Chain:
         return True
 
 
-_ANCHOR = 1_000_000
-
-
-def _parse_placement(placement: str) -> int:
-    """Blocks per placement run: 1 (``block``), N (``chunk:N``), -R (``root:R``) or
-    -R - 1000000 (``anchor:R``)."""
-    if placement == "block":
-        return 1
-    kind, _, size = placement.partition(":")
-    if kind == "chunk" and size.isdigit() and int(size) >= 1:
-        return int(size)
-    if kind == "root" and size.isdigit():
-        return -int(size)
-    if kind == "anchor" and size.isdigit():
-        return -int(size) - _ANCHOR
-    raise ValueError(f"placement: expected 'block', 'chunk:N' or 'root:R', got {placement!r}")
-
-
 class Simulation:
     """One replay configuration and its counters.
 
@@ -160,7 +143,7 @@ class Simulation:
         self.mode, self.routing, self.policy, self.nodes = mode, routing, policy, nodes
         self.capacities = list(capacities)
         self.placement = placement
-        self._chunk = _parse_placement(placement)
+        self._placement = ChainPlacement(placement, memo_keys=0)
         if mode == "ideal":
             self.chains = [Chain([make_policy(policy, c * nodes) for c in capacities])]
         else:
@@ -287,23 +270,13 @@ class Simulation:
         hit = 0
         if self.mode == "pooled":
             owner = self.owner
-            chunk = self._chunk
-            if chunk == 1:
+            if self._placement.per_block:
                 memo = self._owner
                 owners = [memo[k] if k in memo else owner(k) for k in keys]
-            elif chunk > 1:
-                # A run of `chunk` blocks lives with the owner of its first block: the first
-                # block's key is a digest of the whole prefix, so every client agrees.
-                owners = [owner(keys[i - i % chunk]) for i in range(nkeys)]
-            elif chunk > -_ANCHOR:
-                # root:R: blocks 0..R-1 by their own keys, the rest of the chain with the
-                # owner of block R (which names the conversation after a shared prompt).
-                root = -chunk
-                owners = [owner(keys[i if i < root else root]) for i in range(nkeys)]
             else:
-                # anchor:R: the whole chain (a shared head too, copied per chain) with the
-                # owner of block R, or of its last block when shorter.
-                owners = [owner(keys[min(-chunk - _ANCHOR, nkeys - 1)])] * nkeys if keys else []
+                # chunk/root/anchor: a block's owner is that of another key of its chain (a
+                # digest of the whole prefix up to there, so every client agrees).
+                owners = [owner(k) for k in self._placement.placement_keys(keys)]
             chains = self.chains
             if len(self.capacities) == 1:  # hot path: one tier per owner
                 tops = self._tops
