@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
-from kvtier.placement import ChainPlacement
+from kvtier.replay.chain_placement import ChainPlacement
 from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.placement import ChainPlacement
+from kvtier.replay.chain_placement import ChainPlacement
 
 
 def _chain(n: int) -> list[bytes]:
