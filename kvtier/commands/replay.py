@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -55,9 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cascade", action="store_true",
                         help="--dry: when a block leaves a node or the pool, drop the blocks "
                              "chained after it too (tail-first eviction across shards)")
-    parser.add_argument("--placement", default="block", metavar="block|chunk:N",
-                        help="--dry pooled: place each block by its own key (default) or runs "
-                             "of N blocks by their first block's key")
+    parser.add_argument("--placement", default="block", metavar="block|chunk:N|root:R|anchor:R",
+                        help="--dry pooled: place each block by its own key (default), runs "
+                             "of N blocks by their first block's key, blocks from R on by "
+                             "block R's key, or a whole chain by block R's key")
     engine = parser.add_mutually_exclusive_group()
     engine.add_argument("--dry", action="store_true", help="metadata only (the default)")
     engine.add_argument("--real", action="store_true",
@@ -90,10 +92,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--block-bytes: expected >= 1, got {args.block_bytes}")
     if args.vnodes is not None and args.vnodes < 1:
         raise ConfigError(f"--vnodes: expected >= 1, got {args.vnodes}")
-    if args.placement != "block" and not (
-            args.placement.startswith("chunk:") and args.placement[6:].isdigit()
-            and int(args.placement[6:]) >= 1):
-        raise ConfigError(f"--placement: expected block or chunk:N, got {args.placement!r}")
+    if not re.fullmatch(r"block|chunk:0*[1-9]\d*|(root|anchor):\d+", args.placement):
+        raise ConfigError("--placement: expected block, chunk:N, root:R or anchor:R, got "
+                          f"{args.placement!r}")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: expected >= 1, got {args.limit}")
     if args.real and set(args.routing) & set(LOCATE_ROUTINGS):

@@ -86,13 +86,13 @@ class LocateSimulation(Simulation):
                         n += 1
                 out[node] = n
             return out
-        # pooled: only the owner of the first block can hold a leading run.
-        chunk = self._chunk
-        first = self.owner(keys[0])
+        # pooled: only the owner of the first block can hold a leading run; a block's owner
+        # is that of its placement key (its own key, or a chain key under chunk/root/anchor).
+        owners = [self.owner(k) for k in self._placement.placement_keys(keys)]
+        first = owners[0]
         chain = self.chains[first]
         n = 0
-        for i, key in enumerate(keys):
-            owner = first if i < chunk else self.owner(keys[i - i % chunk])
+        for key, owner in zip(keys, owners, strict=True):
             if owner != first or chain.find(key) < 0:
                 break
             n += 1

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
 from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
+from kvtier.replay.chain_placement import ChainPlacement
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
 __all__ = ["DEFAULT_POOL_VNODES", "MODES", "POLICIES", "ROUTINGS", "BlockPolicy", "Chain",
@@ -108,15 +109,6 @@ class Chain:
         return True
 
 
-def _parse_placement(placement: str) -> int:
-    if placement == "block":
-        return 1
-    kind, _, size = placement.partition(":")
-    if kind == "chunk" and size.isdigit() and int(size) >= 1:
-        return int(size)
-    raise ValueError(f"placement: expected 'block' or 'chunk:N', got {placement!r}")
-
-
 class Simulation:
     """One replay configuration and its counters.
 
@@ -151,7 +143,7 @@ class Simulation:
         self.mode, self.routing, self.policy, self.nodes = mode, routing, policy, nodes
         self.capacities = list(capacities)
         self.placement = placement
-        self._chunk = _parse_placement(placement)
+        self._placement = ChainPlacement(placement, memo_keys=0)
         if mode == "ideal":
             self.chains = [Chain([make_policy(policy, c * nodes) for c in capacities])]
         else:
@@ -278,14 +270,13 @@ class Simulation:
         hit = 0
         if self.mode == "pooled":
             owner = self.owner
-            chunk = self._chunk
-            if chunk == 1:
+            if self._placement.per_block:
                 memo = self._owner
                 owners = [memo[k] if k in memo else owner(k) for k in keys]
             else:
-                # A run of `chunk` blocks lives with the owner of its first block: the first
-                # block's key is a digest of the whole prefix, so every client agrees.
-                owners = [owner(keys[i - i % chunk]) for i in range(nkeys)]
+                # chunk/root/anchor: a block's owner is that of another key of its chain (a
+                # digest of the whole prefix up to there, so every client agrees).
+                owners = [owner(k) for k in self._placement.placement_keys(keys)]
             chains = self.chains
             if len(self.capacities) == 1:  # hot path: one tier per owner
                 tops = self._tops
