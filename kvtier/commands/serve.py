@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                         help="event loop: uvloop, asyncio's default, or auto (uvloop when "
                              "installed; pip install 'kvtier[uvloop]')")
+    parser.add_argument("--policy", choices=("lru", "s3fifo", "arc"), default="arc",
+                        help="eviction policy of the segment's budgeted tiers whose URL names "
+                             "none (default arc: best sessionless pool hit rate measured, see "
+                             "docs/pooling-results.md)")
     parser.add_argument("--repair", metavar="POOL_URL",
                         help="re-replicate this node's blocks to their current owners in the "
                              "pool POOL_URL (peers://...; this node's self= defaults to its "
@@ -84,6 +88,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def segment_policy(urls: list[str], policy: str) -> dict[int | str, dict[str, Any]]:
+    """``tier_options`` giving ``policy`` to every budgeted tier among ``urls`` whose URL
+    does not choose one (a pool segment evicts with ARC by default: issue 15's matrix)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from kvtier.tiers.budget import BudgetedTier
+    from kvtier.tiers.registry import tier_class
+
+    options: dict[int | str, dict[str, Any]] = {}
+    for i, url in enumerate(urls):
+        parts = urlsplit(url)
+        if "policy" in parse_qs(parts.query):
+            continue
+        if issubclass(tier_class(parts.scheme), BudgetedTier):
+            options[i] = {"policy": policy}
+    return options
+
+
 async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     from kvtier.errors import ConfigError
     from kvtier.peer.membership import split_member
@@ -110,7 +132,7 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     limits = Limits(max_block_bytes=parse_size(args.max_block_bytes, "--max-block-bytes"),
                     max_batch=args.max_batch,
                     max_body_bytes=parse_size(args.max_body, "--max-body"))
-    store = await open_store(args.tier)
+    store = await open_store(args.tier, tier_options=segment_policy(args.tier, args.policy))
     server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,
                         limits=limits, ssl_context=ctx, insecure_no_auth=args.insecure_no_auth,
                         close_segment=True)
