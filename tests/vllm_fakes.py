@@ -57,6 +57,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """vLLM-style chained hashes of the full blocks (sha256 of parent, tokens, salt)."""
+        hashes: list[bytes] = []
+        tokens = self.all_token_ids
+        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+            h = hashlib.sha256(hashes[-1] if hashes else b"root")
+            h.update(repr((tokens[start:start + BLOCK], self.cache_salt)).encode())
+            hashes.append(h.digest())
+        return hashes
+
 
 @dataclass
 class Blocks:
@@ -138,7 +149,9 @@ class FakeEngine:
         self.worker.wait_for_save()
         _, recving = self.worker.get_finished(set())
         errors = self.worker.get_block_ids_with_load_errors()
-        self.scheduler.update_connector_output(SimpleNamespace(invalid_block_ids=errors))
+        self.scheduler.update_connector_output(SimpleNamespace(
+            invalid_block_ids=errors, finished_recving=recving,
+            kv_connector_worker_meta=self.worker.build_connector_worker_meta()))
         self.worker.clear_connector_metadata()
         return recving, errors
 
@@ -182,6 +195,9 @@ class FakeEngine:
         while time.monotonic() < deadline:
             sending, _ = self.worker.get_finished({req.request_id})
             if sending:
+                self.scheduler.update_connector_output(SimpleNamespace(
+                    finished_sending=sending, invalid_block_ids=set(),
+                    kv_connector_worker_meta=self.worker.build_connector_worker_meta()))
                 return sending
             time.sleep(0.002)
         raise AssertionError("saves never finished")
