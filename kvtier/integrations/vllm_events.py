@@ -124,6 +124,7 @@ class _StoredRun:
     token_ids: list[int]
     lora_id: int | None
     lora_name: str | None
+    extra_keys: list[Any] | None = None
     reports: int = 0
 
 
@@ -165,7 +166,7 @@ class ConnectorEvents:
         self._outbox: deque[Any] = deque()
         self._pending: OrderedDict[int, _StoredRun] = OrderedDict()
         self._next_id = 0
-        self._stored_cls, self._removed_cls, self._convert = _event_api()
+        self._stored_cls, self._removed_cls, self._convert, self._extra_keys = _event_api()
 
     def record_save(self, request: Any, first: int, end: int) -> int:
         """Snapshot blocks ``first..end-1`` of ``request``; the save id for its plan, or -1
@@ -178,13 +179,32 @@ class ConnectorEvents:
         lora_name = getattr(lora, "name", getattr(lora, "lora_name", None)) if lora else None
         tokens = request.all_token_ids[first * self.block_size:end * self.block_size]
         run = _StoredRun(hashes[first:end], hashes[first - 1] if first > 0 else None,
-                         [int(t) for t in tokens], lora_id, lora_name)
+                         [int(t) for t in tokens], lora_id, lora_name,
+                         self._block_extra_keys(request, first, end))
         save_id = self._next_id
         self._next_id += 1
         self._pending[save_id] = run
         while len(self._pending) > self.pending_saves:  # a worker that never reported
             self._pending.popitem(last=False)
         return save_id
+
+    def _block_extra_keys(self, request: Any, first: int, end: int) -> list[Any] | None:
+        """vLLM's per-block ``extra_keys`` (LoRA name, multimodal items, cache salt), as its
+        prefix cache publishes them; ``None`` without vLLM."""
+        if self._extra_keys is None:
+            return None
+        generate, to_event = self._extra_keys
+        keys: list[Any] = []
+        mm_index = 0
+        try:
+            for block in range(first, end):
+                extra, mm_index = generate(request, block * self.block_size,
+                                           (block + 1) * self.block_size, mm_index)
+                keys.append(extra)
+            converted: list[Any] | None = to_event(keys)
+        except (AttributeError, TypeError, ValueError, IndexError):
+            return None  # not a vLLM Request (a test's stand-in): the hashes still identify
+        return converted
 
     def worker_report(self, meta: Any) -> None:
         """Apply the workers' aggregated :class:`KVTierWorkerMetadata` of one step."""
@@ -209,7 +229,10 @@ class ConnectorEvents:
                 block_hashes=list(hashes), parent_block_hash=parent,
                 token_ids=list(run.token_ids), block_size=self.block_size,
                 lora_id=run.lora_id, medium=medium, lora_name=run.lora_name,
-                locality=locality, group_idx=0))
+                locality=locality, group_idx=0, **self._extra_field(run)))
+
+    def _extra_field(self, run: _StoredRun) -> dict[str, Any]:
+        return {} if self._extra_keys is None else {"extra_keys": run.extra_keys}
 
     def removed(self, block_hashes: Sequence[bytes]) -> None:
         """Announce blocks kvtier no longer holds (their load failed) in every medium."""
@@ -236,11 +259,13 @@ class ConnectorEvents:
         return events
 
 
-def _event_api() -> tuple[Any, Any, Any]:
-    """vLLM's ``BlockStored``, ``BlockRemoved`` and hash conversion, or the local stand-ins."""
+def _event_api() -> tuple[Any, Any, Any, tuple[Any, Any] | None]:
+    """vLLM's ``BlockStored``, ``BlockRemoved``, hash conversion and extra-keys helpers, or the
+    local stand-ins (no extra keys)."""
     try:
         events: Any = importlib.import_module("vllm.distributed.kv_events")
         utils: Any = importlib.import_module("vllm.v1.core.kv_cache_utils")
     except ImportError:
-        return LocalBlockStored, LocalBlockRemoved, _local_convert
-    return events.BlockStored, events.BlockRemoved, utils.maybe_convert_block_hash
+        return LocalBlockStored, LocalBlockRemoved, _local_convert, None
+    return (events.BlockStored, events.BlockRemoved, utils.maybe_convert_block_hash,
+            (utils.generate_block_hash_extra_keys, utils.to_event_extra_keys))
