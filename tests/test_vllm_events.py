@@ -157,8 +157,10 @@ def test_buffer_is_bounded_and_counts_what_it_dropped() -> None:
                                                         for i in (1, 2)]
 
 
-def test_event_buffer_zero_turns_events_off(shared: dict[str, object]) -> None:
-    engine = FakeEngine({**shared, "event_buffer": 0})
+@pytest.mark.parametrize("extra, kv_events", [({"event_buffer": 0}, True), ({}, False)])
+def test_events_off_with_event_buffer_zero_or_vllm_events_disabled(
+        shared: dict[str, object], extra: dict[str, object], kv_events: bool) -> None:
+    engine = FakeEngine({**shared, **extra}, kv_events=kv_events)
     try:
         req = Request("r-1", PROMPT)
         engine.prefill(req, [3, 9, 4, 10, 5, 11])

@@ -28,14 +28,15 @@ class Role(enum.Enum):
     WORKER = 1
 
 
-def vllm_config(extra: dict[str, Any], *, tp_size: int = 1) -> Any:
+def vllm_config(extra: dict[str, Any], *, tp_size: int = 1, kv_events: bool = True) -> Any:
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
         model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny",
                                      dtype="float16"),
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cpu"))
+        device_config=SimpleNamespace(device_type="cpu"),
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=kv_events))
 
 
 def kv_cache_config() -> Any:
@@ -115,8 +116,8 @@ def kv_of(tokens: list[int], block_index: int, shape: tuple[int, ...], dtype: An
 class FakeEngine:
     """A scheduler-side and a worker-side connector over numpy paged buffers."""
 
-    def __init__(self, extra: dict[str, Any]) -> None:
-        cfg = vllm_config(extra)
+    def __init__(self, extra: dict[str, Any], *, kv_events: bool = True) -> None:
+        cfg = vllm_config(extra, kv_events=kv_events)
         self.scheduler = KVTierConnector(cfg, Role.SCHEDULER, kv_cache_config())
         self.worker = KVTierConnector(cfg, Role.WORKER, kv_cache_config())
         # One layer with the block dimension first, one with K/V split ahead of it.

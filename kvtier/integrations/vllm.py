@@ -332,11 +332,13 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         else:
             sched = list(self._settings.scheduler_tiers)
             events = None
-            if self._settings.event_buffer > 0:
+            # Only when vLLM publishes KV events (as its scheduler decides).
+            kv_events = getattr(vllm_config, "kv_events_config", None)
+            wanted = bool(getattr(kv_events, "enable_kv_cache_events", False))
+            if self._settings.event_buffer > 0 and wanted:
                 # Saves write through to every tier, so a saved block is in each one's medium.
                 events = ConnectorEvents(event_media(self._settings.tiers), block_size,
-                                         len(keys.shards), capacity=self._settings.event_buffer,
-                                         pending_saves=max(1, self._settings.index_blocks))
+                                         len(keys.shards), capacity=self._settings.event_buffer)
             self._planner = SchedulerPlanner(
                 self._settings, keys, BlockingStore(sched, **options) if sched else None,
                 events)

@@ -4,8 +4,7 @@ Run as ``python tests/vllm_lane/run_llm.py MODEL_DIR [--tiers URL ...] [--extra 
 [--kv-events]``; prints one JSON line ``{"outputs": [[token ids], ...], "num_cached_tokens":
 [...]}`` to stdout. With ``--kv-events`` vLLM publishes KV cache events on a loopback ZMQ
 endpoint; a subscriber here decodes them with vLLM's own ``KVEventBatch`` and adds
-``"events": [[type, medium, locality, number of block hashes], ...]`` (vLLM's GPU events left
-out) to the line.
+``"events": [[type, medium, locality, block hashes], ...]`` to the line.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -63,15 +61,17 @@ def main() -> int:
     events: list[list[Any]] = []
     stop = threading.Event()
     if args.kv_events:
+        import zmq
         from vllm.config import KVEventsConfig
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        endpoint = f"tcp://127.0.0.1:{port}"
-        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
-                                                    publisher="zmq", endpoint=endpoint)
-        threading.Thread(target=_subscribe, args=(endpoint, events, stop), daemon=True).start()
+        # vLLM's publisher connects to a tcp://host:port endpoint (it binds only wildcards):
+        # the subscriber binds a free loopback port first.
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        port = sub.bind_to_random_port("tcp://127.0.0.1")
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
+        threading.Thread(target=_subscribe, args=(sub, events, stop), daemon=True).start()
     llm = LLM(model=str(args.model_dir), skip_tokenizer_init=True, enforce_eager=True,
               block_size=BLOCK, max_model_len=512, dtype="float32", seed=0,
               enable_prefix_caching=True, **kwargs)
@@ -84,7 +84,8 @@ def main() -> int:
                               "num_cached_tokens": [o.num_cached_tokens for o in outs]}
     if args.kv_events:
         deadline = time.monotonic() + 20  # saves end (and are published) a step or more later
-        while time.monotonic() < deadline and not any(e[0] == "BlockStored" for e in events):
+        while time.monotonic() < deadline and not any(
+                e[0] == "BlockStored" and e[1] not in (None, "GPU") for e in events):
             time.sleep(0.1)
         stop.set()
         result["events"] = list(events)
@@ -92,25 +93,21 @@ def main() -> int:
     return 0
 
 
-def _subscribe(endpoint: str, events: list[list[Any]], stop: threading.Event) -> None:
-    """Collect the non-GPU events vLLM publishes (the connector's) until ``stop``."""
+def _subscribe(sub: Any, events: list[list[Any]], stop: threading.Event) -> None:
+    """Collect the events vLLM publishes until ``stop``."""
     import msgspec
-    import zmq
     from vllm.distributed.kv_events import KVEventBatch
 
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.connect(endpoint)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
     while not stop.is_set():
         if not sub.poll(100):
             continue
         _topic, _seq, payload = sub.recv_multipart()
         for event in decoder.decode(payload).events:
-            medium = getattr(event, "medium", None)
-            if medium not in (None, "GPU"):
-                events.append([type(event).__name__, medium, getattr(event, "locality", None),
-                               len(getattr(event, "block_hashes", []))])
+            hashes = [h.hex() if isinstance(h, bytes) else h
+                      for h in getattr(event, "block_hashes", [])]
+            events.append([type(event).__name__, getattr(event, "medium", None),
+                           getattr(event, "locality", None), hashes])
     sub.close(0)
 
 

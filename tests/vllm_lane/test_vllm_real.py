@@ -85,12 +85,16 @@ def _check_pair(model: Path, baseline: dict[str, Any], tiers: list[str], label: 
     assert first["outputs"] == baseline["outputs"]
     if media is not None:
         # take_events(): vLLM published the connector's saves (3 + 2 full blocks) once per
-        # medium, under its own identity, next to its GPU events.
-        stored = [e for e in first["events"] if e[0] == "BlockStored"]
-        print(f"[vllm lane] {label}: connector events published by vLLM: {stored}", flush=True)
+        # medium, under its own identity, with the hashes of its own GPU events.
+        stored = [e for e in first["events"] if e[0] == "BlockStored" and e[1] != "GPU"]
+        gpu = {h for e in first["events"] if e[0] == "BlockStored" and e[1] == "GPU"
+               for h in e[3]}
+        print(f"[vllm lane] {label}: connector events published by vLLM: "
+              f"{[(e[1], e[2], len(e[3])) for e in stored]}", flush=True)
         assert sorted({tuple(e[1:3]) for e in stored}) == sorted(tuple(m) for m in media)
         for medium in media:
-            assert sum(e[3] for e in stored if e[1:3] == medium) == 5
+            hashes = [h for e in stored if e[1:3] == medium for h in e[3]]
+            assert len(hashes) == 5 and set(hashes) <= gpu
     second = _run(model, f"{label}: run 2 (new process)", tiers)
     assert second["num_cached_tokens"] == EXPECTED_CACHED
     assert second["outputs"] == baseline["outputs"]
