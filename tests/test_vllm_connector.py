@@ -158,7 +158,8 @@ def test_extra_config_is_validated() -> None:
     for extra, match in [({}, "tiers"), ({"tiers": "dram://"}, "tiers"),
                          ({"tiers": ["dram://"], "bogus": 1}, "bogus"),
                          ({"tiers": ["dram://"], "async_load": "maybe"}, "async_load"),
-                         ({"tiers": ["dram://"], "lookup_timeout_s": 0}, "lookup_timeout_s")]:
+                         ({"tiers": ["dram://"], "lookup_timeout_s": 0}, "lookup_timeout_s"),
+                         ({"tiers": ["dram://"], "event_buffer": -1}, "event_buffer")]:
         with pytest.raises(ConfigError, match=match):
             KVTierConnector(vllm_config(extra), Role.SCHEDULER, kv_cache_config())
     hybrid = kv_cache_config()

@@ -28,14 +28,15 @@ class Role(enum.Enum):
     WORKER = 1
 
 
-def vllm_config(extra: dict[str, Any], *, tp_size: int = 1) -> Any:
+def vllm_config(extra: dict[str, Any], *, tp_size: int = 1, kv_events: bool = True) -> Any:
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
         model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny",
                                      dtype="float16"),
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1),
-        device_config=SimpleNamespace(device_type="cpu"))
+        device_config=SimpleNamespace(device_type="cpu"),
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=kv_events))
 
 
 def kv_cache_config() -> Any:
@@ -56,6 +57,17 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """vLLM-style chained hashes of the full blocks (sha256 of parent, tokens, salt)."""
+        hashes: list[bytes] = []
+        tokens = self.all_token_ids
+        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+            h = hashlib.sha256(hashes[-1] if hashes else b"root")
+            h.update(repr((tokens[start:start + BLOCK], self.cache_salt)).encode())
+            hashes.append(h.digest())
+        return hashes
 
 
 @dataclass
@@ -104,8 +116,8 @@ def kv_of(tokens: list[int], block_index: int, shape: tuple[int, ...], dtype: An
 class FakeEngine:
     """A scheduler-side and a worker-side connector over numpy paged buffers."""
 
-    def __init__(self, extra: dict[str, Any]) -> None:
-        cfg = vllm_config(extra)
+    def __init__(self, extra: dict[str, Any], *, kv_events: bool = True) -> None:
+        cfg = vllm_config(extra, kv_events=kv_events)
         self.scheduler = KVTierConnector(cfg, Role.SCHEDULER, kv_cache_config())
         self.worker = KVTierConnector(cfg, Role.WORKER, kv_cache_config())
         # One layer with the block dimension first, one with K/V split ahead of it.
@@ -138,7 +150,9 @@ class FakeEngine:
         self.worker.wait_for_save()
         _, recving = self.worker.get_finished(set())
         errors = self.worker.get_block_ids_with_load_errors()
-        self.scheduler.update_connector_output(SimpleNamespace(invalid_block_ids=errors))
+        self.scheduler.update_connector_output(SimpleNamespace(
+            invalid_block_ids=errors, finished_recving=recving,
+            kv_connector_worker_meta=self.worker.build_connector_worker_meta()))
         self.worker.clear_connector_metadata()
         return recving, errors
 
@@ -182,6 +196,9 @@ class FakeEngine:
         while time.monotonic() < deadline:
             sending, _ = self.worker.get_finished({req.request_id})
             if sending:
+                self.scheduler.update_connector_output(SimpleNamespace(
+                    finished_sending=sending, invalid_block_ids=set(),
+                    kv_connector_worker_meta=self.worker.build_connector_worker_meta()))
                 return sending
             time.sleep(0.002)
         raise AssertionError("saves never finished")

@@ -22,6 +22,8 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import logging
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -32,6 +34,7 @@ import numpy.typing as npt
 from kvtier.blocking import BlockingStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.paged import PagedLayers
+from kvtier.integrations.vllm_events import ConnectorEvents, KVTierWorkerMetadata, event_media
 from kvtier.integrations.vllm_plan import (
     BlockPlan,
     ConnectorSettings,
@@ -157,6 +160,11 @@ class WorkerSide:
         self._finishing: set[str] = set()
         self._async_loads: list[_Load] = []
         self._load_errors: set[int] = set()
+        # Save ids (BlockPlan.save_id) whose writes ended since the last report; written by
+        # the store's thread in _saved, taken by the worker thread.
+        self._report_lock = threading.Lock()
+        self._report = KVTierWorkerMetadata()
+        self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         self.layers = PagedLayers(kv_caches, num_blocks)
@@ -222,23 +230,43 @@ class WorkerSide:
             for key in keys:
                 self._saving[key] = future
             self._req_saves.setdefault(plan.req_id, []).append(future)
-            future.add_done_callback(partial(self._saved, keys=keys))
+            future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
 
-    def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes]) -> None:
+    def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
+               save_id: int) -> None:
         for key in keys:
             if self._saving.get(key) is future:
                 del self._saving[key]
-        if not future.cancelled() and future.exception() is not None:
+        failed = future.cancelled() or future.exception() is not None
+        if failed and not future.cancelled():
             log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
+        with self._report_lock:
+            if save_id >= 0:
+                outcome = self._report.failed if failed else self._report.saved
+                outcome[save_id] = 1
+            self._ended.add(future)
+
+    def take_report(self) -> KVTierWorkerMetadata | None:
+        """Saves that ended since the last call (for the scheduler's KV events), if any."""
+        with self._report_lock:
+            report = self._report
+            if not report.saved and not report.failed:
+                return None
+            self._report = KVTierWorkerMetadata()
+        return report
 
     def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         """Finished requests whose saves all completed (they were written through to every
         tier, so other processes can read them); vLLM frees their blocks after this."""
         self._finishing |= finished_req_ids & self._req_saves.keys()
-        done = {r for r in self._finishing if all(f.done() for f in self._req_saves[r])}
-        for req_id in done:
-            self._finishing.discard(req_id)
-            del self._req_saves[req_id]
+        with self._report_lock:
+            # Ended once _saved ran (not merely done()): its report then goes out in this
+            # step's build_connector_worker_meta, which vLLM calls after get_finished.
+            done = {r for r in self._finishing
+                    if all(f in self._ended for f in self._req_saves[r])}
+            for req_id in done:
+                self._finishing.discard(req_id)
+                self._ended.difference_update(self._req_saves.pop(req_id))
         return done
 
     def take_load_errors(self) -> set[int]:
@@ -303,8 +331,17 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
                                       keys, shard, self._settings.io_timeout_s)
         else:
             sched = list(self._settings.scheduler_tiers)
+            events = None
+            # Only when vLLM publishes KV events (as its scheduler decides).
+            kv_events = getattr(vllm_config, "kv_events_config", None)
+            wanted = bool(getattr(kv_events, "enable_kv_cache_events", False))
+            if self._settings.event_buffer > 0 and wanted:
+                # Saves write through to every tier, so a saved block is in each one's medium.
+                events = ConnectorEvents(event_media(self._settings.tiers), block_size,
+                                         len(keys.shards), capacity=self._settings.event_buffer)
             self._planner = SchedulerPlanner(
-                self._settings, keys, BlockingStore(sched, **options) if sched else None)
+                self._settings, keys, BlockingStore(sched, **options) if sched else None,
+                events)
 
     # ---------------------------------------------------------------- worker side
     def _worker_side(self) -> WorkerSide:
@@ -343,6 +380,10 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
 
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        """Which saves ended this step; vLLM sums the workers' reports for the scheduler."""
+        return self._worker_side().take_report()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -364,9 +405,26 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         return _VLLMMetadata(loads=plan.loads, saves=plan.saves)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        planner = self._planner_side()
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
-            self._planner_side().load_errors(sorted(invalid))
+            planner.load_errors(sorted(invalid))
+        # After the errors: an asynchronous load's errors come no later than its completion.
+        received = getattr(connector_output, "finished_recving", None)
+        if received:
+            planner.loads_finished(sorted(received))
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if report is not None and planner.events is not None:
+            planner.events.worker_report(report)
+
+    def take_events(self) -> Iterable[Any]:
+        """KV cache events since the last call: ``BlockStored`` for blocks whose save
+        completed on every worker (one per medium: ``CPU``, ``STORAGE``), ``BlockRemoved`` for
+        blocks whose load failed. vLLM's own event classes when vLLM is installed; vLLM's
+        scheduler publishes them under its pod identity. See ``docs/events.md``."""
+        if self._planner is None or self._planner.events is None:
+            return []
+        return self._planner.events.take()
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

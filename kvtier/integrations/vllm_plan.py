@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from kvtier.blocking import BlockingStore
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm_events import ConnectorEvents
 from kvtier.keys import KEY_DIGEST_BYTES, KeyNamespace, prefix_keys
 
 __all__ = ["BlockPlan", "ConnectorSettings", "KVTierMetadata", "SchedulerPlanner",
@@ -47,8 +48,9 @@ class ConnectorSettings:
     (bound on the scheduler's lookup, default 0.1), ``io_timeout_s`` (worker loads, default 30),
     ``async_load`` (``"auto"``: asynchronous when the hit came from ``scheduler_tiers``;
     ``"always"``; ``"never"``), ``index_blocks`` (keys of blocks this engine saved that the
-    scheduler remembers, default 65536) and ``store_options`` (passed to
-    :class:`~kvtier.BlockingStore`).
+    scheduler remembers, default 65536), ``event_buffer`` (KV events ``take_events()`` holds
+    between two calls, oldest dropped past it; 0 turns events off; default 10000) and
+    ``store_options`` (passed to :class:`~kvtier.BlockingStore`).
     """
 
     tiers: tuple[str, ...]
@@ -61,6 +63,7 @@ class ConnectorSettings:
     io_timeout_s: float = 30.0
     async_load: Literal["auto", "always", "never"] = "auto"
     index_blocks: int = 65536
+    event_buffer: int = 10_000
     store_options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -69,7 +72,7 @@ class ConnectorSettings:
         extra = dict(extra or {})
         known = {"tiers", "scheduler_tiers", "model", "layout", "salt", "key_scheme",
                  "lookup_timeout_s", "io_timeout_s", "async_load", "index_blocks",
-                 "store_options"}
+                 "event_buffer", "store_options"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} "
@@ -101,6 +104,9 @@ class ConnectorSettings:
         index_blocks = extra.get("index_blocks", 65536)
         if isinstance(index_blocks, bool) or not isinstance(index_blocks, int) or index_blocks < 0:
             raise ConfigError('kv_connector_extra_config["index_blocks"]: expected an int >= 0')
+        event_buffer = extra.get("event_buffer", 10_000)
+        if isinstance(event_buffer, bool) or not isinstance(event_buffer, int) or event_buffer < 0:
+            raise ConfigError('kv_connector_extra_config["event_buffer"]: expected an int >= 0')
         options = extra.get("store_options", {})
         if not isinstance(options, Mapping):
             raise ConfigError('kv_connector_extra_config["store_options"]: expected a mapping')
@@ -110,7 +116,7 @@ class ConnectorSettings:
                    lookup_timeout_s=float(extra.get("lookup_timeout_s", 0.1)),
                    io_timeout_s=float(extra.get("io_timeout_s", 30.0)),
                    async_load=extra.get("async_load", "auto"), index_blocks=index_blocks,
-                   store_options=dict(options))
+                   event_buffer=event_buffer, store_options=dict(options))
 
 
 def page_hash_keys(tokens: Sequence[int], page_size: int, namespace: KeyNamespace
@@ -175,6 +181,7 @@ class BlockPlan:
     first: int
     block_ids: list[int]
     load_async: bool = False
+    save_id: int = -1  # names a save in the workers' reports (KV events); -1: not tracked
 
 
 @dataclass
@@ -234,15 +241,20 @@ class SchedulerPlanner:
     """
 
     def __init__(self, settings: ConnectorSettings, keys: KeyMaker,
-                 store: BlockingStore | None) -> None:
+                 store: BlockingStore | None, events: ConnectorEvents | None = None) -> None:
         self.settings = settings
         self.keys = keys
         self.store = store
+        self.events = events
         self.block_size = keys.block_size
         self._index: OrderedDict[bytes, None] = OrderedDict()
         self._requests: dict[str, _Request] = {}
         self._pending_loads: dict[str, BlockPlan] = {}
-        self._inflight: dict[int, bytes] = {}  # block id -> rank-0 key of this step's loads
+        self._load_hashes: dict[str, list[bytes]] = {}  # vLLM block hashes of planned loads
+        # Block id -> (request, rank-0 key, vLLM block hash) of loads whose errors may still
+        # come: this step's, and asynchronous ones until their request finished receiving.
+        self._inflight: dict[int, tuple[str, bytes, bytes | None]] = {}
+        self._async_loading: set[str] = set()
         self._lookups: dict[str, tuple[int, bool]] = {}
 
     # ---------------------------------------------------------------- index
@@ -309,15 +321,24 @@ class SchedulerPlanner:
         self._pending_loads[request.request_id] = BlockPlan(
             request.request_id, tokens[:hit * self.block_size], salt, first,
             list(block_ids[first:hit]), load_async=mode == "always" or (mode == "auto" and slow))
+        self._load_hashes[request.request_id] = list(
+            getattr(request, "block_hashes", None) or ())[first:hit]
         state.saved = max(state.saved, hit)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
-        self._inflight = {}
+        self._inflight = {b: entry for b, entry in self._inflight.items()
+                          if entry[0] in self._async_loading}
         for plan in meta.loads:
             keys = self.keys.keys(plan.tokens, plan.salt, plan.first + len(plan.block_ids))
-            self._inflight.update(zip(plan.block_ids, keys[plan.first:], strict=True))
+            hashes = self._load_hashes.pop(plan.req_id, [])
+            for i, (block_id, key) in enumerate(zip(plan.block_ids, keys[plan.first:],
+                                                    strict=True)):
+                self._inflight[block_id] = (plan.req_id, key,
+                                            hashes[i] if i < len(hashes) else None)
+            if plan.load_async:
+                self._async_loading.add(plan.req_id)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -349,22 +370,35 @@ class SchedulerPlanner:
                                                                   None):
             return
         first = state.saved
+        save_id = -1 if self.events is None else \
+            self.events.record_save(state.request, first, full)
         meta.saves.append(BlockPlan(state.request.request_id, tokens[:full * self.block_size],
-                                    salt, first, state.block_ids[first:full]))
+                                    salt, first, state.block_ids[first:full], save_id=save_id))
         self._remember(self.keys.keys(tokens, salt, full)[first:])
         state.saved = full
         state.planned_saves = True
 
     def load_errors(self, block_ids: Sequence[int]) -> None:
-        """Forget blocks whose load failed (they vanished from the workers' tiers)."""
+        """Forget blocks whose load failed (they vanished from the workers' tiers) and
+        announce them removed."""
+        gone: list[bytes] = []
         for block_id in block_ids:
-            key = self._inflight.get(block_id)
-            if key is not None:
-                self._index.pop(key, None)
+            entry = self._inflight.pop(block_id, None)
+            if entry is not None:
+                self._index.pop(entry[1], None)
+                if entry[2] is not None:
+                    gone.append(entry[2])
+        if self.events is not None:
+            self.events.removed(gone)
+
+    def loads_finished(self, req_ids: Sequence[str]) -> None:
+        """Asynchronous loads of these requests are done (their errors were reported)."""
+        self._async_loading.difference_update(req_ids)
 
     def request_finished(self, request_id: str) -> bool:
         """Forget the request; whether its workers have saves to report (see get_finished)."""
         state = self._requests.pop(request_id, None)
         self._lookups.pop(request_id, None)
         self._pending_loads.pop(request_id, None)
+        self._load_hashes.pop(request_id, None)
         return state is not None and state.planned_saves

@@ -1,7 +1,10 @@
 """One vLLM run for the real-vLLM lane: tiny random Llama, optional KVTierConnector.
 
-Run as ``python tests/vllm_lane/run_llm.py MODEL_DIR [--tiers URL ...] [--extra JSON]``; prints
-one JSON line ``{"outputs": [[token ids], ...], "num_cached_tokens": [...]}`` to stdout.
+Run as ``python tests/vllm_lane/run_llm.py MODEL_DIR [--tiers URL ...] [--extra JSON]
+[--kv-events]``; prints one JSON line ``{"outputs": [[token ids], ...], "num_cached_tokens":
+[...]}`` to stdout. With ``--kv-events`` vLLM publishes KV cache events on a loopback ZMQ
+endpoint; a subscriber here decodes them with vLLM's own ``KVEventBatch`` and adds
+``"events": [[type, medium, locality, block hashes], ...]`` to the line.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import argparse
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 BLOCK = 32  # the CPU backend needs block_size to be a multiple of 32
 
@@ -34,6 +40,7 @@ def main() -> int:
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--tiers", nargs="*", default=None)
     parser.add_argument("--extra", default="{}")
+    parser.add_argument("--kv-events", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -51,6 +58,20 @@ def main() -> int:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
+    events: list[list[Any]] = []
+    stop = threading.Event()
+    if args.kv_events:
+        import zmq
+        from vllm.config import KVEventsConfig
+
+        # vLLM's publisher connects to a tcp://host:port endpoint (it binds only wildcards):
+        # the subscriber binds a free loopback port first.
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        port = sub.bind_to_random_port("tcp://127.0.0.1")
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
+        threading.Thread(target=_subscribe, args=(sub, events, stop), daemon=True).start()
     llm = LLM(model=str(args.model_dir), skip_tokenizer_init=True, enforce_eager=True,
               block_size=BLOCK, max_model_len=512, dtype="float32", seed=0,
               enable_prefix_caching=True, **kwargs)
@@ -59,9 +80,35 @@ def main() -> int:
                TokensPrompt(prompt_token_ids=[(11 * i + 5) % 1000 + 1 for i in range(64)])]
     params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
     outs = llm.generate(prompts, params)
-    print(json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs],
-                      "num_cached_tokens": [o.num_cached_tokens for o in outs]}), flush=True)
+    result: dict[str, Any] = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                              "num_cached_tokens": [o.num_cached_tokens for o in outs]}
+    if args.kv_events:
+        deadline = time.monotonic() + 20  # saves end (and are published) a step or more later
+        while time.monotonic() < deadline and not any(
+                e[0] == "BlockStored" and e[1] not in (None, "GPU") for e in events):
+            time.sleep(0.1)
+        stop.set()
+        result["events"] = list(events)
+    print(json.dumps(result), flush=True)
     return 0
+
+
+def _subscribe(sub: Any, events: list[list[Any]], stop: threading.Event) -> None:
+    """Collect the events vLLM publishes until ``stop``."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    while not stop.is_set():
+        if not sub.poll(100):
+            continue
+        _topic, _seq, payload = sub.recv_multipart()
+        for event in decoder.decode(payload).events:
+            hashes = [h.hex() if isinstance(h, bytes) else h
+                      for h in getattr(event, "block_hashes", [])]
+            events.append([type(event).__name__, getattr(event, "medium", None),
+                           getattr(event, "locality", None), hashes])
+    sub.close(0)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,13 @@ def _env() -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _run(model: Path, label: str, tiers: list[str] | None = None) -> dict[str, Any]:
+def _run(model: Path, label: str, tiers: list[str] | None = None,
+         kv_events: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, str(RUN), str(model)]
     if tiers is not None:
         cmd += ["--tiers", *tiers]
+    if kv_events:
+        cmd.append("--kv-events")
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=900, check=False)
@@ -75,10 +78,23 @@ def baseline(model: Path) -> dict[str, Any]:
     return result
 
 
-def _check_pair(model: Path, baseline: dict[str, Any], tiers: list[str], label: str) -> None:
-    first = _run(model, f"{label}: run 1 (saves)", tiers)
+def _check_pair(model: Path, baseline: dict[str, Any], tiers: list[str], label: str,
+                media: list[list[str]] | None = None) -> None:
+    first = _run(model, f"{label}: run 1 (saves)", tiers, kv_events=media is not None)
     assert first["num_cached_tokens"] == [0, 0]
     assert first["outputs"] == baseline["outputs"]
+    if media is not None:
+        # take_events(): vLLM published the connector's saves (3 + 2 full blocks) once per
+        # medium, under its own identity, with the hashes of its own GPU events.
+        stored = [e for e in first["events"] if e[0] == "BlockStored" and e[1] != "GPU"]
+        gpu = {h for e in first["events"] if e[0] == "BlockStored" and e[1] == "GPU"
+               for h in e[3]}
+        print(f"[vllm lane] {label}: connector events published by vLLM: "
+              f"{[(e[1], e[2], len(e[3])) for e in stored]}", flush=True)
+        assert sorted({tuple(e[1:3]) for e in stored}) == sorted(tuple(m) for m in media)
+        for medium in media:
+            hashes = [h for e in stored if e[1:3] == medium for h in e[3]]
+            assert len(hashes) == 5 and set(hashes) <= gpu
     second = _run(model, f"{label}: run 2 (new process)", tiers)
     assert second["num_cached_tokens"] == EXPECTED_CACHED
     assert second["outputs"] == baseline["outputs"]
@@ -90,7 +106,7 @@ def _check_pair(model: Path, baseline: dict[str, Any], tiers: list[str], label: 
 def test_two_runs_share_a_file_tier(model: Path, baseline: dict[str, Any],
                                     tmp_path: Path) -> None:
     _check_pair(model, baseline, ["dram://?capacity=64MiB", f"file://{tmp_path / 'kv'}"],
-                "file:// tier")
+                "file:// tier", media=[["CPU", "LOCAL"], ["STORAGE", "LOCAL"]])
 
 
 def test_two_runs_share_a_peer_pool(model: Path, baseline: dict[str, Any],
