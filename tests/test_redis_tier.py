@@ -226,7 +226,9 @@ async def test_server_killed_then_restarted(server: redis_servers.RedisServer) -
 
 async def test_cluster_failover(cluster: redis_servers.RedisCluster) -> None:
     prefix = _prefix()
-    tier = tier_from_url(f"redis+cluster://{cluster.url_hosts}?prefix={prefix}&timeout=0.5")
+    # 2 s per call: the client re-reads the cluster's slots when a node dies, and on a loaded
+    # 2-core box that took longer than 0.5 s, failing every node's MGET of the batch.
+    tier = tier_from_url(f"redis+cluster://{cluster.url_hosts}?prefix={prefix}&timeout=2")
     store = TieredStore(tiers=[tier])
     async with store:
         keys = [key_of(i) for i in range(24)]
