@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,3 +87,21 @@ def token_file(tmp: Path, token: str = TOKEN) -> Path:
     path = tmp / f"token-{abs(hash(token))}"
     path.write_text(token + "\n")
     return path
+
+
+@contextmanager
+def serve_processes(tmp: Path, count: int, args: list[str]) -> Iterator[list[ServeProcess]]:
+    """``count`` ready `kvtier serve` processes sharing one token file; stopped on exit.
+
+    All are launched before any is waited for, so their start-up overlaps.
+    """
+    procs = [ServeProcess(list(args), token_file(tmp)) for _ in range(count)]
+    try:
+        for p in procs:
+            p.launch()
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
