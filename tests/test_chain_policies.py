@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import Any
+from unittest import TestCase
 
 from hypothesis import HealthCheck, settings
 
@@ -48,18 +51,17 @@ def _cleanup() -> None:
 
 _SIZES = (512, 1024, 1536, 2048, 3584)
 
-S3FIFOChain = make_chain_machine(lambda: _dram_chain("s3fifo"), block_sizes=_SIZES)
-S3FIFOChain.TestCase.settings = _SETTINGS
-TestS3FIFODRAMChain = S3FIFOChain.TestCase
 
-ARCChain = make_chain_machine(lambda: _dram_chain("arc"), block_sizes=_SIZES)
-ARCChain.TestCase.settings = _SETTINGS
-TestARCDRAMChain = ARCChain.TestCase
+def _test_case(tiers: Callable[[], list[Tier]], run: settings, **options: Any) -> type[TestCase]:
+    """The unittest class pytest collects for a chain machine over ``tiers()``."""
+    machine = make_chain_machine(tiers, **options)
+    machine.TestCase.settings = run
+    return machine.TestCase
 
-S3FIFOPersist = make_chain_machine(lambda: _persistent_chain("s3fifo"), cleanup=_cleanup)
-S3FIFOPersist.TestCase.settings = _PERSIST_SETTINGS
-TestS3FIFOPersistentChain = S3FIFOPersist.TestCase
 
-ARCPersist = make_chain_machine(lambda: _persistent_chain("arc"), cleanup=_cleanup)
-ARCPersist.TestCase.settings = _PERSIST_SETTINGS
-TestARCPersistentChain = ARCPersist.TestCase
+TestS3FIFODRAMChain = _test_case(lambda: _dram_chain("s3fifo"), _SETTINGS, block_sizes=_SIZES)
+TestARCDRAMChain = _test_case(lambda: _dram_chain("arc"), _SETTINGS, block_sizes=_SIZES)
+TestS3FIFOPersistentChain = _test_case(lambda: _persistent_chain("s3fifo"), _PERSIST_SETTINGS,
+                                       cleanup=_cleanup)
+TestARCPersistentChain = _test_case(lambda: _persistent_chain("arc"), _PERSIST_SETTINGS,
+                                    cleanup=_cleanup)
