@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
-from typing import Any
-from unittest import TestCase
 
 from hypothesis import HealthCheck, settings
 
@@ -52,16 +49,12 @@ def _cleanup() -> None:
 _SIZES = (512, 1024, 1536, 2048, 3584)
 
 
-def _test_case(tiers: Callable[[], list[Tier]], run: settings, **options: Any) -> type[TestCase]:
-    """The unittest class pytest collects for a chain machine over ``tiers()``."""
-    machine = make_chain_machine(tiers, **options)
-    machine.TestCase.settings = run
-    return machine.TestCase
-
-
-TestS3FIFODRAMChain = _test_case(lambda: _dram_chain("s3fifo"), _SETTINGS, block_sizes=_SIZES)
-TestARCDRAMChain = _test_case(lambda: _dram_chain("arc"), _SETTINGS, block_sizes=_SIZES)
-TestS3FIFOPersistentChain = _test_case(lambda: _persistent_chain("s3fifo"), _PERSIST_SETTINGS,
-                                       cleanup=_cleanup)
-TestARCPersistentChain = _test_case(lambda: _persistent_chain("arc"), _PERSIST_SETTINGS,
-                                    cleanup=_cleanup)
+TestS3FIFODRAMChain = make_chain_machine(lambda: _dram_chain("s3fifo"), block_sizes=_SIZES,
+                                         settings=_SETTINGS).TestCase
+TestARCDRAMChain = make_chain_machine(lambda: _dram_chain("arc"), block_sizes=_SIZES,
+                                      settings=_SETTINGS).TestCase
+TestS3FIFOPersistentChain = make_chain_machine(lambda: _persistent_chain("s3fifo"),
+                                               cleanup=_cleanup,
+                                               settings=_PERSIST_SETTINGS).TestCase
+TestARCPersistentChain = make_chain_machine(lambda: _persistent_chain("arc"), cleanup=_cleanup,
+                                            settings=_PERSIST_SETTINGS).TestCase
