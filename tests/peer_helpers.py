@@ -8,10 +8,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvtier.peer.server import PeerServer
+from kvtier.tiers.base import Tier
+from kvtier.tiers.dram import DRAMTier
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "pool-secret-token"
@@ -105,3 +109,20 @@ def serve_processes(tmp: Path, count: int, args: list[str]) -> Iterator[list[Ser
     finally:
         for p in procs:
             p.stop()
+
+
+@asynccontextmanager
+async def peer_servers(count: int, segment: Callable[[], Tier] = DRAMTier
+                       ) -> AsyncIterator[list[PeerServer]]:
+    """``count`` started in-process peer servers on loopback (token :data:`TOKEN`), each
+    serving a fresh ``segment()``; stopped on exit."""
+    servers = [PeerServer(segment(), token=TOKEN, close_segment=True) for _ in range(count)]
+    started: list[PeerServer] = []
+    try:
+        for server in servers:
+            await server.start()
+            started.append(server)
+        yield servers
+    finally:
+        for server in started:
+            await server.stop()
