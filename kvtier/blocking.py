@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 from kvtier.errors import ClosedError
 from kvtier.events import Subscription
 from kvtier.store import TieredStore, open_store
+from kvtier.tierchain import check_timeout
 from kvtier.tiers.base import Block, Tier
 
 if TYPE_CHECKING:
@@ -33,17 +33,6 @@ T = TypeVar("T")
 # waits this much longer before it gives up, so the store's own deadline normally wins.
 _READ_GRACE_S = 1.0
 _UNSET: Any = object()
-
-
-def _check_timeout(value: object, name: str = "timeout") -> float | None:
-    """Seconds as a positive number, or ``None``/``math.inf`` for no limit."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name}: expected seconds as a number or None, got {type(value).__name__}")
-    if not value > 0:
-        raise ValueError(f"{name}: expected > 0 seconds (math.inf: no limit), got {value!r}")
-    return None if math.isinf(value) else float(value)
 
 
 class BlockingStore:
@@ -98,8 +87,8 @@ class BlockingStore:
                  loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
                  tier_options: Mapping[int | str, Mapping[str, Any]] | None = None,
                  **options: Any) -> None:
-        self._timeout = _check_timeout(timeout)
-        checked_close = _check_timeout(close_timeout, "close_timeout")
+        self._timeout = check_timeout(timeout)
+        checked_close = check_timeout(close_timeout, "close_timeout")
         self._close_timeout = checked_close
         self._lock = threading.Lock()
         self._closed = False
@@ -182,7 +171,7 @@ class BlockingStore:
             raise TimeoutError(f"kvtier call did not finish within {timeout} s") from None
 
     def _timeout_of(self, timeout: float | None) -> float | None:
-        return self._timeout if timeout is _UNSET else _check_timeout(timeout)
+        return self._timeout if timeout is _UNSET else check_timeout(timeout)
 
     def _read(self, fn: Callable[[TieredStore, float | None], Awaitable[T]],
               timeout: float | None) -> T:

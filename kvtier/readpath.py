@@ -110,12 +110,11 @@ class ReadPath:
         except Exception as exc:
             self._chain.error(index, "get", exc)
             return None
-        c.get_latency.record(time.perf_counter_ns() - start)
+        elapsed = time.perf_counter_ns() - start
         if block is None:
-            c.misses += 1
+            c.count_read(elapsed, misses=1)
         else:
-            c.hits += 1
-            c.bytes_out += block.nbytes
+            c.count_read(elapsed, hits=1, nbytes=block.nbytes)
         return block
 
     async def fetch_lower(self, key: bytes, deadline: float | None) -> Block | None:
@@ -258,19 +257,19 @@ class ReadPath:
         except Exception as exc:
             self._chain.error(index, "get_many", exc)
             return idxs
-        c.get_latency.record(time.perf_counter_ns() - start)
+        elapsed = time.perf_counter_ns() - start
         still: list[int] = []
+        nbytes = 0
         for j, block in zip(idxs, blocks, strict=True):
             if block is None:
                 still.append(j)
                 continue
             results[j] = block
             held[index].append(j)
-            c.bytes_out += block.nbytes
+            nbytes += block.nbytes
             if index:
                 found_at.append((j, index))
-        c.hits += len(idxs) - len(still)
-        c.misses += len(still)
+        c.count_read(elapsed, hits=len(idxs) - len(still), misses=len(still), nbytes=nbytes)
         return still
 
     async def _promote_batch(self, keys: list[bytes], results: list[Block | None],
@@ -352,11 +351,11 @@ class ReadPath:
         except Exception as exc:
             self._chain.error(0, "get_into", exc)
             return None
-        c.get_latency.record(time.perf_counter_ns() - start)
+        elapsed = time.perf_counter_ns() - start
         if hit:
-            c.hits += 1
+            c.count_read(elapsed, hits=1)
             return True
-        c.misses += 1
+        c.count_read(elapsed, misses=1)
         return None
 
     async def get_many_into(self, keys: list[bytes], outs: list[Any], deadline: float | None

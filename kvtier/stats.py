@@ -95,6 +95,15 @@ class TierCounters:
     bytes_out: int = 0
     get_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
+    def count_read(self, elapsed_ns: int, hits: int = 0, misses: int = 0,
+                   nbytes: int = 0) -> None:
+        """One read call that returned after ``elapsed_ns``: the keys it hit and missed and
+        the block bytes it returned (a call that failed or timed out is not a read)."""
+        self.get_latency.record(elapsed_ns)
+        self.hits += hits
+        self.misses += misses
+        self.bytes_out += nbytes
+
     def as_dict(self) -> dict[str, Any]:
         """Plain figures for :meth:`kvtier.store.TieredStore.stats`."""
         return {**_counts(self), "get_p50_us": self.get_latency.percentile(0.5),

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
-from kvtier.errors import ClosedError, ConfigError, WrongLoopError
+from kvtier.errors import ClosedError, WrongLoopError
 from kvtier.events import EventHub, Subscription
 from kvtier.keys import validate_key
+from kvtier.open import open_store
 from kvtier.placement import Placement
 from kvtier.promotion import Promote, Promotion
 from kvtier.readpath import ReadPath
@@ -35,7 +36,6 @@ from kvtier.singleflight import KeyRegistry
 from kvtier.stats import StoreCounters, store_stats
 from kvtier.tierchain import TierChain, check_positive_int, check_timeout, keys_list
 from kvtier.tiers.base import Block, Tier
-from kvtier.tiers.registry import tier_from_url
 from kvtier.writethrough import WriteThrough
 
 if TYPE_CHECKING:
@@ -47,11 +47,6 @@ __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 LOCATE_DEADLINE = 0.05
 
 WritePolicy = Literal["write_back", "write_through"]
-
-_STORE_OPTIONS = ("promote", "write_policy", "timeout", "write_queue_size", "write_queue_bytes",
-                  "write_workers", "promote_counter_size", "pool_write_through", "close_flush",
-                  "close_flush_timeout", "node", "block_tokens")
-
 
 class TieredStore:
     """A chain of tiers behind one async API (``get``/``put``/batch/prefix forms).
@@ -586,103 +581,3 @@ def _default_node(tiers: Sequence[Tier]) -> str:
         if isinstance(self_id, str) and self_id:
             return self_id
     return socket.gethostname() or "localhost"
-
-
-class _OpeningStore:
-    """What :func:`open_store` returns: awaitable (``store = await open_store(...)``) and an
-    async context manager (``async with open_store(...) as store:``, closed on exit)."""
-
-    def __init__(self, urls: Sequence[str | Tier],
-                 tier_options: Mapping[int | str, Mapping[str, Any]] | None,
-                 options: dict[str, Any]) -> None:
-        _check_open_args(urls, tier_options, options)
-        self._args = (urls, tier_options, options)
-        self._store: TieredStore | None = None
-
-    def __await__(self) -> Generator[Any, None, TieredStore]:
-        return _open(*self._args).__await__()
-
-    async def __aenter__(self) -> TieredStore:
-        self._store = await _open(*self._args)
-        return self._store
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._store is not None:
-            await self._store.aclose()
-
-
-def open_store(urls: Sequence[str | Tier], *,
-               tier_options: Mapping[int | str, Mapping[str, Any]] | None = None,
-               **options: Any) -> _OpeningStore:
-    """Build a :class:`TieredStore` from tier URLs (and/or tier objects), top first.
-
-    Use it as ``store = await open_store(urls)`` or ``async with open_store(urls) as store:``
-    (the store is closed when the block exits).
-
-    Parameters
-    ----------
-    urls
-        Tier URLs such as ``"dram://?capacity=8GiB"``, or ready :class:`Tier` objects.
-    tier_options
-        Keyword options for individual tiers, keyed by position in ``urls`` or by the URL
-        string itself; they override the URL's query options (e.g. ``{0: {"clock": c}}``).
-    **options
-        Store options: ``promote``, ``write_policy``, ``timeout``, ``write_queue_size``,
-        ``write_queue_bytes``, ``write_workers``, ``promote_counter_size``,
-        ``pool_write_through``, ``close_flush``, ``close_flush_timeout``, ``node``,
-        ``block_tokens`` (see :class:`TieredStore`).
-
-    Raises
-    ------
-    ConfigError
-        For a malformed URL, capacity or option, or an unknown scheme or store option.
-    """
-    return _OpeningStore(urls, tier_options, options)
-
-
-def _check_open_args(urls: object, tier_options: Mapping[int | str, Mapping[str, Any]] | None,
-                     options: dict[str, Any]) -> None:
-    if isinstance(urls, str | Tier) or not isinstance(urls, Sequence) or not urls:
-        raise TypeError("urls: expected a non-empty list of tier URLs or Tier objects")
-    unknown = sorted(set(options) - set(_STORE_OPTIONS))
-    if unknown:
-        raise ConfigError(f"open_store: unknown option(s) {', '.join(unknown)} "
-                          f"(store options: {', '.join(_STORE_OPTIONS)}; per-tier options go "
-                          "in the URL or tier_options)")
-    for ref in tier_options or {}:
-        if not (isinstance(ref, str) and ref in urls) and not (
-                isinstance(ref, int) and not isinstance(ref, bool) and 0 <= ref < len(urls)):
-            raise ConfigError(f"tier_options: {ref!r} is neither an index nor a URL in urls")
-
-
-async def _open(urls: Sequence[str | Tier],
-                tier_options: Mapping[int | str, Mapping[str, Any]] | None,
-                options: dict[str, Any]) -> TieredStore:
-    per_tier = dict(tier_options or {})
-    tiers: list[Tier] = []
-    owned: list[Tier] = []
-    try:
-        for i, url in enumerate(urls):
-            if isinstance(url, Tier):
-                tiers.append(url)
-                continue
-            if not isinstance(url, str):
-                raise TypeError(f"urls[{i}]: expected a URL string or Tier, "
-                                f"got {type(url).__name__}")
-            opts = {**per_tier.get(url, {}), **per_tier.get(i, {})}
-            tier = tier_from_url(url, **opts)
-            owned.append(tier)
-            tiers.append(tier)
-        for tier in owned:
-            # A tier with an async open() (peers://) checks its configuration against the
-            # world here, so a wrong token fails at open, not at first use.
-            opener = getattr(tier, "open", None)
-            if opener is not None:
-                await opener()
-        store = TieredStore(tiers, **options)
-    except BaseException:
-        for tier in owned:
-            await tier.aclose()
-        raise
-    store._enter()  # the store belongs to the loop that opened it
-    return store

@@ -8,8 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvtier.peer.server import PeerServer
+from kvtier.tiers.base import Tier
+from kvtier.tiers.dram import DRAMTier
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "pool-secret-token"
@@ -85,3 +91,38 @@ def token_file(tmp: Path, token: str = TOKEN) -> Path:
     path = tmp / f"token-{abs(hash(token))}"
     path.write_text(token + "\n")
     return path
+
+
+@contextmanager
+def serve_processes(tmp: Path, count: int, args: list[str]) -> Iterator[list[ServeProcess]]:
+    """``count`` ready `kvtier serve` processes sharing one token file; stopped on exit.
+
+    All are launched before any is waited for, so their start-up overlaps.
+    """
+    procs = [ServeProcess(list(args), token_file(tmp)) for _ in range(count)]
+    try:
+        for p in procs:
+            p.launch()
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@asynccontextmanager
+async def peer_servers(count: int, segment: Callable[[], Tier] = DRAMTier
+                       ) -> AsyncIterator[list[PeerServer]]:
+    """``count`` started in-process peer servers on loopback (token :data:`TOKEN`), each
+    serving a fresh ``segment()``; stopped on exit."""
+    servers = [PeerServer(segment(), token=TOKEN, close_segment=True) for _ in range(count)]
+    started: list[PeerServer] = []
+    try:
+        for server in servers:
+            await server.start()
+            started.append(server)
+        yield servers
+    finally:
+        for server in started:
+            await server.stop()

@@ -87,8 +87,6 @@ def _cleanup() -> None:
         shutil.rmtree(_dirs.pop(), ignore_errors=True)
 
 
-PersistChain = make_chain_machine(_persistent_chain, cleanup=_cleanup)
-PersistChain.TestCase.settings = settings(
+TestPersistentChain = make_chain_machine(_persistent_chain, cleanup=_cleanup, settings=settings(
     max_examples=25, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestPersistentChain = PersistChain.TestCase
+    suppress_health_check=[HealthCheck.too_slow])).TestCase

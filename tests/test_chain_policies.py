@@ -48,18 +48,13 @@ def _cleanup() -> None:
 
 _SIZES = (512, 1024, 1536, 2048, 3584)
 
-S3FIFOChain = make_chain_machine(lambda: _dram_chain("s3fifo"), block_sizes=_SIZES)
-S3FIFOChain.TestCase.settings = _SETTINGS
-TestS3FIFODRAMChain = S3FIFOChain.TestCase
 
-ARCChain = make_chain_machine(lambda: _dram_chain("arc"), block_sizes=_SIZES)
-ARCChain.TestCase.settings = _SETTINGS
-TestARCDRAMChain = ARCChain.TestCase
-
-S3FIFOPersist = make_chain_machine(lambda: _persistent_chain("s3fifo"), cleanup=_cleanup)
-S3FIFOPersist.TestCase.settings = _PERSIST_SETTINGS
-TestS3FIFOPersistentChain = S3FIFOPersist.TestCase
-
-ARCPersist = make_chain_machine(lambda: _persistent_chain("arc"), cleanup=_cleanup)
-ARCPersist.TestCase.settings = _PERSIST_SETTINGS
-TestARCPersistentChain = ARCPersist.TestCase
+TestS3FIFODRAMChain = make_chain_machine(lambda: _dram_chain("s3fifo"), block_sizes=_SIZES,
+                                         settings=_SETTINGS).TestCase
+TestARCDRAMChain = make_chain_machine(lambda: _dram_chain("arc"), block_sizes=_SIZES,
+                                      settings=_SETTINGS).TestCase
+TestS3FIFOPersistentChain = make_chain_machine(lambda: _persistent_chain("s3fifo"),
+                                               cleanup=_cleanup,
+                                               settings=_PERSIST_SETTINGS).TestCase
+TestARCPersistentChain = make_chain_machine(lambda: _persistent_chain("arc"), cleanup=_cleanup,
+                                            settings=_PERSIST_SETTINGS).TestCase

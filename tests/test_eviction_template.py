@@ -50,7 +50,13 @@ async def test_concurrent_puts_into_full_dram_demote_concurrently() -> None:
             assert got is not None and got.tobytes() == sample_block(i).tobytes()
 
 
-async def _demoting(tier: DRAMTier) -> tuple[asyncio.Event, asyncio.Event, list[bytes]]:
+async def _put_while_demoting(
+        ) -> tuple[DRAMTier, asyncio.Task[None], asyncio.Event, list[bytes]]:
+    """A full two-block DRAM tier, and its put of key 2 paused inside the demotion of the
+    victim (key 0) until the returned event is set; the list gets the keys demoted."""
+    tier = DRAMTier(capacity=2 * BLOCK)
+    await tier.put(key_of(0), sample_block(0))
+    await tier.put(key_of(1), sample_block(1))
     entered, release = asyncio.Event(), asyncio.Event()
     demoted: list[bytes] = []
 
@@ -60,16 +66,13 @@ async def _demoting(tier: DRAMTier) -> tuple[asyncio.Event, asyncio.Event, list[
         demoted.append(key)
 
     tier.on_evict = on_evict
-    return entered, release, demoted
+    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
+    await entered.wait()
+    return tier, put, release, demoted
 
 
 async def test_victim_stays_readable_while_demoted() -> None:
-    tier = DRAMTier(capacity=2 * BLOCK)
-    await tier.put(key_of(0), sample_block(0))
-    await tier.put(key_of(1), sample_block(1))
-    entered, release, demoted = await _demoting(tier)
-    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
-    await entered.wait()
+    tier, put, release, demoted = await _put_while_demoting()
     got = await tier.get(key_of(0))  # the victim, mid-demotion
     assert got is not None and got.tobytes() == sample_block(0).tobytes()
     assert await tier.contains(key_of(0))
@@ -83,12 +86,7 @@ async def test_victim_stays_readable_while_demoted() -> None:
 
 
 async def test_victim_pinned_while_leaving_is_kept() -> None:
-    tier = DRAMTier(capacity=2 * BLOCK)
-    await tier.put(key_of(0), sample_block(0))
-    await tier.put(key_of(1), sample_block(1))
-    entered, release, demoted = await _demoting(tier)
-    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
-    await entered.wait()
+    tier, put, release, demoted = await _put_while_demoting()
     await tier.pin([key_of(0)])  # the engine starts using the victim
     release.set()
     await put
@@ -102,12 +100,7 @@ async def test_victim_pinned_while_leaving_is_kept() -> None:
 
 
 async def test_delete_of_leaving_victim_waits_and_stays_deleted() -> None:
-    tier = DRAMTier(capacity=2 * BLOCK)
-    await tier.put(key_of(0), sample_block(0))
-    await tier.put(key_of(1), sample_block(1))
-    entered, release, _ = await _demoting(tier)
-    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
-    await entered.wait()
+    tier, put, release, _ = await _put_while_demoting()
     delete = asyncio.create_task(tier.delete(key_of(0)))
     await asyncio.sleep(0.01)
     assert not delete.done()  # waits for the demotion in flight
@@ -120,12 +113,7 @@ async def test_delete_of_leaving_victim_waits_and_stays_deleted() -> None:
 
 
 async def test_cancelled_put_while_demoting_changes_nothing() -> None:
-    tier = DRAMTier(capacity=2 * BLOCK)
-    await tier.put(key_of(0), sample_block(0))
-    await tier.put(key_of(1), sample_block(1))
-    entered, _, _ = await _demoting(tier)
-    put = asyncio.create_task(tier.put(key_of(2), sample_block(2)))
-    await entered.wait()
+    tier, put, _, _ = await _put_while_demoting()
     put.cancel()
     with pytest.raises(asyncio.CancelledError):
         await put

@@ -188,11 +188,10 @@ def _cleanup() -> None:
         shutil.rmtree(_chain_dirs.pop(), ignore_errors=True)
 
 
-MooncakeChainMachine = make_chain_machine(_tiers, block_sizes=(256, 1024), cleanup=_cleanup)
-MooncakeChainMachine.TestCase.settings = settings(
-    max_examples=8, stateful_step_count=25, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestMooncakeChain = MooncakeChainMachine.TestCase
+TestMooncakeChain = make_chain_machine(
+    _tiers, block_sizes=(256, 1024), cleanup=_cleanup, settings=settings(
+        max_examples=8, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])).TestCase
 
 
 def test_scheme_is_built_in() -> None:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from peer_helpers import TOKEN, ServeProcess, token_file
+from peer_helpers import TOKEN, ServeProcess, serve_processes, token_file
 
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
@@ -25,17 +25,8 @@ SLACK = 0.5
 
 @pytest.fixture
 def three(tmp_path: Path) -> Iterator[list[ServeProcess]]:
-    procs = [ServeProcess(["--tier", "dram://?capacity=64MiB"], token_file(tmp_path))
-             for _ in range(3)]
-    try:
-        for p in procs:
-            p.launch()
-        for p in procs:
-            p.wait_ready()
+    with serve_processes(tmp_path, 3, ["--tier", "dram://?capacity=64MiB"]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def _url(members: list[str], **opts: object) -> str:

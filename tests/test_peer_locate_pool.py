@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN, ServeProcess, token_file
+from peer_helpers import TOKEN, ServeProcess, serve_processes
 
 from kvtier.peer.locate import LocalPrefix, PrefixLocation, locate_prefix
 from kvtier.peer.tier import PeerTier
@@ -23,17 +23,8 @@ SLACK = 3.0  # scheduling slack on a loaded 2-core machine; the deadline itself 
 
 @pytest.fixture
 def three(tmp_path: Path) -> Iterator[list[ServeProcess]]:
-    procs = [ServeProcess(["--tier", "dram://?capacity=64MiB"], token_file(tmp_path))
-             for _ in range(3)]
-    try:
-        for p in procs:
-            p.launch()
-        for p in procs:
-            p.wait_ready()
+    with serve_processes(tmp_path, 3, ["--tier", "dram://?capacity=64MiB"]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def _url(members: list[str]) -> str:

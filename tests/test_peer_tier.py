@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN
+from peer_helpers import TOKEN, peer_servers
 
 from kvtier.errors import ConfigError
 from kvtier.peer.server import PeerServer
@@ -36,12 +36,8 @@ class TestPeerConformance(TierConformance):
 
 @pytest.fixture
 async def pool() -> AsyncIterator[list[PeerServer]]:
-    servers = [PeerServer(DRAMTier(), token=TOKEN, close_segment=True) for _ in range(3)]
-    for s in servers:
-        await s.start()
-    yield servers
-    for s in servers:
-        await s.stop()
+    async with peer_servers(3) as servers:
+        yield servers
 
 
 def _url(servers: list[PeerServer], **opts: object) -> str:

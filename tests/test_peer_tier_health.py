@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 from aiohttp import web
-from peer_helpers import TOKEN
+from peer_helpers import TOKEN, peer_servers
 
 from kvtier.codec import FLAG_ZSTD
 from kvtier.errors import ConfigError, PeerError
@@ -28,12 +28,8 @@ from kvtier.tiers.dram import DRAMTier
 
 @pytest.fixture
 async def two() -> AsyncIterator[list[PeerServer]]:
-    servers = [PeerServer(DRAMTier(), token=TOKEN, close_segment=True) for _ in range(2)]
-    for s in servers:
-        await s.start()
-    yield servers
-    for s in servers:
-        await s.stop()
+    async with peer_servers(2) as servers:
+        yield servers
 
 
 def _url(members: list[str], **opts: object) -> str:
@@ -161,21 +157,14 @@ async def test_ack_all_raises_when_fewer_than_replicas_copies_were_made(
 
 # ------------------------------------------- item 10: ack=one copies outlive a cancelled put
 async def test_cancelled_ack_one_put_copies_complete_and_flush_waits() -> None:
-    servers = [PeerServer(LatencyTier(DRAMTier(), delay=0.4), token=TOKEN, close_segment=True)
-               for _ in range(2)]
-    for s in servers:
-        await s.start()
-    try:
-        async with PeerTier.from_url(_url([s.member_id for s in servers], replicas=2,
-                                          ack="one")) as tier:
-            put = asyncio.create_task(tier.put(key_of(1), sample_block(1)))
-            await asyncio.sleep(0.15)  # both copies in flight, none acknowledged
-            put.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await put
-            await tier.flush()
-            for s in servers:  # the inner DRAM, without the latency wrapper's delay
-                assert await s.segment.inner.contains(key_of(1))  # type: ignore[attr-defined]
-    finally:
-        for s in servers:
-            await s.stop()
+    async with peer_servers(2, lambda: LatencyTier(DRAMTier(), delay=0.4)) as servers, \
+            PeerTier.from_url(_url([s.member_id for s in servers], replicas=2,
+                                   ack="one")) as tier:
+        put = asyncio.create_task(tier.put(key_of(1), sample_block(1)))
+        await asyncio.sleep(0.15)  # both copies in flight, none acknowledged
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        await tier.flush()
+        for s in servers:  # the inner DRAM, without the latency wrapper's delay
+            assert await s.segment.inner.contains(key_of(1))  # type: ignore[attr-defined]

@@ -282,11 +282,10 @@ def _cleanup() -> None:
         shutil.rmtree(_chain_dirs.pop(), ignore_errors=True)
 
 
-RedisChainMachine = make_chain_machine(_chain, block_sizes=(256, 1024), cleanup=_cleanup)
-RedisChainMachine.TestCase.settings = settings(
-    max_examples=8, stateful_step_count=25, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestRedisChain = RedisChainMachine.TestCase
+TestRedisChain = make_chain_machine(
+    _chain, block_sizes=(256, 1024), cleanup=_cleanup, settings=settings(
+        max_examples=8, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])).TestCase
 
 
 def test_schemes_are_built_in() -> None:

@@ -18,8 +18,7 @@ def dram_chain() -> list[Tier]:
             DRAMTier(capacity=8 * KB, name="t2")]
 
 
-DRAMChain = make_chain_machine(dram_chain, block_sizes=(512, 1024, 1536, 2048, 3584))
-DRAMChain.TestCase.settings = settings(
-    max_examples=400, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
-TestDRAMChain = DRAMChain.TestCase
+TestDRAMChain = make_chain_machine(
+    dram_chain, block_sizes=(512, 1024, 1536, 2048, 3584), settings=settings(
+        max_examples=400, stateful_step_count=50, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])).TestCase

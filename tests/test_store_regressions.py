@@ -74,17 +74,7 @@ async def test_leader_timeout_hands_off_even_when_the_clock_lags_the_timer(
     await _follower_outlives_a_leader_that_timed_out()
 
 
-async def test_follower_survives_leader_cancellation() -> None:
-    slow = LatencyTier(DRAMTier(), delay=0.1)
-    async with TieredStore([DRAMTier(), slow]) as store:
-        await slow.inner.put(key_of(1), sample_block(1))
-        leader = asyncio.create_task(store.get(key_of(1)))
-        await asyncio.sleep(0.01)
-        follower = asyncio.create_task(store.get(key_of(1)))
-        await asyncio.sleep(0.01)
-        leader.cancel()
-        got = await follower
-        assert got is not None and got.tobytes() == sample_block(1).tobytes()
+# A cancelled leader's followers: test_store.py::test_cancelled_leader_does_not_strand_followers.
 
 
 # ----------------------------------------------------------------------------- bug 4

@@ -379,17 +379,19 @@ class PeerTier(Tier):
         if not task.cancelled() and task.exception() is None and task.result():
             self.counts["copies_made"] += 1
 
+    async def _put_to(self, target: str, op: str, key: bytes, block: Block,
+                      frame: EncodedFrame) -> object:
+        """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
+        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it."""
+        if self._is_local(target):
+            return await self._call(target, op, lambda: self.local.put(key, block))  # type: ignore[union-attr]
+        return await self._call(target, op, partial(self.members.client(target).put, key, frame))
+
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
                          order: list[str], used: set[str]) -> bool:
         current: str | None = member
         while current is not None:
-            target = current
-            if self._is_local(target):
-                result = await self._call(target, "put", lambda: self.local.put(key, block))  # type: ignore[union-attr]
-            else:
-                result = await self._call(target, "put", partial(
-                    self.members.client(target).put, key, frame))
-            if result is not _FAILED:
+            if await self._put_to(current, "put", key, block, frame) is not _FAILED:
                 return True
             current = self._next(order, used)
             if current is not None:
@@ -525,12 +527,7 @@ class PeerTier(Tier):
     async def _repair_copies(self, key: bytes, block: Block, targets: list[str]) -> None:
         frame = await self._encode(key, block)
         for target in targets:
-            if self._is_local(target):
-                result = await self._call(target, "repair", lambda: self.local.put(key, block))  # type: ignore[union-attr]
-            else:
-                result = await self._call(target, "repair", partial(
-                    self.members.client(target).put, key, frame))
-            if result is not _FAILED:
+            if await self._put_to(target, "repair", key, block, frame) is not _FAILED:
                 self.counts["read_repairs"] += 1
 
     async def _exists(self, member: str, keys: list[bytes]) -> list[bool]:

@@ -10,18 +10,17 @@ balance).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtier.peer.ring import HashRing
-from kvtier.progress import Progress
-from kvtier.replay.dry import block_key, run_dry
+from kvtier.replay.dry import block_key
 from kvtier.replay.routing import make_simulation, routing_metrics
 from kvtier.replay.sim import DEFAULT_POOL_VNODES, Simulation
-from kvtier.replay.trace import iter_trace, trace_size
+from kvtier.replay.study import collect_rows, read_rows, run_trace
+from kvtier.replay.trace import iter_trace
 
 __all__ = ["CONFIGS", "main", "markdown", "shard_balance", "study"]
 
@@ -48,13 +47,9 @@ def study(trace: str, nodes: int, capacities: list[int], progress: bool = True
         for name, mode, routing, placement in CONFIGS:
             sims.append((name, make_simulation(mode, routing, "lru", nodes, [cap],
                                                placement=placement)))
-    bar = Progress(trace_size(trace), f"{Path(trace).name} N={nodes}",
-                   enabled=None if progress else False)
-    with bar:
-        out = run_dry(iter_trace(trace, on_progress=lambda pos: bar.update(to=pos)),
-                      [s for _, s in sims], block_bytes=1)
+    results = run_trace(trace, nodes, [s for _, s in sims], progress)
     rows = []
-    for row, (name, sim) in zip(out["results"], sims, strict=True):
+    for row, (name, sim) in zip(results, sims, strict=True):
         row.update(routing_metrics(sim, 1), trace=Path(trace).name, config=name)
         rows.append(row)
     return rows
@@ -131,18 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                       + " | ".join(f"{bal[c]:.3f}" for c in (1, 16, 64)) + " |")
         return 0
     if args.table:
-        merged = [row for path in args.table for row in json.loads(Path(path).read_text())]
-        print(markdown(merged))
+        print(markdown(read_rows(args.table)))
         return 0
     caps = [int(c) for c in args.capacity_blocks.split(",")]
-    rows: list[dict[str, Any]] = []
-    if args.out and Path(args.out).exists():
-        rows = json.loads(Path(args.out).read_text())
-    for trace in args.traces:
-        for n in (int(x) for x in args.nodes.split(",")):
-            rows += study(trace, n, caps)
-            if args.out:
-                Path(args.out).write_text(json.dumps(rows, indent=1))
+    rows = collect_rows(args.traces, args.nodes, args.out,
+                        lambda trace, n: study(trace, n, caps))
     print(markdown(rows))
     return 0
 

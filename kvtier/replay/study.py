@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from kvtier.replay.dry import run_dry
 from kvtier.replay.sim import Simulation
 from kvtier.replay.trace import iter_trace, trace_size
 
-__all__ = ["main", "markdown", "study"]
+__all__ = ["collect_rows", "main", "markdown", "read_rows", "run_trace", "study"]
 
 
 def _pooled(policy: str, nodes: int, cap: int) -> Simulation:
@@ -37,16 +38,45 @@ def study(trace: str, nodes: int, capacities: list[int], policies: list[str],
         sims += [_pooled(p, nodes, cap) for p in policies]
         if baselines:
             sims.append(Simulation("ideal", "none", "lru", nodes, [cap]))
+    results = run_trace(trace, nodes, sims, progress)
+    for row, sim in zip(results, sims, strict=True):
+        row["trace"] = Path(trace).name
+        if sim.cascade:
+            row["policy"] += "+cascade"
+    return results
+
+
+def run_trace(trace: str, nodes: int, sims: Sequence[Simulation], progress: bool = True
+              ) -> list[dict[str, Any]]:
+    """One dry pass of ``trace`` through ``sims`` (block counts: ``block_bytes`` is 1), with a
+    progress bar; one result row per simulation, in order."""
     bar = Progress(trace_size(trace), f"{Path(trace).name} N={nodes}",
                    enabled=None if progress else False)
     with bar:
         out = run_dry(iter_trace(trace, on_progress=lambda pos: bar.update(to=pos)), sims,
                       block_bytes=1)
-    for row, sim in zip(out["results"], sims, strict=True):
-        row["trace"] = Path(trace).name
-        if sim.cascade:
-            row["policy"] += "+cascade"
     return list(out["results"])
+
+
+def read_rows(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of earlier ``--out`` files, merged in order."""
+    return [row for path in paths for row in json.loads(Path(path).read_text())]
+
+
+def collect_rows(traces: Sequence[str], nodes: str, out: str | None,
+                 rows_of: Callable[[str, int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``rows_of(trace, n)`` for every trace and node count of ``nodes`` (comma-separated),
+    after the rows already in ``out``; ``out`` is rewritten after each, so a long study
+    interrupted keeps what it finished."""
+    rows: list[dict[str, Any]] = []
+    if out and Path(out).exists():
+        rows = json.loads(Path(out).read_text())
+    for trace in traces:
+        for n in (int(x) for x in nodes.split(",")):
+            rows += rows_of(trace, n)
+            if out:
+                Path(out).write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 def markdown(rows: list[dict[str, Any]], policies: list[str]) -> str:
@@ -88,18 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policies = args.policy.split(",")
     if args.table:
-        merged = [row for path in args.table for row in json.loads(Path(path).read_text())]
-        print(markdown(merged, policies))
+        print(markdown(read_rows(args.table), policies))
         return 0
     caps = [int(c) for c in args.capacity_blocks.split(",")]
-    rows: list[dict[str, Any]] = []
-    if args.out and Path(args.out).exists():
-        rows = json.loads(Path(args.out).read_text())
-    for trace in args.traces:
-        for n in (int(x) for x in args.nodes.split(",")):
-            rows += study(trace, n, caps, policies, baselines=not args.pooled_only)
-            if args.out:
-                Path(args.out).write_text(json.dumps(rows, indent=1))
+    rows = collect_rows(args.traces, args.nodes, args.out,
+                        lambda trace, n: study(trace, n, caps, policies,
+                                               baselines=not args.pooled_only))
     print(markdown(rows, policies))
     return 0
 

@@ -24,6 +24,7 @@ import asyncio
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
+import hypothesis
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -52,6 +53,7 @@ def make_chain_machine(
     n_keys: int = 12,
     store_variants: Sequence[Mapping[str, Any]] = STORE_VARIANTS,
     cleanup: Callable[[], None] | None = None,
+    settings: hypothesis.settings | None = None,
 ) -> type[RuleBasedStateMachine]:
     """Return a state machine class testing ``TieredStore(tier_factory(), **variant)``.
 
@@ -67,6 +69,8 @@ def make_chain_machine(
         ``TieredStore`` keyword options; each run draws one.
     cleanup
         Called after each run's store is closed (e.g. to remove temporary directories).
+    settings
+        Hypothesis settings of the machine's ``TestCase`` (``None``: hypothesis's defaults).
     """
     keys = [i.to_bytes(2, "big") * 8 for i in range(n_keys)]
     key_st = st.sampled_from(keys)
@@ -230,4 +234,6 @@ def make_chain_machine(
                 elif key not in self.model:
                     assert not here, f"deleted key {key.hex()} came back"
 
+    if settings is not None:
+        ChainMachine.TestCase.settings = settings
     return ChainMachine

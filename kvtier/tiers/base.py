@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BATCH_CONCURRENCY",
-    "Block", "DropCallback", "EvictionCallback", "Tier", "check_output_buffer",
+    "BatchTier", "Block", "DropCallback", "EvictionCallback", "Tier", "check_output_buffer",
     "check_output_spec", "copy_into",
 ]
 
@@ -360,3 +360,37 @@ def _validate_keys(keys: Sequence[bytes]) -> list[bytes]:
     if isinstance(keys, bytes | str) or not isinstance(keys, Iterable):
         raise TypeError(f"keys: expected a sequence of bytes keys, got {type(keys).__name__}")
     return [validate_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+
+
+class BatchTier(Tier):
+    """A tier whose native calls are batches (one pipeline or one worker-thread call for many
+    keys), such as the Redis and Mooncake tiers: it implements the four batch coroutines,
+    and the single-key forms here are batches of one."""
+
+    @abc.abstractmethod
+    async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        """The block or ``None`` per key, in order."""
+
+    @abc.abstractmethod
+    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+        """Store copies of the blocks; for a repeated key the last value wins."""
+
+    @abc.abstractmethod
+    async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is present; never refreshes recency and never pins."""
+
+    @abc.abstractmethod
+    async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Remove the keys; whether each was present."""
+
+    async def _get(self, key: bytes) -> Block | None:
+        return (await self._get_many([key]))[0]
+
+    async def _put(self, key: bytes, block: Block) -> None:
+        await self._put_many([(key, block)])
+
+    async def _delete(self, key: bytes) -> bool:
+        return (await self._delete_many([key]))[0]
+
+    async def _contains(self, key: bytes) -> bool:
+        return (await self._contains_many([key]))[0]

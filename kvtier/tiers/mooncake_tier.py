@@ -34,7 +34,7 @@ import numpy as np
 
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
-from kvtier.tiers.base import Block, Tier, copy_into
+from kvtier.tiers.base import BatchTier, Block, copy_into
 from kvtier.tiers.mooncake_client import (
     BUFFER_TOO_SMALL,
     OBJECT_NOT_FOUND,
@@ -66,7 +66,7 @@ def _int(opts: dict[str, object], name: str, default: int, low: int) -> int:
     return value
 
 
-class MooncakeTier(Tier):
+class MooncakeTier(BatchTier):
     """A Mooncake Store as a tier shared by every store whose clients reach its master.
 
     Parameters
@@ -245,18 +245,6 @@ class MooncakeTier(Tier):
                 del self._inflight[key]
 
     # ----------------------------------------------------------------- contract
-    async def _get(self, key: bytes) -> Block | None:
-        return (await self._get_many([key]))[0]
-
-    async def _contains(self, key: bytes) -> bool:
-        return (await self._contains_many([key]))[0]
-
-    async def _put(self, key: bytes, block: Block) -> None:
-        await self._put_many([(key, block)])
-
-    async def _delete(self, key: bytes) -> bool:
-        return (await self._delete_many([key]))[0]
-
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         client = await self._started()
         return await self._within(self._submit(lambda: self._read(client, keys)), "get")

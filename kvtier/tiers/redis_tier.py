@@ -26,7 +26,7 @@ from typing import Any, Self, TypeVar, cast
 
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
-from kvtier.tiers.base import Block, Tier
+from kvtier.tiers.base import BatchTier, Block
 from kvtier.urls import merge_options, parse_bool, parse_secret, parse_size, parse_tier_url
 
 try:
@@ -70,7 +70,7 @@ def _split_host(entry: str, url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class RedisTier(Tier):
+class RedisTier(BatchTier):
     """A Redis (or Valkey) server or cluster as a tier shared by every store that uses it.
 
     Parameters
@@ -280,18 +280,6 @@ class RedisTier(Tier):
         return frame.to_bytes()
 
     # ----------------------------------------------------------------- contract
-    async def _get(self, key: bytes) -> Block | None:
-        return (await self._get_many([key]))[0]
-
-    async def _contains(self, key: bytes) -> bool:
-        return (await self._contains_many([key]))[0]
-
-    async def _put(self, key: bytes, block: Block) -> None:
-        await self._put_many([(key, block)])
-
-    async def _delete(self, key: bytes) -> bool:
-        return (await self._delete_many([key]))[0]
-
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         self._maybe_refresh_usage()
         if self.cluster and len(keys) > 1:
