@@ -123,3 +123,30 @@ async def test_cancelled_put_while_demoting_changes_nothing() -> None:
     await tier.put(key_of(3), np.zeros(BLOCK, np.uint8))
     assert tier.used == 2 * BLOCK
     await tier.aclose()
+
+
+async def test_delete_of_a_key_being_overwritten_frees_no_room_twice() -> None:
+    """A put that grows key 1 reserves only the growth (key 1's old bytes stay its own).
+    A delete of key 1 while that put waits for its victim's demotion used to free those
+    bytes at once: a third put took them, the first put then stored key 1's full size, and
+    the tier held more than its capacity (found by the 1,000-op concurrency test)."""
+    tier = DRAMTier(capacity=4 * BLOCK)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_demotion(key: bytes, block: Block) -> None:
+        entered.set()
+        await release.wait()
+
+    for i in range(4):
+        await tier.put(key_of(i), np.zeros(BLOCK, np.uint8))
+    tier.on_evict = slow_demotion
+    grow = asyncio.create_task(tier.put(key_of(1), np.zeros(2 * BLOCK, np.uint8)))
+    await entered.wait()  # key 0 is leaving; key 1 keeps its 1 KiB until the put commits
+    deleting = asyncio.create_task(tier.delete(key_of(1)))
+    other = asyncio.create_task(tier.put(key_of(9), np.zeros(BLOCK, np.uint8)))
+    await asyncio.sleep(0.01)
+    assert tier.used <= tier.capacity  # type: ignore[operator]
+    release.set()
+    await asyncio.gather(grow, deleting, other)
+    assert tier.used <= tier.capacity  # type: ignore[operator]
+    assert tier.used == sum(tier._policy.size_of(k) or 0 for k in tier._policy.lru_order())

@@ -112,6 +112,10 @@ class BudgetedTier(Tier):
         self._claimed = 0  # net bytes puts add beyond their victims, until admitted
         self._room: list[asyncio.Future[None]] = []
         self._commits: set[asyncio.Future[Any]] = set()
+        # Keys a put is writing while it waits for room: their current bytes are part of
+        # that put's reservation, so another put or a delete of the key waits for it (else
+        # the bytes it frees would be handed out twice).
+        self._writing: dict[bytes, asyncio.Future[None]] = {}
 
     @property
     def capacity(self) -> int | None:
@@ -179,15 +183,25 @@ class BudgetedTier(Tier):
         return 0
 
     # ----------------------------------------------------------------- template
+    def _busy(self) -> bool:
+        """Whether any eviction or evicting put is in flight (then :meth:`_settled` may
+        have to wait)."""
+        return bool(self._leaving or self._writing)
+
     async def _settled(self, keys: Sequence[bytes]) -> None:
-        """Wait until none of ``keys`` is leaving (its demotion and drop have finished)."""
-        while self._leaving:
+        """Wait until none of ``keys`` is leaving (its demotion and drop have finished) or
+        being written by a put that is still making room."""
+        while self._leaving or self._writing:
             entry = next((self._leaving[k] for k in keys if k in self._leaving), None)
-            if entry is None:
+            if entry is not None:
+                if entry.done is None:
+                    entry.done = asyncio.get_running_loop().create_future()
+                await asyncio.shield(entry.done)
+                continue
+            writing = next((self._writing[k] for k in keys if k in self._writing), None)
+            if writing is None:
                 return
-            if entry.done is None:
-                entry.done = asyncio.get_running_loop().create_future()
-            await asyncio.shield(entry.done)
+            await asyncio.shield(writing)
 
     def _room_changed(self) -> None:
         waiters, self._room = self._room, []
@@ -273,7 +287,7 @@ class BudgetedTier(Tier):
             If pinned blocks leave no room (nothing changes).
         """
         if (self._atomic_commit and len(items) == 1 and not self._leaving
-                and not self._claimed):
+                and not self._claimed and not self._writing):
             # The hot path (one block into a tier that holds blocks in memory): nothing in
             # flight, so choosing, evicting (when there is nothing to demote to) and
             # committing are one synchronous step.
@@ -296,7 +310,7 @@ class BudgetedTier(Tier):
                 return
         keys = [k for k, _ in items]
         wanted = dict(zip(keys, sizes, strict=True))
-        if self._leaving:
+        if self._busy():
             await self._settled(keys)
             if self._atomic_commit and self._fits_now(wanted):
                 await self._commit(items, [])
@@ -311,14 +325,17 @@ class BudgetedTier(Tier):
 
     async def _evict_and_commit(self, items: Sequence[tuple[bytes, Block]],
                                 wanted: dict[bytes, int]) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for key in wanted:
             self._policy.pin(key)  # never a victim of a concurrent put while written
+            self._writing[key] = done
         try:
             entries, claim = await self._make_room(wanted)
         except BaseException:
             self._unpin_all(wanted)
+            self._written(wanted, done)
             raise
-        finish = self._finish(items, wanted, entries, claim)  # unpins
+        finish = self._finish(items, wanted, entries, claim, done)  # unpins
         if self._atomic_commit:
             await finish
             return
@@ -369,8 +386,15 @@ class BudgetedTier(Tier):
                 self._room_changed()
         return entries, claim
 
+    def _written(self, wanted: Mapping[bytes, int], done: asyncio.Future[None]) -> None:
+        for key in wanted:
+            if self._writing.get(key) is done:
+                del self._writing[key]
+        if not done.done():
+            done.set_result(None)
+
     async def _finish(self, items: Sequence[tuple[bytes, Block]], wanted: dict[bytes, int],
-                      entries: list[Leaving], claim: int) -> None:
+                      entries: list[Leaving], claim: int, done: asyncio.Future[None]) -> None:
         try:
             actual = await self._commit(items, [e.key for e in entries])
             for (key, _), size in zip(items, actual or wanted.values(), strict=True):
@@ -380,6 +404,7 @@ class BudgetedTier(Tier):
             for entry in entries:
                 self._end_leaving(entry, keep=False)
             self._unpin_all(wanted)
+            self._written(wanted, done)
             self._room_changed()
 
     async def _evict_more(self, nbytes: int) -> bool:

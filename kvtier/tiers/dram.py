@@ -212,7 +212,7 @@ class DRAMTier(BudgetedTier):
 
     async def _delete(self, key: bytes) -> bool:
         # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
-        if self._leaving:
+        if self._busy():
             await self._settled([key])
         self._policy.remove(key)
         old = self._blocks.pop(key, None)

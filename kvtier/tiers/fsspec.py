@@ -322,7 +322,7 @@ class FsspecTier(BudgetedTier):
 
     async def _delete(self, key: bytes) -> bool:
         # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
-        if self._leaving:
+        if self._busy():
             await self._settled([key])
         return await self._remove(key)
 

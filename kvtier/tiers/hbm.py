@@ -366,7 +366,7 @@ class HBMTier(BudgetedTier):
 
     async def _delete(self, key: bytes) -> bool:
         # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
-        if self._leaving:
+        if self._busy():
             await self._settled([key])
         return self._drop(key) is not None
 
@@ -446,7 +446,7 @@ class HBMTier(BudgetedTier):
             owners = [owner for slot in ids if (owner := self._owner.get(slot)) is not None]
             if not owners:
                 break
-            if self._leaving:
+            if self._busy():
                 await self._settled(owners)
             await self._evict_keys([k for k in owners if k in self._entries])
             if pinned := pinned_owners():

@@ -463,7 +463,7 @@ class LMDBTier(BudgetedTier):
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         await self._ready()
-        if self._leaving:  # a deleted key is not demoted afterwards
+        if self._busy():  # a deleted key is not demoted afterwards
             await self._settled(keys)
         present = await self._locked(self._delete_locked(list(dict.fromkeys(keys))))
         return [present.pop(k, False) for k in keys]
