@@ -100,12 +100,15 @@ async def test_other_size_classes_fall_back_to_the_heap() -> None:
 
 
 @pytest.mark.parametrize("url", ["dram://?capacity=1MiB&prefault=1",
-                                 "dram://?capacity=1MiB&hugepages=1",
+                                 "dram://?capacity=1MiB&hugepages=0",
+                                 "dram://?capacity=1MiB&prefault=1&hugepages=0",
                                  "dram://?capacity=1MiB&prefault=1&hugepages=1"])
 async def test_prefault_and_hugepages_options(url: str) -> None:
     tier = DRAMTier.from_url(url)
     stats = tier.stats()
     assert stats["prefaulted"] == ("prefault" in url)
+    if "hugepages=0" in url:
+        assert not stats["hugepages"]
     assert stats["arena_bytes"] >= 1 << 20
     for i in range(4):
         await tier.put(key(i), block(i))

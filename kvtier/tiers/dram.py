@@ -111,7 +111,9 @@ class DRAMTier(BudgetedTier):
         Fault the arena's pages in at construction (takes about capacity / a few GB/s
         and makes it resident), so no put pays a page fault.
     hugepages
-        Ask for transparent huge pages for the arena (``madvise(MADV_HUGEPAGE)``).
+        Ask for transparent huge pages for the arena (``madvise(MADV_HUGEPAGE)``; default:
+        on with an arena). Copies into 4 KiB pages that are not in the TLB ran at half the
+        speed on the benchmark machine (``docs/performance.md``).
     policy
         Eviction policy: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -129,7 +131,7 @@ class DRAMTier(BudgetedTier):
     _atomic_commit = True
 
     def __init__(self, capacity: int | None = None, *, arena: bool | None = None,
-                 prefault: bool = False, hugepages: bool = False, policy: str = "lru",
+                 prefault: bool = False, hugepages: bool | None = None, policy: str = "lru",
                  clock: Clock = time.monotonic, name: str | None = None) -> None:
         super().__init__(name=name)
         self._policy = make_policy(policy, capacity, clock)
@@ -139,7 +141,8 @@ class DRAMTier(BudgetedTier):
             raise ConfigError("prefault/hugepages: need an arena (a capacity, arena=1)")
         if arena and capacity is None:
             raise ConfigError("arena: needs a capacity")
-        self._arena = (HostArena(capacity, prefault=prefault, hugepages=hugepages)
+        self._arena = (HostArena(capacity, prefault=prefault,
+                                 hugepages=True if hugepages is None else hugepages)
                        if arena and capacity else None)
         # A large stored block is a read-only view of its own uint8 buffer (``block.base``),
         # so a dropped block's buffer can go to the spare pool whatever its dtype and shape.
@@ -149,7 +152,7 @@ class DRAMTier(BudgetedTier):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """``dram://?capacity=SIZE[&arena=1][&prefault=0][&hugepages=0]
+        """``dram://?capacity=SIZE[&arena=1][&prefault=0][&hugepages=1]
         [&policy=lru|s3fifo|arc][&name=LABEL]``."""
         parsed = parse_tier_url(url)
         if parsed.netloc or parsed.path not in ("", "/"):
@@ -165,7 +168,7 @@ class DRAMTier(BudgetedTier):
         return cls(
             capacity=None if capacity in (None, "") else parse_size(capacity),  # type: ignore[arg-type]
             arena=flags.get("arena"), prefault=flags.get("prefault", False),
-            hugepages=flags.get("hugepages", False), policy=parse_policy(opts.get("policy")),
+            hugepages=flags.get("hugepages"), policy=parse_policy(opts.get("policy")),
             name=str(opts["name"]) if "name" in opts else None,
             **({"clock": opts["clock"]} if "clock" in opts else {}),  # type: ignore[arg-type]
         )
