@@ -75,15 +75,18 @@ class HostArena:
     def __init__(self, nbytes: int, *, prefault: bool = False, hugepages: bool = False) -> None:
         if nbytes <= 0:
             raise ConfigError(f"capacity: an arena needs a positive size, got {nbytes}")
-        align = _HUGE_PAGE if hugepages else _PAGE
-        self.nbytes = (nbytes + align - 1) // align * align
+        #: Bytes slots are carved from (``nbytes`` rounded up to a page).
+        self.nbytes = (nbytes + _PAGE - 1) // _PAGE * _PAGE
+        # Mapped in whole huge pages when asked, so the last slots can sit on one too.
+        mapped = (self.nbytes + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE if hugepages \
+            else self.nbytes
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         if prefault and not hugepages:
             flags |= mmap.MAP_POPULATE
         elif not prefault:
             flags |= getattr(mmap, "MAP_NORESERVE", 0)
         try:
-            self._map = mmap.mmap(-1, self.nbytes, flags=flags)
+            self._map = mmap.mmap(-1, mapped, flags=flags)
         except OSError as exc:
             raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: {exc}") from exc
         self.hugepages = False
@@ -94,7 +97,7 @@ class HostArena:
             except OSError:  # THP disabled in this kernel: plain pages, still correct
                 pass
         #: The whole arena as one writable ``uint8`` array (what a backend pins).
-        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8)
+        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8, self.nbytes)
         if prefault and hugepages:
             self.buffer[::_PAGE] = 0  # first touch after madvise, so faults map huge pages
         self.prefaulted = prefault
