@@ -31,11 +31,22 @@ import xxhash
 from kvtier.codec import FLAG_ZSTD, FrameHeader, decode_frame, parse_header
 from kvtier.errors import CorruptBlockError
 from kvtier.tiers.base import Block, check_output_buffer, copy_into
+from kvtier.tiers.residency import is_resident
 
-__all__ = ["BlockEnv", "Durability", "PendingPut"]
+__all__ = ["BlockEnv", "Durability", "NotResident", "PendingPut"]
 
 _RECENCY = struct.Struct("<Qd")
 _ALIGN = 64  # blocks sharing one read buffer start on cache-line (and any dtype) boundaries
+
+
+class NotResident(Exception):
+    """A ``resident_only`` read found a value that is compressed or not in the page cache
+    (read it in a worker thread instead)."""
+
+
+def _check_resident(header: memoryview, payload: memoryview) -> None:
+    if parse_header(header).flags & FLAG_ZSTD or not is_resident(header, payload):
+        raise NotResident
 
 
 def _aligned(size: int) -> int:
@@ -160,9 +171,14 @@ class BlockEnv:
         entries.sort(key=lambda e: e[2])
         return entries
 
-    def read(self, keys: Sequence[bytes]) -> list[Block | CorruptBlockError | None]:
+    def read(self, keys: Sequence[bytes], *,
+             resident_only: bool = False) -> list[Block | CorruptBlockError | None]:
         """Read and verify ``keys`` in one read transaction; a corrupt frame is returned as
         its :class:`CorruptBlockError` (the caller counts and deletes it).
+
+        ``resident_only``: raise :class:`NotResident` (before copying anything) unless every
+        value is uncompressed and in the page cache, so the read costs no disk wait and no
+        decompression (what the event loop may run itself).
 
         Uncompressed blocks are copied into one fresh buffer per call (each result a view
         of it). A fresh multi-MiB buffer is page-faulted in on first touch, which on this
@@ -182,6 +198,8 @@ class BlockEnv:
                     out[i] = CorruptBlockError("frame: header or payload missing")
                     continue
                 try:
+                    if resident_only:
+                        _check_resident(header, payload)
                     head = verify_split(header, payload)
                     if head.flags & FLAG_ZSTD:
                         out[i] = _decode_compressed(header, payload)
@@ -201,9 +219,11 @@ class BlockEnv:
                     offset += _aligned(head.raw_size)
         return out
 
-    def read_into(self, key: bytes, out: Block) -> bool | CorruptBlockError:
+    def read_into(self, key: bytes, out: Block, *,
+                  resident_only: bool = False) -> bool | CorruptBlockError:
         """Verify ``key`` and copy it into ``out`` in one read transaction; ``False`` on a
-        miss, the error for a corrupt frame. Raises ``ShapeMismatchError`` for a bad ``out``."""
+        miss, the error for a corrupt frame. Raises ``ShapeMismatchError`` for a bad ``out``,
+        :class:`NotResident` as :meth:`read` does."""
         with self.env.begin(buffers=True) as txn:
             header = txn.get(key, db=self.header)
             payload = txn.get(key, db=self.payload)
@@ -212,6 +232,8 @@ class BlockEnv:
             if header is None or payload is None:
                 return CorruptBlockError("frame: header or payload missing")
             try:
+                if resident_only:
+                    _check_resident(header, payload)
                 decode_split_into(header, payload, out)
             except CorruptBlockError as exc:
                 return exc
