@@ -58,8 +58,9 @@ log = logging.getLogger("kvtier.tiers.lmdb")
 T = TypeVar("T")
 
 DEFAULT_OVERHEAD_FIXED = 8 << 20
-#: Reads of at most this many frame bytes may run on the event loop (``inline_reads``).
-INLINE_READ_BYTES = 4 << 20
+#: Reads of at most this many frame bytes (one 4 MiB block and its header) may run on the
+#: event loop (``inline_reads``).
+INLINE_READ_BYTES = (4 << 20) + 4096
 _UNBOUNDED_MAP_SIZE = 1 << 40
 _MAX_ROOM_ATTEMPTS = 64
 _MAP_FULL_RETRIES = 2
