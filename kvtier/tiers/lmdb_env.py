@@ -187,7 +187,7 @@ class BlockEnv:
         """
         out: list[Block | CorruptBlockError | None] = [None] * len(keys)
         with self.env.begin(buffers=True) as txn:
-            plain: list[tuple[int, FrameHeader, memoryview]] = []
+            plain: list[tuple[int, FrameHeader, memoryview, memoryview]] = []
             total = 0
             for i, key in enumerate(keys):
                 header = txn.get(key, db=self.header)
@@ -200,23 +200,32 @@ class BlockEnv:
                 try:
                     if resident_only:
                         _check_resident(header, payload)
-                    head = verify_split(header, payload)
+                    head = parse_header(header)
+                    if head.header_len != len(header) or head.stored_size != len(payload):
+                        raise CorruptBlockError("frame: header and payload lengths disagree")
                     if head.flags & FLAG_ZSTD:
-                        out[i] = _decode_compressed(header, payload)
+                        out[i] = _decode_compressed(header, payload)  # verifies
                         continue
                 except CorruptBlockError as exc:
                     out[i] = exc
                     continue
-                plain.append((i, head, payload))
+                plain.append((i, head, header, payload))
                 total += _aligned(head.raw_size)
             if plain:
                 arena = np.empty(total, dtype=np.uint8)
                 offset = 0
-                for i, head, payload in plain:
+                for i, head, header, payload in plain:
                     view = arena[offset : offset + head.raw_size]
-                    view[:] = np.frombuffer(payload, dtype=np.uint8)
-                    out[i] = view.view(head.dtype).reshape(head.shape)
                     offset += _aligned(head.raw_size)
+                    # Copy, then checksum the copy while it is in the CPU cache: the map is
+                    # read once (verifying in place first read it twice; 1 MiB: -16 us).
+                    view[:] = np.frombuffer(payload, dtype=np.uint8)
+                    digest = xxhash.xxh3_64(memoryview(header)[:-8])
+                    digest.update(view.data)
+                    if digest.intdigest() != head.checksum:
+                        out[i] = CorruptBlockError("frame: checksum mismatch")
+                        continue
+                    out[i] = view.view(head.dtype).reshape(head.shape)
         return out
 
     def read_into(self, key: bytes, out: Block, *,
