@@ -39,8 +39,9 @@ Decode = Callable[[Any], Block]
 Encode = Callable[[], EncodedFrame]
 # zstd/checksums of blocks above this size leave the event loop.
 _INLINE_BYTES = 64 << 10
-# ``nowait`` reads of files up to this size may run on the loop (checksum included).
-NOWAIT_MAX_BYTES = 4 << 20
+# ``nowait`` reads of files up to this size (a 4 MiB block and its header) may run on the
+# loop (checksum included).
+NOWAIT_MAX_BYTES = (4 << 20) + 4096
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
