@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import mmap
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -68,8 +69,8 @@ class HostArena:
         ``madvise(MADV_HUGEPAGE)``: transparent huge pages (one fault and one TLB entry per
         2 MiB) where the kernel allows them (``/sys/kernel/mm/transparent_hugepage``).
 
-    Concurrency: :meth:`allocate` belongs to one thread (the tier's event loop); slots are
-    released from any thread.
+    Concurrency: :meth:`allocate` may be called from any thread (a lock orders it); slots
+    are released from any thread.
     """
 
     def __init__(self, nbytes: int, *, prefault: bool = False, hugepages: bool = False) -> None:
@@ -109,24 +110,26 @@ class HostArena:
         self.reused = 0
         self.overflow = 0
         self._unregister: Callable[[], None] | None = None
+        self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
         """A writable ``uint8`` array of ``nbytes`` bytes in a slot of the arena, or ``None``
         when no slot of its class is free and the unused end is too short (the caller
         falls back to the heap). The slot is free again once the array is garbage."""
         size = slot_bytes(nbytes)
-        self._drain()
-        free = self._free.get(size)
-        if free:
-            offset = free.pop()
-            self.free_bytes -= size
-            self.reused += 1
-        elif self._top + size <= self.nbytes:
-            offset = self._top
-            self._top += size
-        else:
-            self.overflow += 1
-            return None
+        with self._lock:
+            self._drain()
+            free = self._free.get(size)
+            if free:
+                offset = free.pop()
+                self.free_bytes -= size
+                self.reused += 1
+            elif self._top + size <= self.nbytes:
+                offset = self._top
+                self._top += size
+            else:
+                self.overflow += 1
+                return None
         # Its own buffer export, not a slice of ``buffer``: numpy collapses a view's base to
         # the first array whose base is not an array, so every view of this slot (and of
         # the block typed over it) keeps exactly this array alive.
@@ -152,7 +155,8 @@ class HostArena:
         (never carved), ``arena_reused`` (allocations from a released slot),
         ``arena_overflow`` (puts that found no slot), ``hugepages``, ``prefaulted``,
         ``pinned`` (registered with a device backend)."""
-        self._drain()
+        with self._lock:
+            self._drain()
         return {"arena_bytes": self.nbytes, "arena_free_bytes": self.free_bytes,
                 "arena_unused_bytes": self.nbytes - self._top, "arena_reused": self.reused,
                 "arena_overflow": self.overflow, "hugepages": self.hugepages,
