@@ -102,3 +102,26 @@ async def test_values_not_in_the_page_cache_read_in_a_thread(tmp_path: Path) -> 
     assert got is not None and np.array_equal(got, block(0))
     assert tier.stats()["reads_inline"] == 1
     await tier.aclose()
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["get", "get_many"])
+async def test_read_buffers_are_reused_but_never_under_a_held_block(tmp_path: Path,
+                                                                    batch: bool) -> None:
+    tier = LMDBTier(tmp_path / "db", capacity=64 * BLOCK)
+    await tier.put_many((key(i), block(i)) for i in range(20))
+    held = await tier.get(key(0))
+    view = held[BLOCK // 2:]  # a derived view keeps the slot too
+    del held
+    for _ in range(10):
+        if batch:  # 5 MiB: read in a worker thread
+            got = await tier.get_many([key(i) for i in range(1, 20)])
+            assert all(np.array_equal(g, block(i + 1)) for i, g in enumerate(got))  # type: ignore[arg-type]
+        else:
+            for i in range(1, 4):
+                one = await tier.get(key(i))
+                assert one is not None and np.array_equal(one, block(i))
+                del one
+        got = []
+        assert np.array_equal(view, block(0)[BLOCK // 2:])
+    assert tier.stats()["read_slots_reused"] > 0
+    await tier.aclose()

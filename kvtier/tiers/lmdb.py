@@ -625,4 +625,5 @@ class LMDBTier(BudgetedTier):
                 "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
                 "sync": self.sync, "compress_level": self.compress_level,
                 "discarded_after_os_crash": self.discarded_after_os_crash,
-                "reads_inline": self.reads_inline}
+                "reads_inline": self.reads_inline,
+                "read_slots_reused": self._env.read_slots_reused if self._env is not None else 0}

@@ -228,6 +228,12 @@ class BlockEnv:
                 out[i] = view.view(head.dtype).reshape(head.shape)
         return out
 
+    @property
+    def read_slots_reused(self) -> int:
+        """Reads whose block went into a slot of the read arena that an earlier, dropped
+        block had used."""
+        return self._buffers.reused
+
     def read_into(self, key: bytes, out: Block, *,
                   resident_only: bool = False) -> bool | CorruptBlockError:
         """Verify ``key`` and copy it into ``out`` in one read transaction; ``False`` on a
