@@ -11,9 +11,13 @@
   V; every channel an AR(1) series along tokens times a log-normal per-channel scale, a few
   outlier channels, rounded to fp16; smooth, low-entropy, like real K/V but a little kinder).
 
-Every tier op is awaited on an asyncio loop (each one crosses into a worker thread); the raw
-baselines call the library directly on the calling thread. Data stays hot in the page cache,
-so these are software-overhead figures, not disk figures.
+Every tier op is awaited on an asyncio loop; the raw baselines call the library on the
+calling thread and, in the ``in to_thread`` rows, through ``asyncio.to_thread`` (what a
+read costs when it must not block the loop). Tier reads print their ratio against the
+``to_thread`` baseline, then against the calling thread. ``lmdb://`` reads resident,
+uncompressed blocks on the loop by default (``inline_reads=0``: always a worker thread);
+``file://?nowait=1`` reads cached files on the loop. Data stays hot in the page cache, so
+these are software-overhead figures, not disk figures.
 
 Run ``python -m benchmarks.bench_persist [--quick] [--json FILE] [--dir DIR]``.
 """
@@ -42,6 +46,7 @@ from benchmarks.common import (
     time_async,
     time_sync,
     with_ratio,
+    with_second_ratio,
 )
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.tiers.fsspec import FsspecTier
@@ -109,6 +114,9 @@ async def _lmdb_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
             txn.put(_key(i), block)
     tier = LMDBTier(root / f"tier-{size_name}", capacity=4 * _WORKING_SET)
     await tier.put_many((_key(i), block) for i in range(n))
+    threaded = LMDBTier(root / f"tier-thread-{size_name}", capacity=4 * _WORKING_SET,
+                        inline_reads=False)
+    await threaded.put_many((_key(i), block) for i in range(n))
     seq = iter(range(1 << 62))
 
     def raw_put() -> None:
@@ -133,6 +141,12 @@ async def _lmdb_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
 
     async def tier_get_into() -> None:
         assert await tier.get_into(_key(next(seq) % n), out)
+
+    async def threaded_get() -> None:
+        assert await threaded.get(_key(next(seq) % n)) is not None
+
+    async def threaded_get_into() -> None:
+        assert await threaded.get_into(_key(next(seq) % n), out)
 
     def batch() -> list[bytes]:
         base = next(seq) * _BATCH
@@ -159,11 +173,17 @@ async def _lmdb_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
         ("raw py-lmdb put", raw_put, None),
         ("raw py-lmdb put in to_thread", None, raw_put_thread),
         ("lmdb:// tier put", None, tier_put)])
-    get_raw, get_raw_t, get_tier, into_tier = await cells.group("lmdb", size_name, nbytes, [
-        ("raw py-lmdb get+copy", raw_get, None),
-        ("raw py-lmdb get+copy in to_thread", None, raw_get_thread),
-        ("lmdb:// tier get", None, tier_get),
-        ("lmdb:// tier get_into", None, tier_get_into)])
+    # Tier reads: ratio against the same read through to_thread (the target), and against
+    # the calling thread (the stretch). The default tier reads resident blocks on the loop;
+    # inline_reads=0 shows the worker-thread path.
+    get_raw, get_raw_t, get_tier, into_tier, get_thr, into_thr = await cells.group(
+        "lmdb", size_name, nbytes, [
+            ("raw py-lmdb get+copy", raw_get, None),
+            ("raw py-lmdb get+copy in to_thread", None, raw_get_thread),
+            ("lmdb:// tier get", None, tier_get),
+            ("lmdb:// tier get_into", None, tier_get_into),
+            ("lmdb:// get, inline_reads=0", None, threaded_get),
+            ("lmdb:// get_into, inline_reads=0", None, threaded_get_into)])
     # Prefix chains move as batches (put_many/get_many): one transaction, one thread hop.
     put_raw_b, put_tier_b, get_raw_b, get_tier_b = await cells.group(
         "lmdb", size_name, _BATCH * nbytes, [
@@ -173,9 +193,12 @@ async def _lmdb_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
             (f"lmdb:// tier get_many x{_BATCH}", None, tier_get_batch)])
     env.close()
     await tier.aclose()
+    await threaded.aclose()
+    reads = [with_second_ratio(with_ratio(r, get_raw_t), get_raw)
+             for r in (get_tier, into_tier, get_thr, into_thr)]
     return [put_raw, with_ratio(put_raw_t, put_raw), with_ratio(put_tier, put_raw),
-            get_raw, with_ratio(get_raw_t, get_raw), with_ratio(get_tier, get_raw),
-            with_ratio(into_tier, get_raw), put_raw_b, with_ratio(put_tier_b, put_raw_b),
+            get_raw, with_ratio(get_raw_t, get_raw), *reads,
+            put_raw_b, with_ratio(put_tier_b, put_raw_b),
             get_raw_b, with_ratio(get_tier_b, get_raw_b)]
 
 
@@ -216,6 +239,7 @@ async def _file_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
     raw_dir = root / f"rawfiles-{size_name}"
     raw_dir.mkdir()
     tier = FsspecTier(f"file://{root}/tierfiles-{size_name}")
+    nowait = FsspecTier(f"file://{root}/tierfiles-{size_name}", nowait=True)  # same files
     seq = iter(range(1 << 62))
 
     def raw_write() -> None:
@@ -238,6 +262,12 @@ async def _file_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
     async def tier_get() -> None:
         assert await tier.get(_key(next(seq) % n)) is not None
 
+    async def nowait_get() -> None:
+        assert await nowait.get(_key(next(seq) % n)) is not None
+
+    async def tier_get_into() -> None:
+        assert await tier.get_into(_key(next(seq) % n), out)
+
     for i in range(n):  # every file exists before reads are timed
         raw_write()
         await tier.put(_key(i), block)
@@ -245,13 +275,19 @@ async def _file_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
         ("raw open/write", raw_write, None),
         ("raw open/write in to_thread", None, raw_write_thread),
         ("file:// tier put (tmp+rename)", None, tier_put)])
-    get_raw, get_raw_t, get_tier = await cells.group("file", size_name, nbytes, [
-        ("raw open/readinto", raw_read, None),
-        ("raw open/readinto in to_thread", None, raw_read_thread),
-        ("file:// tier get", None, tier_get)])
+    get_raw, get_raw_t, get_tier, into_tier, get_nowait = await cells.group(
+        "file", size_name, nbytes, [
+            ("raw open/readinto", raw_read, None),
+            ("raw open/readinto in to_thread", None, raw_read_thread),
+            ("file:// tier get", None, tier_get),
+            ("file:// tier get_into", None, tier_get_into),
+            ("file:// tier get, nowait=1", None, nowait_get)])
     await tier.aclose()
+    await nowait.aclose()
+    reads = [with_second_ratio(with_ratio(r, get_raw_t), get_raw)
+             for r in (get_tier, into_tier, get_nowait)]
     return [put_raw, with_ratio(put_raw_t, put_raw), with_ratio(put_tier, put_raw),
-            get_raw, with_ratio(get_raw_t, get_raw), with_ratio(get_tier, get_raw)]
+            get_raw, with_ratio(get_raw_t, get_raw), *reads]
 
 
 async def _bench_zstd(cells: _Cells) -> list[Result]:

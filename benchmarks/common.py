@@ -99,6 +99,13 @@ def with_ratio(result: Result, baseline: Result) -> Result:
     return result
 
 
+def with_second_ratio(result: Result, baseline: Result) -> Result:
+    """Also record the ratio against a second same-run baseline (printed after the first)."""
+    if baseline.gbps:
+        result.extra["also"] = f"{result.gbps / baseline.gbps:.2f}x {baseline.case}"
+    return result
+
+
 def print_table(results: Sequence[Result], title: str) -> None:
     """Print a fixed-width table of results."""
     print(f"\n## {title}")
@@ -110,7 +117,7 @@ def print_table(results: Sequence[Result], title: str) -> None:
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else ""
         print(f"{r.case:<34} {r.size:>6} {r.concurrency:>4} {r.ops_per_s:>10.0f} "
               f"{r.gbps:>8.2f} {r.pct(0.5) * 1e6:>9.1f} {r.pct(0.99) * 1e6:>9.1f} {ratio:>7}  "
-              f"{r.baseline or ''}")
+              f"{r.baseline or ''}{'; ' + r.extra['also'] if 'also' in r.extra else ''}")
 
 
 def dump_json(results: Sequence[Result], path: str) -> None:

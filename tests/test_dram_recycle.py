@@ -14,6 +14,8 @@ from kvtier.tiers.base import Block
 from kvtier.tiers.dram import DRAMTier
 
 BLOCK = 512 << 10  # large enough to be recycled
+#: Blocks in an arena slot (the default with a capacity) and in heap memory.
+ARENA = pytest.mark.parametrize("arena", [True, False], ids=["arena", "heap"])
 
 
 def block(seed: int, nbytes: int = BLOCK) -> np.ndarray:
@@ -36,8 +38,9 @@ async def churn(tier: DRAMTier, rounds: int) -> None:
 
 
 @pytest.mark.parametrize("hold", ["get result", "derived view"])
-async def test_reader_view_never_changes(hold: str) -> None:
-    tier = DRAMTier(capacity=4 * BLOCK)
+@ARENA
+async def test_reader_view_never_changes(hold: str, arena: bool) -> None:
+    tier = DRAMTier(capacity=4 * BLOCK, arena=arena)
     await tier.put(key(0), block(0))
     got = await tier.get(key(0))
     assert got is not None
@@ -52,8 +55,9 @@ async def test_reader_view_never_changes(hold: str) -> None:
     assert tier.stats()["recycled"] > 0
 
 
-async def test_overwrites_recycle_when_nobody_holds_the_block() -> None:
-    tier = DRAMTier(capacity=8 * BLOCK)
+@ARENA
+async def test_overwrites_recycle_when_nobody_holds_the_block(arena: bool) -> None:
+    tier = DRAMTier(capacity=8 * BLOCK, arena=arena)
     for i in range(20):
         await tier.put(key(0), block(i))
         got = await tier.get(key(0))
@@ -64,8 +68,9 @@ async def test_overwrites_recycle_when_nobody_holds_the_block() -> None:
     assert stats["used"] == BLOCK
 
 
-async def test_eviction_and_delete_recycle() -> None:
-    tier = DRAMTier(capacity=2 * BLOCK)
+@ARENA
+async def test_eviction_and_delete_recycle(arena: bool) -> None:
+    tier = DRAMTier(capacity=2 * BLOCK, arena=arena)
     for i in range(10):  # each put past the second evicts the oldest block
         await tier.put(key(i), block(i))
     assert tier.stats()["recycled"] >= 7
@@ -94,8 +99,9 @@ async def test_block_kept_by_eviction_callback_is_not_recycled() -> None:
     assert tier.stats()["recycled"] == 0
 
 
-async def test_recycled_buffer_takes_any_dtype_and_shape() -> None:
-    tier = DRAMTier(capacity=4 * BLOCK)
+@ARENA
+async def test_recycled_buffer_takes_any_dtype_and_shape(arena: bool) -> None:
+    tier = DRAMTier(capacity=4 * BLOCK, arena=arena)
     await tier.put(key(0), block(0))
     value = np.arange(BLOCK // 4, dtype=np.float32).reshape(8, -1)
     await tier.put(key(0), value)
@@ -106,8 +112,8 @@ async def test_recycled_buffer_takes_any_dtype_and_shape() -> None:
     assert np.array_equal(got, value)
 
 
-async def test_small_blocks_are_not_pooled() -> None:
-    tier = DRAMTier(capacity=1 << 20)
+async def test_small_blocks_are_not_pooled_on_the_heap() -> None:
+    tier = DRAMTier(capacity=1 << 20, arena=False)
     for i in range(10):
         await tier.put(key(0), block(i, 4096))
     assert await tier.delete(key(0))
@@ -116,7 +122,7 @@ async def test_small_blocks_are_not_pooled() -> None:
 
 
 async def test_spare_pool_is_bounded_and_cleared_on_close() -> None:
-    tier = DRAMTier(capacity=16 * BLOCK)  # spare pool: an eighth, 2 blocks
+    tier = DRAMTier(capacity=16 * BLOCK, arena=False)  # spare pool: an eighth, 2 blocks
     for i in range(6):
         await tier.put(key(i), block(i))
     for i in range(6):

@@ -8,6 +8,7 @@ the DMA engine overlap, and :meth:`CupyBackend.synchronize` waits for that strea
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,13 @@ class CupyBackend:
             pinned, wait=lambda k: self._events[k].synchronize(),
             record=lambda k: self._events[k].record(self._stream))
         self._pinned = pinned
+
+    def register_host(self, array: npt.NDArray[np.uint8]) -> Callable[[], None]:
+        """Page-lock ``array``'s memory in place (``cudaHostRegister``) so copies from and
+        to it are one DMA; returns the callable that unregisters it."""
+        ptr = array.ctypes.data
+        self._runtime.hostRegister(ptr, array.nbytes, 0)
+        return lambda: self._runtime.hostUnregister(ptr)
 
     def _memcpy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
         self._runtime.memcpyAsync(dst, src, nbytes, kind, self._stream.ptr)

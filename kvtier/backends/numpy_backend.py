@@ -6,6 +6,7 @@ It runs everywhere, so CI exercises the HBM tier's slot allocator, eviction and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,8 @@ class NumpyBackend:
         if device not in (None, "cpu"):
             raise ValueError(f"device: the numpy backend only has 'cpu', got {device!r}")
         self.device = "cpu"
+        #: Host arrays registered through :meth:`register_host` and not unregistered.
+        self.registered: list[npt.NDArray[np.uint8]] = []
 
     def allocate(self, nbytes: int) -> npt.NDArray[np.uint8]:
         return np.empty(nbytes, dtype=np.uint8)
@@ -64,6 +67,16 @@ class NumpyBackend:
 
     def empty_host(self, nbytes: int) -> npt.NDArray[np.uint8]:
         return np.empty(nbytes, dtype=np.uint8)
+
+    def register_host(self, array: npt.NDArray[np.uint8]) -> Callable[[], None]:
+        """Host memory is this backend's device memory, so registering it as pinned only
+        checks it (writable, C-contiguous ``uint8``) and records it in ``registered``
+        until the returned callable unregisters it."""
+        buffer = flat_bytes(array, "array")
+        if not buffer.flags.writeable:
+            raise ValueError("array: host memory to register must be writeable")
+        self.registered.append(buffer)
+        return lambda: self.registered.remove(buffer)
 
     def synchronize(self) -> None:
         """Copies are synchronous: nothing to wait for."""

@@ -10,6 +10,7 @@ buffers (:class:`~kvtier.backends.staging.StagingPipeline`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,24 @@ class TorchBackend:
         stream = self._stream
         stream.wait_stream(self._torch.cuda.current_stream(self._dev))
         return self._torch.cuda.stream(stream)
+
+    def register_host(self, array: npt.NDArray[np.uint8]) -> Callable[[], None]:
+        """Page-lock ``array``'s memory in place (``cudaHostRegister``) so copies from and
+        to it are one DMA; returns the callable that unregisters it. Does nothing on CPU.
+
+        Raises
+        ------
+        ConfigError
+            If CUDA refuses the registration.
+        """
+        if not self.is_cuda:
+            return lambda: None
+        cudart = self._torch.cuda.cudart()
+        ptr, nbytes = array.ctypes.data, array.nbytes
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise ConfigError(f"register_host: cudaHostRegister of {nbytes} bytes failed: {err}")
+        return lambda: cudart.cudaHostUnregister(ptr)
 
     # --------------------------------------------------------------- protocol
     def allocate(self, nbytes: int) -> Any:

@@ -1,4 +1,9 @@
-"""``dram://``: blocks in this process's host memory, under a byte budget with LRU eviction."""
+"""``dram://``: blocks in this process's host memory, under a byte budget with LRU eviction.
+
+A bounded tier keeps its blocks in a :class:`~kvtier.tiers.dram_arena.HostArena` (its
+capacity mapped once); an unbounded one (or ``arena=0``) in heap memory, recycling the
+buffers of large dropped blocks through a spare pool.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from kvtier.errors import ConfigError
 from kvtier.policy import Clock
 from kvtier.tiers.base import Block
 from kvtier.tiers.budget import BudgetedTier, Leaving, make_policy, parse_policy
-from kvtier.urls import merge_options, parse_size, parse_tier_url
+from kvtier.tiers.dram_arena import HostArena
+from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
 
 __all__ = ["DRAMTier"]
 
@@ -88,10 +94,26 @@ class DRAMTier(BudgetedTier):
     put only if nothing references the block or a view of it any more, so a reader's view
     never changes; ``stats()`` counts such puts as ``recycled``.
 
+    With an arena (the default when ``capacity`` is set) every block lives in a slot of
+    one mapping of ``capacity`` bytes, reused only once nothing references the block or a
+    view of it (:mod:`kvtier.tiers.dram_arena`); :meth:`register_host_memory` pins that
+    mapping for a device backend.
+
     Parameters
     ----------
     capacity
         Byte budget (``None``: unbounded).
+    arena
+        Keep blocks in an arena of ``capacity`` bytes mapped up front (default: when
+        ``capacity`` is set). Blocks that find no slot (other size classes fill it, or
+        readers still hold dropped blocks) go to the heap, counted in ``arena_overflow``.
+    prefault
+        Fault the arena's pages in at construction (takes about capacity / a few GB/s
+        and makes it resident), so no put pays a page fault.
+    hugepages
+        Ask for transparent huge pages for the arena (``madvise(MADV_HUGEPAGE)``; default:
+        on with an arena). Copies into 4 KiB pages that are not in the TLB ran at half the
+        speed on the benchmark machine (``docs/performance.md``).
     policy
         Eviction policy: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -101,17 +123,27 @@ class DRAMTier(BudgetedTier):
 
     Examples
     --------
-    URL form: ``dram://?capacity=8GiB&policy=lru``.
+    URL form: ``dram://?capacity=8GiB&policy=lru&prefault=1&hugepages=1``.
     """
 
     scheme = "dram"
 
     _atomic_commit = True
 
-    def __init__(self, capacity: int | None = None, *, policy: str = "lru",
+    def __init__(self, capacity: int | None = None, *, arena: bool | None = None,
+                 prefault: bool = False, hugepages: bool | None = None, policy: str = "lru",
                  clock: Clock = time.monotonic, name: str | None = None) -> None:
         super().__init__(name=name)
         self._policy = make_policy(policy, capacity, clock)
+        if arena is None:
+            arena = capacity is not None
+        if (prefault or hugepages) and not arena:
+            raise ConfigError("prefault/hugepages: need an arena (a capacity, arena=1)")
+        if arena and capacity is None:
+            raise ConfigError("arena: needs a capacity")
+        self._arena = (HostArena(capacity, prefault=prefault,
+                                 hugepages=True if hugepages is None else hugepages)
+                       if arena and capacity else None)
         # A large stored block is a read-only view of its own uint8 buffer (``block.base``),
         # so a dropped block's buffer can go to the spare pool whatever its dtype and shape.
         self._blocks: dict[bytes, Block] = {}
@@ -120,15 +152,23 @@ class DRAMTier(BudgetedTier):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """``dram://?capacity=SIZE[&policy=lru|s3fifo|arc][&name=LABEL]``."""
+        """``dram://?capacity=SIZE[&arena=1][&prefault=0][&hugepages=1]
+        [&policy=lru|s3fifo|arc][&name=LABEL]``."""
         parsed = parse_tier_url(url)
         if parsed.netloc or parsed.path not in ("", "/"):
             raise ConfigError(f"url: dram:// takes no host or path, got {url!r}")
-        opts = merge_options(parsed, options, {"capacity", "name", "clock", "policy"})
+        opts = merge_options(parsed, options, {"capacity", "name", "clock", "policy", "arena",
+                                               "prefault", "hugepages"})
         capacity = opts.get("capacity")
+        flags: dict[str, bool] = {}
+        for flag in ("arena", "prefault", "hugepages"):
+            value = opts.get(flag)
+            if value not in (None, ""):
+                flags[flag] = parse_bool(value, flag)  # type: ignore[arg-type]
         return cls(
             capacity=None if capacity in (None, "") else parse_size(capacity),  # type: ignore[arg-type]
-            policy=parse_policy(opts.get("policy")),
+            arena=flags.get("arena"), prefault=flags.get("prefault", False),
+            hugepages=flags.get("hugepages"), policy=parse_policy(opts.get("policy")),
             name=str(opts["name"]) if "name" in opts else None,
             **({"clock": opts["clock"]} if "clock" in opts else {}),  # type: ignore[arg-type]
         )
@@ -164,6 +204,7 @@ class DRAMTier(BudgetedTier):
             old = self._blocks.pop(key, None)
             if old is not None:
                 self._reclaim(old)  # an unread overwritten block lends its buffer to the copy
+                old = None  # released first, so its arena slot (still in cache) takes the copy
             self._blocks[key] = self._copy(block)
 
     def _detach(self, key: bytes) -> Block | None:
@@ -179,10 +220,14 @@ class DRAMTier(BudgetedTier):
             self._reclaim(old)
 
     def _copy(self, block: Block) -> Block:
-        """A read-only copy of ``block``; a large one goes into a spare buffer of its size
-        when there is one."""
+        """A read-only copy of ``block`` in an arena slot, else (no arena, or no slot) in
+        a spare buffer of its size when it is large and there is one."""
         stored: Block
-        if block.nbytes < _RECYCLE_MIN_BYTES:
+        raw = None if self._arena is None else self._arena.allocate(block.nbytes)
+        if raw is not None:
+            stored = np.ndarray(block.shape, block.dtype, raw)
+            np.copyto(stored, block, casting="no")
+        elif block.nbytes < _RECYCLE_MIN_BYTES:
             stored = np.array(block, copy=True, order="C")
         else:
             raw = self._spare.take(block.nbytes)
@@ -207,6 +252,8 @@ class DRAMTier(BudgetedTier):
         if old.nbytes < _RECYCLE_MIN_BYTES or _extra_refs(old) != 1:  # the caller's variable
             return
         raw = old.base
+        if self._arena is not None and self._arena.owns(raw):
+            return  # an arena slot frees itself once its last reference is gone
         if isinstance(raw, np.ndarray) and _extra_refs(raw) == 1:  # ``old.base``
             self._spare.give(raw)
 
@@ -221,7 +268,31 @@ class DRAMTier(BudgetedTier):
         self._reclaim(old)
         return True
 
+    @property
+    def arena(self) -> HostArena | None:
+        """The arena holding this tier's blocks (``None``: heap memory)."""
+        return self._arena
+
+    def register_host_memory(self, backend: object) -> None:
+        """Register the tier's arena once with a device ``backend`` as pinned host memory,
+        so copies between device memory and stored blocks are one DMA with no staging
+        buffer; undone at :meth:`aclose`. ``backend`` needs ``register_host(array)``
+        (the torch and cupy backends call ``cudaHostRegister``). Calling it again does
+        nothing.
+
+        Raises
+        ------
+        ConfigError
+            If the tier has no arena or the backend cannot register host memory.
+        """
+        if self._arena is None:
+            raise ConfigError("register_host_memory: the tier has no arena "
+                              "(give it a capacity and leave arena on)")
+        self._arena.register(backend)
+
     async def _aclose(self) -> None:
+        if self._arena is not None:
+            self._arena.unregister()
         self._blocks.clear()
         self._leaving.clear()
         self._spare.clear()
@@ -229,8 +300,11 @@ class DRAMTier(BudgetedTier):
             self._policy.remove(key)
 
     def stats(self) -> dict[str, Any]:
-        """Tier figures plus ``blocks``, ``pinned_bytes``, ``spare_bytes`` (buffers of dropped
-        blocks kept for reuse, not counted in ``used``) and ``recycled`` (puts that copied
-        into such a buffer instead of fresh memory)."""
-        return {**super().stats(), "spare_bytes": self._spare.bytes,
-                "recycled": self._spare.reused}
+        """Tier figures plus ``blocks``, ``pinned_bytes``, ``spare_bytes`` (buffers and
+        arena slots of dropped blocks kept for reuse, not counted in ``used``),
+        ``recycled`` (puts that copied into such a buffer instead of fresh memory) and,
+        with an arena, its figures (:meth:`HostArena.stats`)."""
+        arena = {} if self._arena is None else self._arena.stats()
+        return {**super().stats(), **arena,
+                "spare_bytes": self._spare.bytes + arena.get("arena_free_bytes", 0),
+                "recycled": self._spare.reused + arena.get("arena_reused", 0)}

@@ -46,7 +46,7 @@ T = TypeVar("T")
 
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
-                "storage_options", "clock", "policy"}
+                "storage_options", "clock", "policy", "nowait"}
 
 
 def _io_error_types() -> tuple[type[BaseException], ...]:
@@ -102,6 +102,10 @@ class FsspecTier(BudgetedTier):
         Directory levels of two hex digits each (0..4, default 2).
     fsync
         ``file://`` only: fsync the block and its directory before publishing.
+    nowait
+        ``file://`` only: read files that are in the page cache on the event loop
+        (``preadv`` with ``RWF_NOWAIT``), others in a worker thread; for local disks, not
+        network mounts (see :class:`~kvtier.tiers.fsspec_io.LocalBackend`).
     timeout
         Seconds after which one storage operation is abandoned (a miss or a put error).
     policy
@@ -118,13 +122,16 @@ class FsspecTier(BudgetedTier):
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
-                 timeout: float = 30.0, policy: str = "lru", clock: Clock = time.monotonic,
+                 nowait: bool = False, timeout: float = 30.0, policy: str = "lru",
+                 clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
         if timeout <= 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout}")
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+        if nowait and self.protocol not in ("file", "local"):
+            raise ConfigError(f"nowait: only for file:// tiers, not {self.protocol}://")
         super().__init__(name=name or self.protocol)
         self.url = url
         self.storage_options = dict(storage_options or {})
@@ -132,6 +139,7 @@ class FsspecTier(BudgetedTier):
         self.shuffle = shuffle
         self.fanout = fanout
         self.fsync = fsync
+        self.nowait = nowait
         self.timeout = timeout
         self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
@@ -150,7 +158,7 @@ class FsspecTier(BudgetedTier):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
         """``PROTO://LOCATION?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&fanout=2
-        &fsync=0&timeout=30&name=LABEL&<storage options>``; other query options and the
+        &fsync=0&nowait=0&timeout=30&name=LABEL&<storage options>``; other query options and the
         ``storage_options`` keyword go to the fsspec filesystem."""
         parsed = parse_tier_url(url)
         merged: dict[str, Any] = {**parsed.params, **options}
@@ -174,6 +182,7 @@ class FsspecTier(BudgetedTier):
             compress_level=parse_compress(merged.get("compress")),
             shuffle=parse_bool(merged.get("shuffle", False), "shuffle"),
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
+            nowait=parse_bool(merged.get("nowait", False), "nowait"),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
             name=str(merged["name"]) if "name" in merged else None, **kwargs)
 
@@ -188,7 +197,7 @@ class FsspecTier(BudgetedTier):
                 unknown = ", ".join(sorted(self.storage_options))
                 raise ConfigError(f"url: unknown option(s) {unknown} for file:// (kvtier "
                                   f"options: {', '.join(sorted(_OWN_OPTIONS))})")
-            return LocalBackend(fsync=self.fsync), root
+            return LocalBackend(fsync=self.fsync, nowait=self.nowait), root
         return SyncFsBackend(fs), root
 
     async def _ready(self) -> Backend:
@@ -333,9 +342,12 @@ class FsspecTier(BudgetedTier):
             self._backend = None
 
     def stats(self) -> dict[str, Any]:
+        backend = self._backend
+        nowait = {"reads_nowait": backend.reads_nowait} \
+            if isinstance(backend, LocalBackend) and self.nowait else {}
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,
                 "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
-                "url": self.url}
+                "url": self.url, **nowait}
 
 
 def _base_url(parsed: TierURL) -> str:

@@ -3,7 +3,8 @@
 Three ways to move a frame to and from a path:
 
 - :class:`LocalBackend` for ``file://`` (POSIX mounts such as WEKA, VAST, NFS): plain ``os``
-  calls in a worker thread; a frame is written with one ``writev`` to a unique temp file in
+  calls in a worker thread (with ``nowait``, reads of cached files on the loop); a frame
+  is written with one ``writev`` to a unique temp file in
   the target directory, then ``os.replace``-d into place, so a reader sees the old block, no
   block, or the whole new one.
 - :class:`SyncFsBackend` for synchronous fsspec filesystems (``memory://``, ``sftp://``...):
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Callable
@@ -26,15 +28,21 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.codec import EncodedFrame
+from kvtier.codec import FLAG_ZSTD, EncodedFrame, parse_header
+from kvtier.errors import CorruptBlockError
 from kvtier.tiers.base import Block
 
-__all__ = ["AsyncFsBackend", "Backend", "LocalBackend", "SyncFsBackend", "close_async_fs"]
+__all__ = ["NOWAIT_MAX_BYTES", "AsyncFsBackend", "Backend", "LocalBackend", "SyncFsBackend",
+           "close_async_fs"]
 
 Decode = Callable[[Any], Block]
 Encode = Callable[[], EncodedFrame]
 # zstd/checksums of blocks above this size leave the event loop.
 _INLINE_BYTES = 64 << 10
+# ``nowait`` reads of files up to this size (a 4 MiB block and its header) may run on the
+# loop (checksum included).
+NOWAIT_MAX_BYTES = (4 << 20) + 4096
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 class Backend(Protocol):
@@ -64,14 +72,71 @@ class LocalBackend:
     fsync
         ``fsync`` each temp file before the rename, and its directory after (durable
         publish; slower).
+    nowait
+        Read on the event loop with ``preadv(..., RWF_NOWAIT)``, which reads only what is
+        in the page cache: a file read whole that way (up to :data:`NOWAIT_MAX_BYTES`,
+        uncompressed or small) costs no thread hop; any other falls back to a worker
+        thread. ``open``/``fstat`` then also run on the loop, which is quick on a local
+        disk with a warm directory tree but waits for the server on NFS: leave it off
+        for network mounts.
     """
 
-    def __init__(self, *, fsync: bool = False) -> None:
+    def __init__(self, *, fsync: bool = False, nowait: bool = False) -> None:
         self.fsync = fsync
+        self.nowait = nowait and bool(_RWF_NOWAIT)
+        self.reads_nowait = 0  # reads served on the loop
         self._dirs: set[str] = set()
 
     async def read(self, path: str, decode: Decode) -> Block | None:
+        if self.nowait:
+            try:
+                return self._read_nowait(path, decode)
+            except BlockingIOError:
+                pass
         return await asyncio.to_thread(self._read, path, decode)
+
+    def _read_nowait(self, path: str, decode: Decode) -> Block | None:
+        """Read and decode ``path`` on the calling thread from the page cache only.
+
+        Raises
+        ------
+        BlockingIOError
+            When part of the file is not cached, it is large, or decoding it is heavy
+            (decompressing over ``_INLINE_BYTES``): read it in a thread.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > NOWAIT_MAX_BYTES:
+                raise BlockingIOError(path)
+            buf = np.empty(size, dtype=np.uint8)
+            view = buf.data
+            got = 0
+            while got < size:
+                try:
+                    n = os.preadv(fd, [view[got:]], got, _RWF_NOWAIT)
+                except OSError as exc:
+                    if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                        self.nowait = False  # this filesystem has no RWF_NOWAIT reads
+                        raise BlockingIOError(path) from exc
+                    raise
+                if n == 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        try:
+            head = parse_header(view[:got])
+            heavy = bool(head.flags & FLAG_ZSTD) and head.raw_size > _INLINE_BYTES
+        except CorruptBlockError:
+            heavy = False  # decode raises it here, as the threaded path would
+        if heavy:
+            raise BlockingIOError(path)
+        self.reads_nowait += 1
+        return decode(view[:got])
 
     def _read(self, path: str, decode: Decode) -> Block | None:
         try:

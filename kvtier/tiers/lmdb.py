@@ -2,8 +2,14 @@
 
 URL form: ``lmdb:///nvme/kvtier?capacity=500GiB&compress=zstd:1&shuffle=1&sync=0``.
 
-- Every LMDB transaction runs start to commit inside one ``asyncio.to_thread`` call
-  (:mod:`kvtier.tiers.lmdb_env`); reads copy out before their transaction ends.
+- Every LMDB transaction runs start to commit inside one worker-thread call
+  (:mod:`kvtier.tiers.lmdb_env`); reads copy out before their transaction ends. Except
+  (``inline_reads``, on by default) a read of at most ``INLINE_READ_BYTES`` whose values
+  are uncompressed and in the page cache (``mincore``): it runs on the event loop, since
+  it then costs a checksum and a memcpy, less than the thread hop (about 65 us on the
+  benchmark machine, ``docs/performance.md``). Its B-tree lookup touches a few pages that
+  every read and write of the tier touches too; were one evicted, that read would take one
+  page fault on the loop.
 - The budget accounts stored frame bytes. ``data.mdb`` can never grow past ``map_size =
   capacity + overhead`` (LMDB refuses with ``MapFullError``, which this tier catches: it
   evicts more and retries), so the directory stays under ``capacity + overhead + 64 KiB``
@@ -41,15 +47,20 @@ from kvtier.errors import (
 from kvtier.policy import Clock, RecencyPolicy
 from kvtier.tiers.base import Block
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
-from kvtier.tiers.lmdb_env import BlockEnv, Durability, PendingPut
+from kvtier.tiers.lmdb_env import BlockEnv, Durability, NotResident, PendingPut
+from kvtier.tiers.residency import mincore_available
 from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
 
-__all__ = ["DEFAULT_OVERHEAD_FIXED", "DirectoryLockedError", "LMDBTier", "default_overhead"]
+__all__ = ["DEFAULT_OVERHEAD_FIXED", "INLINE_READ_BYTES", "DirectoryLockedError", "LMDBTier",
+           "default_overhead"]
 
 log = logging.getLogger("kvtier.tiers.lmdb")
 T = TypeVar("T")
 
 DEFAULT_OVERHEAD_FIXED = 8 << 20
+#: Reads of at most this many frame bytes (one 4 MiB block and its header) may run on the
+#: event loop (``inline_reads``).
+INLINE_READ_BYTES = (4 << 20) + 4096
 _UNBOUNDED_MAP_SIZE = 1 << 40
 _MAX_ROOM_ATTEMPTS = 64
 _MAP_FULL_RETRIES = 2
@@ -172,7 +183,7 @@ class LMDBTier(BudgetedTier):
                  compress_level: int | None = None, shuffle: bool = False,
                  sync: Durability = "0", writemap: bool = False, overhead: int | None = None,
                  policy: str = "lru", clock: Clock = time.time, touch_flush: int = 1024,
-                 name: str | None = None) -> None:
+                 inline_reads: bool = True, name: str | None = None) -> None:
         super().__init__(name=name)
         if sync not in ("0", "meta", "1"):
             raise ConfigError(f"sync: expected '0', 'meta' or '1', got {sync!r}")
@@ -196,6 +207,8 @@ class LMDBTier(BudgetedTier):
         self.writemap = writemap
         self._clock = clock
         self._touch_flush = touch_flush
+        self.inline_reads = inline_reads and mincore_available()
+        self.reads_inline = 0  # reads served on the loop (resident, uncompressed)
         self._env: BlockEnv | None = None
         self._opening: asyncio.Future[BlockEnv] | None = None
         # Serialises write transactions (LMDB has one writer anyway); never held across a
@@ -210,7 +223,7 @@ class LMDBTier(BudgetedTier):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
         """``lmdb:///DIR?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&sync=0|meta|1
-        &writemap=0&overhead=SIZE&name=LABEL``."""
+        &writemap=0&overhead=SIZE&inline_reads=1&name=LABEL``."""
         parsed = parse_tier_url(url)
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"url: lmdb:// takes an absolute path (lmdb:///dir), got {url!r}")
@@ -220,7 +233,7 @@ class LMDBTier(BudgetedTier):
                               f"{url!r}")
         opts = merge_options(parsed, options, {"capacity", "compress", "shuffle", "sync",
                                                "writemap", "overhead", "name", "clock",
-                                               "touch_flush", "policy"})
+                                               "touch_flush", "policy", "inline_reads"})
         capacity = opts.get("capacity")
         overhead = opts.get("overhead")
         sync_text = str(opts.get("sync", "0")).strip().lower()
@@ -238,6 +251,7 @@ class LMDBTier(BudgetedTier):
             shuffle=parse_bool(opts.get("shuffle", False), "shuffle"),  # type: ignore[arg-type]
             sync=_SYNC_VALUES[sync_text],
             writemap=parse_bool(opts.get("writemap", False), "writemap"),  # type: ignore[arg-type]
+            inline_reads=parse_bool(opts.get("inline_reads", True), "inline_reads"),  # type: ignore[arg-type]
             overhead=None if overhead in (None, "") else parse_size(overhead, "overhead"),  # type: ignore[arg-type]
             policy=parse_policy(opts.get("policy")),
             name=str(opts["name"]) if "name" in opts else None,
@@ -344,6 +358,20 @@ class LMDBTier(BudgetedTier):
         fut.add_done_callback(self._inflight.discard)
         return await asyncio.shield(fut)
 
+    async def _read(self, fn: Callable[..., T], keys: Sequence[bytes], *args: Any) -> T:
+        """``fn(*args)`` (a :class:`BlockEnv` read of ``keys``) on the loop when the values
+        are small, uncompressed and resident, else in a worker thread."""
+        if self.inline_reads and sum(self._policy.size_of(k) or 0 for k in keys) \
+                <= INLINE_READ_BYTES:
+            try:
+                result = fn(*args, resident_only=True)
+            except NotResident:
+                pass
+            else:
+                self.reads_inline += 1
+                return result
+        return await self._in_thread(fn, *args)
+
     async def _locked(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` under the writer lock as a shielded, tracked task (see above)."""
         async def run() -> T:
@@ -368,7 +396,7 @@ class LMDBTier(BudgetedTier):
         found: dict[bytes, Block] = {}
         if wanted:
             try:
-                results = await self._in_thread(env.read, wanted)
+                results = await self._read(env.read, wanted, wanted)
             except lmdb.Error as exc:
                 self.io_errors += 1
                 raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
@@ -403,7 +431,7 @@ class LMDBTier(BudgetedTier):
             self.misses += 1
             return False
         try:
-            res = await self._in_thread(env.read_into, key, out)
+            res = await self._read(env.read_into, (key,), key, out)
         except lmdb.Error as exc:
             self.io_errors += 1
             raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
@@ -596,4 +624,6 @@ class LMDBTier(BudgetedTier):
                 "io_errors": self.io_errors, "corrupt": self.corrupt, "map_full": self.map_full,
                 "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
                 "sync": self.sync, "compress_level": self.compress_level,
-                "discarded_after_os_crash": self.discarded_after_os_crash}
+                "discarded_after_os_crash": self.discarded_after_os_crash,
+                "reads_inline": self.reads_inline,
+                "read_slots_reused": self._env.read_slots_reused if self._env is not None else 0}

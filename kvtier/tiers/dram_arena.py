@@ -1,0 +1,189 @@
+"""The DRAM tier's arena: its capacity mapped once, carved into slots by size class.
+
+Why: a put of a new key into fresh heap memory pays one first-touch page fault per 4 KiB
+(256 per MiB), which makes filling a cache about 3x slower than copying into warm memory.
+The arena maps the tier's capacity up front (optionally pre-faulted, optionally on
+transparent huge pages), so puts copy into memory that is already mapped, and it is one
+region a device backend can register once as pinned memory (one DMA per HBM <-> DRAM copy,
+no staging buffer).
+
+Slots: a block of ``n`` bytes takes a slot of its size class (``n`` rounded up to 64 bytes);
+freed slots go back to their class's free list (LIFO, so an overwrite copies into the slot
+it just released, still in the CPU cache); new slots are carved from the unused end. KV
+blocks of one model are all one size, so classes do not fragment in practice; a put that
+finds no slot (the arena holds other classes, or slots still held by readers) gets heap
+memory instead, counted in ``overflow``.
+
+Reuse rule: each slot is handed out as its own ``uint8`` array (numpy views of it, and
+views of views, all keep that array alive), and the slot returns to the free list only
+when that array is garbage (a weak reference's callback). So a reader's zero-copy view,
+a lower tier or a queue holding a block keeps its slot out of circulation, and held bytes
+never change. The callback may run on any thread (whoever drops the last view); it only
+appends to a deque that the tier's loop drains.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import mmap
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.errors import ConfigError
+
+__all__ = ["HostArena", "slot_bytes"]
+
+_ALIGN = 64  # a cache line: copies into a slot never share a line with a neighbour
+_PAGE = mmap.PAGESIZE
+_HUGE_PAGE = 2 << 20
+
+
+def slot_bytes(nbytes: int) -> int:
+    """The size class (slot size) of a block of ``nbytes`` bytes."""
+    return max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+
+
+def _released(freed: collections.deque[tuple[int, int]], size: int, offset: int,
+              _ref: object) -> None:
+    freed.append((size, offset))  # deque.append is atomic: safe from any thread
+
+
+class HostArena:
+    """``nbytes`` of anonymous memory mapped once, handing out slots by size class.
+
+    Parameters
+    ----------
+    nbytes
+        Bytes to map (rounded up to a page).
+    prefault
+        Fault every page in now (``MAP_POPULATE``, or a write of one byte per page after
+        ``madvise`` when ``hugepages``), so no put pays a page fault. Costs about
+        ``nbytes`` / (a few GB/s) at construction and makes the memory resident.
+    hugepages
+        ``madvise(MADV_HUGEPAGE)``: transparent huge pages (one fault and one TLB entry per
+        2 MiB) where the kernel allows them (``/sys/kernel/mm/transparent_hugepage``).
+
+    Concurrency: :meth:`allocate` may be called from any thread (a lock orders it); slots
+    are released from any thread.
+    """
+
+    def __init__(self, nbytes: int, *, prefault: bool = False, hugepages: bool = False) -> None:
+        if nbytes <= 0:
+            raise ConfigError(f"capacity: an arena needs a positive size, got {nbytes}")
+        #: Bytes slots are carved from (``nbytes`` rounded up to a page).
+        self.nbytes = (nbytes + _PAGE - 1) // _PAGE * _PAGE
+        # Mapped in whole huge pages when asked, so the last slots can sit on one too.
+        mapped = (self.nbytes + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE if hugepages \
+            else self.nbytes
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if prefault and not hugepages:
+            flags |= mmap.MAP_POPULATE
+        elif not prefault:
+            flags |= getattr(mmap, "MAP_NORESERVE", 0)
+        try:
+            self._map = mmap.mmap(-1, mapped, flags=flags)
+        except OSError as exc:
+            raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: {exc}") from exc
+        self.hugepages = False
+        if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self.hugepages = True
+            except OSError:  # THP disabled in this kernel: plain pages, still correct
+                pass
+        #: The whole arena as one writable ``uint8`` array (what a backend pins).
+        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8, self.nbytes)
+        if prefault and hugepages:
+            self.buffer[::_PAGE] = 0  # first touch after madvise, so faults map huge pages
+        self.prefaulted = prefault
+        self._top = 0  # slots are carved from [_top, nbytes)
+        self._free: dict[int, list[int]] = {}
+        self._freed: collections.deque[tuple[int, int]] = collections.deque()
+        self._refs: dict[int, weakref.ref[npt.NDArray[np.uint8]]] = {}
+        self.free_bytes = 0
+        self.reused = 0
+        self.overflow = 0
+        self._unregister: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        """A writable ``uint8`` array of ``nbytes`` bytes in a slot of the arena, or ``None``
+        when no slot of its class is free and the unused end is too short (the caller
+        falls back to the heap). The slot is free again once the array is garbage."""
+        size = slot_bytes(nbytes)
+        with self._lock:
+            self._drain()
+            free = self._free.get(size)
+            if free:
+                offset = free.pop()
+                self.free_bytes -= size
+                self.reused += 1
+            elif self._top + size <= self.nbytes:
+                offset = self._top
+                self._top += size
+            else:
+                self.overflow += 1
+                return None
+        # Its own buffer export, not a slice of ``buffer``: numpy collapses a view's base to
+        # the first array whose base is not an array, so every view of this slot (and of
+        # the block typed over it) keeps exactly this array alive.
+        raw = np.frombuffer(self._map, np.uint8, nbytes, offset)
+        self._refs[offset] = weakref.ref(raw, functools.partial(_released, self._freed,
+                                                                size, offset))
+        return raw
+
+    def _drain(self) -> None:
+        freed = self._freed
+        while freed:
+            size, offset = freed.popleft()
+            self._free.setdefault(size, []).append(offset)
+            self.free_bytes += size
+
+    def owns(self, raw: object) -> bool:
+        """Whether ``raw`` (a block's base) is a slot of this arena."""
+        base = getattr(raw, "base", None)
+        return isinstance(base, memoryview) and base.obj is self._map
+
+    def stats(self) -> dict[str, Any]:
+        """``arena_bytes``, ``arena_free_bytes`` (released slots), ``arena_unused_bytes``
+        (never carved), ``arena_reused`` (allocations from a released slot),
+        ``arena_overflow`` (puts that found no slot), ``hugepages``, ``prefaulted``,
+        ``pinned`` (registered with a device backend)."""
+        with self._lock:
+            self._drain()
+        return {"arena_bytes": self.nbytes, "arena_free_bytes": self.free_bytes,
+                "arena_unused_bytes": self.nbytes - self._top, "arena_reused": self.reused,
+                "arena_overflow": self.overflow, "hugepages": self.hugepages,
+                "prefaulted": self.prefaulted, "pinned": self._unregister is not None}
+
+    def register(self, backend: object) -> None:
+        """Register the whole arena with ``backend`` as pinned (page-locked) host memory,
+        once; later calls do nothing. ``backend`` must have ``register_host(array)``
+        returning the callable that unregisters it (the torch and cupy backends call
+        ``cudaHostRegister``; the numpy backend only checks the buffer).
+
+        Raises
+        ------
+        ConfigError
+            If the backend cannot register host memory.
+        """
+        if self._unregister is not None:
+            return
+        register = getattr(backend, "register_host", None)
+        if not callable(register):
+            raise ConfigError(f"backend: {backend!r} cannot register host memory "
+                              "(no register_host)")
+        self._unregister = register(self.buffer)
+
+    def unregister(self) -> None:
+        """Undo :meth:`register` (at the tier's close). The mapping itself stays until the
+        last view of it is garbage, so readers' views stay valid."""
+        unregister, self._unregister = self._unregister, None
+        if unregister is not None:
+            unregister()
