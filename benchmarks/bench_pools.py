@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_peer import HOST, REPO, TOKEN
 from benchmarks.common import (
     SIZES,
     Result,
@@ -48,9 +49,6 @@ from benchmarks.common import (
 )
 from kvtier.tiers.base import Tier
 
-REPO = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
-TOKEN = "bench-token"
 Op = Callable[[], Awaitable[object]]
 _CASES = ("get", "put", "batch16 get", "batch16 put")
 
