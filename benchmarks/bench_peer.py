@@ -45,7 +45,7 @@ from benchmarks.common import (
     main_for,
     median_of,
     print_table,
-    time_async,
+    time_op_pool,
     with_ratio,
 )
 
@@ -184,21 +184,7 @@ class RawClient(asyncio.BufferedProtocol):
 
 async def _cell(results: list[Result], case: str, size: str, nbytes: int, conc: int,
                 make_op: Callable[[int], Op], min_time: float) -> None:
-    ops = [make_op(w) for w in range(conc)]
-    for op in ops:
-        await op()  # warm-up: connections open, caches hot
-    free = list(ops)
-
-    async def run() -> None:
-        # Each worker holds one op at a time: a raw connection serves one request at a time.
-        op = free.pop()
-        try:
-            await op()
-        finally:
-            free.append(op)
-
-    lat, wall = await time_async(run, min_ops=max(5, conc * 2), min_time=min_time,
-                                 concurrency=conc)
+    lat, wall = await time_op_pool(make_op, conc, min_time)
     results.append(Result("peer", case, size, lat, nbytes, wall, concurrency=conc))
 
 

@@ -44,7 +44,7 @@ from benchmarks.common import (
     main_for,
     median_of,
     print_table,
-    time_async,
+    time_op_pool,
     with_ratio,
 )
 from kvtier.tiers.base import Tier
@@ -175,20 +175,7 @@ def _servers(stack: contextlib.ExitStack, tmp: Path) -> dict[str, str]:
 
 async def _cell(results: list[Result], system: str, case: str, size: str, nbytes: int,
                 conc: int, op: Callable[[int], Op], min_time: float) -> None:
-    ops = [op(w) for w in range(conc)]
-    for warm in ops:
-        await warm()
-    free = list(ops)
-
-    async def run() -> None:
-        mine = free.pop()
-        try:
-            await mine()
-        finally:
-            free.append(mine)
-
-    lat, wall = await time_async(run, min_ops=max(5, conc * 2), min_time=min_time,
-                                 concurrency=conc)
+    lat, wall = await time_op_pool(op, conc, min_time)
     results.append(Result("pools", f"{system} {case}", size, lat, nbytes, wall,
                           concurrency=conc))
 

@@ -86,6 +86,27 @@ async def time_async(fn: Callable[[], Awaitable[object]], *, min_ops: int, min_t
     return lat, time.perf_counter() - start
 
 
+async def time_op_pool(make_op: Callable[[int], Callable[[], Awaitable[object]]],
+                       concurrency: int, min_time: float) -> tuple[list[float], float]:
+    """Time ``concurrency`` workers that each hold one op (``make_op(worker)``) at a time,
+    after one warm-up call of each (connections open, caches hot): an op wrapping a raw
+    connection serves one request at a time."""
+    ops = [make_op(w) for w in range(concurrency)]
+    for op in ops:
+        await op()
+    free = list(ops)
+
+    async def run() -> None:
+        op = free.pop()
+        try:
+            await op()
+        finally:
+            free.append(op)
+
+    return await time_async(run, min_ops=max(5, concurrency * 2), min_time=min_time,
+                            concurrency=concurrency)
+
+
 def median_of(runs: Sequence[Result]) -> Result:
     """The run with the median throughput (repeat cells, quote the median)."""
     ordered = sorted(runs, key=lambda r: r.gbps)
