@@ -131,3 +131,29 @@ async def test_client_validates_arguments() -> None:
     with pytest.raises(TypeError, match="keys"):
         await locate_prefix(["127.0.0.1:1"], ["x"], token=None)  # type: ignore[list-item]
     assert await locate_prefix([], K, token=None) == {}
+
+
+async def test_a_stalled_body_gets_408_and_bodies_past_the_inflight_budget_503() -> None:
+    """/v1/locate reads its body like every other route: the body timeout and the
+    in-flight budget apply."""
+    limits = proto.Limits(max_block_bytes=1 << 20, max_body_bytes=1 << 20)
+    async with PeerServer(DRAMTier(), token=TOKEN, limits=limits, body_timeout=0.3,
+                          max_inflight_bytes=1 << 20) as server:
+        head = (f"POST {LOCATE_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                f"Content-Length: 100\r\n\r\n").encode()
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(head + b"\x01\x00")  # then nothing more
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 20)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+        assert server.body_timeouts == 1 and server.budget.held == 0
+
+        assert server.budget.try_take(server.budget.limit - 50)  # others' bodies in flight
+        try:
+            async with aiohttp.ClientSession() as http, http.post(
+                    f"{server.url}{LOCATE_PATH}", data=proto.encode_keys(K),
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        finally:
+            server.budget.give(server.budget.limit - 50)

@@ -40,9 +40,10 @@ from aiohttp import web
 from kvtier.events import MEDIUM_SHARED, medium_of
 from kvtier.peer import protocol as proto
 
-__all__ = ["LOCATE_PATH", "LocalPrefix", "LocateAnswer", "PrefixLocation", "decode_answer",
-           "encode_answer", "local_tiers", "locate_in_pool", "locate_prefix",
-           "make_locate_handler", "segment_answer", "segment_tiers", "tiers_answer"]
+__all__ = ["LOCATE_PATH", "BodyReader", "LocalPrefix", "LocateAnswer", "PrefixLocation",
+           "decode_answer", "encode_answer", "local_tiers", "locate_in_pool", "locate_prefix",
+           "make_locate_handler", "read_bounded", "segment_answer", "segment_tiers",
+           "tiers_answer"]
 
 log = logging.getLogger(__name__)
 
@@ -183,33 +184,44 @@ def decode_answer(body: bytes, max_blocks: int) -> tuple[str, LocalPrefix]:
     return node, LocalPrefix(blocks, tier, by_tier)
 
 
+BodyReader = Callable[[web.Request, int], Awaitable[bytes | memoryview]]
+
+
+async def read_bounded(request: web.Request, limit: int) -> bytes:
+    """A request body of at most ``limit`` bytes (``413`` past it): the reader of a
+    ``/v1/locate`` handler mounted outside a :class:`~kvtier.peer.server.PeerServer`."""
+    length = request.content_length
+    if length is not None and length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=length,
+                                            text=f"body of {length} bytes exceeds {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(1 << 16):  # b"" at the end of the body
+        size += len(chunk)
+        if size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size,
+                                                text=f"body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def make_locate_handler(answer: LocateAnswer, *, node: str | Callable[[], str],
-                        limits: proto.Limits | None = None
+                        limits: proto.Limits | None = None,
+                        read_body: BodyReader = read_bounded,
                         ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """An aiohttp handler for ``POST /v1/locate`` answering with ``answer``; ``node`` (or a
     callable returning it, read per request) names the node in the answers.
 
-    Authentication is the application's (a ``PeerServer``'s middleware); the handler bounds
-    the body (``413``) and refuses malformed key lists (``400``) before calling ``answer``.
+    Authentication is the application's (a ``PeerServer``'s middleware); the handler reads
+    the body with ``read_body(request, limit)`` (a ``PeerServer`` passes its own guarded
+    read: body timeout ``408``, in-flight budget ``503``; the default only bounds the size,
+    ``413``) and refuses malformed key lists (``400``) before calling ``answer``.
     """
     lim = limits or proto.Limits()
     max_body = min(4 + lim.max_batch * (2 + 128), lim.max_body_bytes)
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        length = request.content_length
-        if length is not None and length > max_body:
-            raise web.HTTPRequestEntityTooLarge(max_size=max_body, actual_size=length,
-                                                text=f"body of {length} bytes exceeds "
-                                                     f"{max_body}")
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := await request.content.read(1 << 16):  # b"" at the end of the body
-            size += len(chunk)
-            if size > max_body:
-                raise web.HTTPRequestEntityTooLarge(max_size=max_body, actual_size=size,
-                                                    text=f"body exceeds {max_body} bytes")
-            chunks.append(chunk)
-        body = b"".join(chunks)
+        body = await read_body(request, max_body)
         try:
             keys = proto.decode_keys(body, lim.max_batch)
         except proto.LimitExceededError as exc:

@@ -172,7 +172,7 @@ class PeerServer:
         app.router.add_post(proto.BATCH_DELETE_PATH, self._batch_delete)
         app.router.add_get(proto.HEALTH_PATH, self._health)
         app.router.add_get(proto.METRICS_PATH, self._metrics)
-        app.router.add_post(LOCATE_PATH, make_locate_handler(segment_answer(self.segment), node=lambda: self.node_id or "", limits=self.limits))  # noqa: E501
+        app.router.add_post(LOCATE_PATH, make_locate_handler(segment_answer(self.segment), node=lambda: self.node_id or "", limits=self.limits, read_body=self._read_body))  # noqa: E501
         return app
 
     async def start(self) -> tuple[str, int]:
