@@ -27,6 +27,7 @@ from kvtier.peer.client import PeerClient
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.peer.tls import server_context
+from kvtier.store import open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.dram import DRAMTier
 
@@ -394,6 +395,22 @@ async def test_tls_server_name_verifies_members_addressed_by_ip(
         wrong = PeerTier.from_url(base + "&tls_server_name=other.kvtier.internal")
         async with wrong:
             assert await wrong.get(key_of(1)) is None
+
+
+async def test_locate_prefix_verifies_members_by_tls_server_name(
+        named_pki: dict[str, str]) -> None:
+    srv = PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
+                     ssl_context=server_context(named_pki["server"]))
+    async with srv:
+        await srv.segment.put(key_of(1), sample_block(1))
+        base = f"peers://{srv.member_id}?token={TOKEN}&timeout=2&tls_ca={named_pki['ca']}"
+        keys = [key_of(1), key_of(2)]
+        async with open_store([base + "&tls_server_name=pool.kvtier.internal"]) as named:
+            found = await named.locate_prefix(keys, timeout=5)
+            assert found.nodes[srv.member_id].blocks == 1 and found.pool == 1
+        # Without the name the certificate (no IP SAN) does not match: the member is left out.
+        async with open_store([base]) as unnamed:
+            assert srv.member_id not in (await unnamed.locate_prefix(keys, timeout=5)).nodes
 
 
 # ----------------------------------------------------------------------- serve --loop

@@ -237,8 +237,9 @@ def make_locate_handler(answer: LocateAnswer, *, node: str | Callable[[], str],
 
 
 async def _ask(session: aiohttp.ClientSession, base: str, body: bytes, headers: dict[str, str],
-               n_keys: int) -> LocalPrefix:
-    async with session.post(f"{base}{LOCATE_PATH}", data=body, headers=headers) as resp:
+               n_keys: int, server_hostname: str | None) -> LocalPrefix:
+    async with session.post(f"{base}{LOCATE_PATH}", data=body, headers=headers,
+                            server_hostname=server_hostname) as resp:
         if resp.status != 200:
             raise proto.ProtocolError(f"locate: HTTP {resp.status}")
         return decode_answer(await resp.read(), n_keys)[1]
@@ -246,12 +247,14 @@ async def _ask(session: aiohttp.ClientSession, base: str, body: bytes, headers: 
 
 async def locate_prefix(members: Sequence[str], keys: Sequence[bytes], *, token: str | None,
                         deadline: float = 0.05, session: aiohttp.ClientSession | None = None,
-                        scheme: str | None = None, ssl_context: ssl.SSLContext | None = None
-                        ) -> dict[str, LocalPrefix]:
+                        scheme: str | None = None, ssl_context: ssl.SSLContext | None = None,
+                        tls_server_name: str | None = None) -> dict[str, LocalPrefix]:
     """Ask every member (``host:port``) how many leading ``keys`` it holds locally.
 
     ``scheme`` defaults to ``https`` with an ``ssl_context`` (the pool's client TLS context),
-    else ``http``.
+    else ``http``. ``tls_server_name``, with TLS, is the name every member's certificate is
+    verified against (and sent as SNI) instead of its host, as in the pool's
+    ``tls_server_name=`` option.
 
     One request per member, all concurrent; a member that has not answered within
     ``deadline`` seconds, or answers with an error, is left out of the result (logged at
@@ -283,8 +286,9 @@ async def locate_prefix(members: Sequence[str], keys: Sequence[bytes], *, token:
         connector=aiohttp.TCPConnector(ssl=ssl_context if ssl_context is not None else False))
     start = time.monotonic()
     try:
+        hostname = tls_server_name if scheme == "https" else None
         tasks = {asyncio.ensure_future(_ask(sess, f"{scheme}://{m}", body, headers,
-                                            len(key_list))): m for m in members}
+                                            len(key_list), hostname)): m for m in members}
         done, pending = await asyncio.wait(tasks, timeout=deadline)
         for task in pending:
             task.cancel()

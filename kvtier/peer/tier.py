@@ -146,6 +146,7 @@ class PeerTier(Tier):
         self.timeout = timeout
         self._token = token  # for /v1/locate (the clients hold their own copy)
         self._ssl_context = ssl_context
+        self._tls_server_name = tls_server_name  # for /v1/locate too
         self.ack = ack
         self.compress_level = compress_level
         self.local = local
@@ -610,7 +611,8 @@ class PeerTier(Tier):
         left out. See :func:`kvtier.peer.locate.locate_prefix`."""
         others = [m for m in self.members.members if m != self.members.self_id]
         return await locate_prefix(others, keys, token=self._token, deadline=deadline,
-                                   ssl_context=self._ssl_context)
+                                   ssl_context=self._ssl_context,
+                                   tls_server_name=self._tls_server_name)
 
     async def flush(self) -> None:
         """Wait for background copies (``ack=one`` puts, cancelled puts) and read repairs."""
