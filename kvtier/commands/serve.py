@@ -40,6 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most blocks per batch request (default 1024)")
     parser.add_argument("--max-body", default="256MiB", metavar="SIZE",
                         help="largest request body (default 256MiB)")
+    parser.add_argument("--max-inflight", default="1GiB", metavar="SIZE",
+                        help="request body and batch answer bytes held at once, server-wide; "
+                             "a request past it gets 503 with Retry-After (default 1GiB; at "
+                             "least --max-body)")
+    parser.add_argument("--idle-timeout", type=float, default=15.0, metavar="SECONDS",
+                        help="close a connection idle, or still sending its request head, "
+                             "this long (default 15)")
+    parser.add_argument("--body-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="refuse a request whose body sends no byte for this long with "
+                             "408 (default 10)")
+    parser.add_argument("--max-connections", type=int, default=4096, metavar="N",
+                        help="open connections served at once; more get 503 and are closed "
+                             "(default 4096)")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                         help="event loop: uvloop, asyncio's default, or auto (uvloop when "
                              "installed; pip install 'kvtier[uvloop]')")
@@ -132,11 +145,15 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     limits = Limits(max_block_bytes=parse_size(args.max_block_bytes, "--max-block-bytes"),
                     max_batch=args.max_batch,
                     max_body_bytes=parse_size(args.max_body, "--max-body"))
+    max_inflight = parse_size(args.max_inflight, "--max-inflight")
     store = await open_store(args.tier, tier_options=segment_policy(args.tier, args.policy))
-    server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,
-                        limits=limits, ssl_context=ctx, insecure_no_auth=args.insecure_no_auth,
-                        close_segment=True)
     try:
+        server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,
+                            limits=limits, ssl_context=ctx,
+                            insecure_no_auth=args.insecure_no_auth, close_segment=True,
+                            max_inflight_bytes=max_inflight, idle_timeout=args.idle_timeout,
+                            body_timeout=args.body_timeout,
+                            max_connections=args.max_connections)
         bound_host, bound_port = await server.start()
     except BaseException:
         await store.aclose()
