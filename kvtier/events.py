@@ -30,15 +30,27 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "MEDIUM_GPU", "MEDIUM_SHARED", "AllBlocksCleared",
-           "BlockRemoved", "BlockStored", "EventHub", "KVEvent", "Subscription", "medium_of"]
+__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "MEDIUM_GPU", "MEDIUM_SHARED", "VLLM_MEDIUM",
+           "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventHub", "KVEvent",
+           "Subscription", "medium_of"]
 
 # ``medium`` values, as in the issue's contract and vLLM's events (vLLM itself spells its
-# own tiers "GPU"/"CPU"; a publisher can map these, see kvtier.events_zmq).
+# own tiers "GPU"/"CPU"; a publisher can map these with VLLM_MEDIUM).
 MEDIUM_GPU = "gpu"
 MEDIUM_CPU = "cpu"
 MEDIUM_DISK = "disk"
 MEDIUM_SHARED = "shared_storage"
+
+#: kvtier medium -> vLLM 0.32's ``(medium, locality)``: its offloading tiers say "CPU" or
+#: "STORAGE" (``vllm.v1.kv_offload.base.Medium``), its prefix cache "GPU", and a tier shared
+#: with other instances is "REMOTE" (``Locality``). Used by the vLLM connector's events and
+#: by ``ZmqEventPublisher(vllm_medium_names=True)``.
+VLLM_MEDIUM: dict[str, tuple[str, str]] = {
+    MEDIUM_GPU: ("GPU", "LOCAL"),
+    MEDIUM_CPU: ("CPU", "LOCAL"),
+    MEDIUM_DISK: ("STORAGE", "LOCAL"),
+    MEDIUM_SHARED: ("STORAGE", "REMOTE"),
+}
 
 _SCHEME_MEDIUM = {
     "hbm": MEDIUM_GPU,

@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier.events import (
+    VLLM_MEDIUM,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -41,15 +42,29 @@ from kvtier.events import (
     Subscription,
 )
 
-__all__ = ["END_SEQ", "VLLM_MEDIUM", "VllmAllBlocksCleared", "VllmBlockRemoved",
-           "VllmBlockStored", "VllmKVEventBatch", "ZmqEventPublisher", "to_vllm"]
+__all__ = ["END_SEQ", "VLLM_MEDIUM", "MediumMap", "VllmAllBlocksCleared", "VllmBlockRemoved",
+           "VllmBlockStored", "VllmKVEventBatch", "ZmqEventPublisher", "kvtier_medium",
+           "to_vllm", "vllm_medium"]
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-# vLLM's own spelling of mediums ("GPU", "CPU"), for routers that match vLLM's strings.
-VLLM_MEDIUM = {"gpu": "GPU", "cpu": "CPU", "disk": "DISK", "shared_storage": "SHARED_STORAGE"}
+# A medium as sent: (medium, locality); locality None is left off the wire.
+MediumMap = Callable[[str], tuple[str, str | None]]
+
+
+def kvtier_medium(medium: str) -> tuple[str, str | None]:
+    """kvtier's own spelling (``cpu``, ``disk``, ...), without a locality."""
+    return medium, None
+
+
+def vllm_medium(medium: str) -> tuple[str, str | None]:
+    """vLLM 0.32's spelling and locality (:data:`kvtier.events.VLLM_MEDIUM`: ``cpu`` ->
+    ``("CPU", "LOCAL")``, ``disk`` -> ``("STORAGE", "LOCAL")``, ``shared_storage`` ->
+    ``("STORAGE", "REMOTE")``); a medium kvtier does not define goes out upper-cased, without
+    a locality."""
+    return VLLM_MEDIUM.get(medium, (medium.upper(), None))
 
 
 class _EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
@@ -73,6 +88,7 @@ class VllmBlockStored(_KVCacheEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None  # required (no default), as in vLLM: always on the wire
+    locality: str | None = None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -84,6 +100,7 @@ class VllmBlockRemoved(_KVCacheEvent, tag="BlockRemoved"):
 
     block_hashes: list[bytes | int]
     medium: str | None
+    locality: str | None = None
     group_idx: int | None = None
 
 
@@ -97,16 +114,19 @@ class VllmKVEventBatch(_EventBatch):
     events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
 
 
-def to_vllm(event: KVEvent, medium: Callable[[str], str] = lambda m: m
+def to_vllm(event: KVEvent, medium: MediumMap = kvtier_medium
             ) -> VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared:
-    """One kvtier event as vLLM's struct (``medium`` maps kvtier's medium names)."""
+    """One kvtier event as vLLM's struct (``medium`` maps kvtier's medium name to the
+    ``(medium, locality)`` sent, see :func:`vllm_medium`)."""
     if isinstance(event, BlockStored):
+        name, locality = medium(event.medium)
         return VllmBlockStored(block_hashes=list(event.keys), parent_block_hash=event.parent,
                                token_ids=list(event.token_ids),
                                block_size=event.block_tokens or 0, lora_id=None,
-                               medium=medium(event.medium), lora_name=None)
+                               medium=name, lora_name=None, locality=locality)
     if isinstance(event, BlockRemoved):
-        return VllmBlockRemoved(block_hashes=list(event.keys), medium=medium(event.medium))
+        name, locality = medium(event.medium)
+        return VllmBlockRemoved(block_hashes=list(event.keys), medium=name, locality=locality)
     if isinstance(event, AllBlocksCleared):
         return VllmAllBlocksCleared()
     raise TypeError(f"event: expected a kvtier KV event, got {type(event).__name__}")
@@ -134,7 +154,10 @@ class ZmqEventPublisher:
         ZMQ send high-water mark: past it PUB drops messages for a slow subscriber (ZMQ's own
         never-block rule, on top of the hub's bounded buffer).
     vllm_medium_names
-        Send vLLM's spelling (``CPU``, ``DISK``, ...) instead of kvtier's (``cpu``, ``disk``).
+        Send vLLM 0.32's spelling and ``locality``, as its own offloading connectors do
+        (``CPU``/``LOCAL``, ``STORAGE``/``LOCAL``, ``STORAGE``/``REMOTE`` for a shared tier;
+        :func:`vllm_medium`) instead of kvtier's (``cpu``, ``disk``, ``shared_storage``,
+        no locality).
     data_parallel_rank
         Stamped on each batch (vLLM's field), ``None`` to omit it.
 
@@ -156,8 +179,7 @@ class ZmqEventPublisher:
         self.topic = topic if topic is not None else f"kv@{hub.node}@{model}"
         self._topic = self.topic.encode()
         self._hwm = hwm
-        self._medium: Callable[[str], str] = ((lambda m: VLLM_MEDIUM.get(m, m.upper()))
-                                              if vllm_medium_names else (lambda m: m))
+        self._medium: MediumMap = vllm_medium if vllm_medium_names else kvtier_medium
         self._rank = data_parallel_rank
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches or None)
         self._keep = buffer_batches > 0

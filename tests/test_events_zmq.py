@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from kvtier.events import EventHub
 from kvtier.events_zmq import ZmqEventPublisher
+from kvtier.integrations.vllm_events import event_media
 from kvtier.store import TieredStore
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.lmdb import LMDBTier
@@ -38,6 +39,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    locality: str | None = None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -47,6 +49,7 @@ class BlockStored(KVCacheEvent):
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
+    locality: str | None = None
     group_idx: int | None = None
 
 
@@ -113,6 +116,7 @@ async def test_subscriber_decodes_vllm_batches() -> None:
             assert isinstance(stored, BlockStored) and stored.block_hashes == K[:3]
             assert stored.parent_block_hash is None and stored.block_size == 256
             assert stored.medium == "cpu" and stored.token_ids == []
+            assert stored.locality is None  # kvtier's spelling: no locality on the wire
             assert isinstance(removed, BlockRemoved) and removed.block_hashes == K[:1]
             assert isinstance(lower, BlockStored) and lower.parent_block_hash == K[2]
             assert lower.medium == "disk"
@@ -144,9 +148,29 @@ async def test_replay_socket_resends_missed_batches() -> None:
             assert int.from_bytes(seq, "big") == 1
             (event,) = DECODER.decode(payload).events
             assert isinstance(event, BlockStored) and event.block_hashes == [K[1]]
-            assert event.medium == "CPU"
+            assert (event.medium, event.locality) == ("CPU", "LOCAL")
         finally:
             req.close(linger=0)
+
+
+@pytest.mark.parametrize(("scheme", "kv_medium"), [
+    ("hbm", "gpu"), ("dram", "cpu"), ("lmdb", "disk"), ("peers", "shared_storage")])
+async def test_vllm_names_agree_with_the_vllm_connector(scheme: str, kv_medium: str) -> None:
+    """vllm_medium_names=True spells each medium as the vLLM connector's events do (vLLM
+    0.32's offloading connectors: CPU / STORAGE plus a LOCAL / REMOTE locality)."""
+    hub = EventHub("n")
+    pub = ZmqEventPublisher(hub, "tcp://127.0.0.1:0", vllm_medium_names=True)
+    (expected,) = event_media([f"{scheme}://x"])  # the connector's (medium, locality)
+    sub = hub.subscribe()
+    hub.stored([K[0]], tier="t", medium=kv_medium)
+    hub.removed([K[0]], tier="t", medium=kv_medium)
+    events: list[Any] = []
+    batches = sub.batches()
+    while len(events) < 2:
+        events += DECODER.decode(pub.encode(await asyncio.wait_for(anext(batches), 10))).events
+    stored, removed = events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert (stored.medium, stored.locality) == (removed.medium, removed.locality) == expected
 
 
 async def test_bad_endpoint_is_refused() -> None:
@@ -190,12 +214,14 @@ async def test_store_events_reach_a_real_subscriber(tmp_path: Path) -> None:
     first, demoted, removed, third, flushed, *cleared = events
     assert isinstance(first, BlockStored) and first.block_hashes == K[:2]
     assert first.parent_block_hash == parent and first.block_size == 16
-    assert first.medium == "CPU" and first.lora_name is None
-    assert isinstance(demoted, BlockStored) and demoted.medium == "DISK"
-    assert isinstance(removed, BlockRemoved) and removed.medium == "CPU"
+    assert (first.medium, first.locality) == ("CPU", "LOCAL") and first.lora_name is None
+    assert isinstance(demoted, BlockStored)
+    assert (demoted.medium, demoted.locality) == ("STORAGE", "LOCAL")
+    assert isinstance(removed, BlockRemoved)
+    assert (removed.medium, removed.locality) == ("CPU", "LOCAL")
     assert removed.block_hashes == demoted.block_hashes and demoted.block_hashes[0] in K[:2]
     assert isinstance(third, BlockStored) and third.block_hashes == K[2:3]
     # The close flush copies what RAM held into the disk tier, then both tiers are cleared.
-    assert isinstance(flushed, BlockStored) and flushed.medium == "DISK"
+    assert isinstance(flushed, BlockStored) and flushed.medium == "STORAGE"
     assert K[2] in flushed.block_hashes
     assert len(cleared) == 2 and all(isinstance(e, AllBlocksCleared) for e in cleared)

@@ -30,17 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, medium_of
+from kvtier.events import MEDIUM_SHARED, VLLM_MEDIUM, medium_of
 
 __all__ = ["ConnectorEvents", "KVTierWorkerMetadata", "LocalBlockRemoved", "LocalBlockStored",
            "event_media"]
-
-# kvtier medium -> (vLLM medium, vLLM locality). vLLM 0.32's offloading tiers say "CPU" or
-# "STORAGE" (``vllm.v1.kv_offload.base.Medium``), its prefix cache "GPU", and a tier shared
-# with other instances is "REMOTE" (``Locality``).
-_VLLM_MEDIUM = {MEDIUM_GPU: ("GPU", "LOCAL"), MEDIUM_CPU: ("CPU", "LOCAL"),
-                MEDIUM_DISK: ("STORAGE", "LOCAL")}
-_SHARED = ("STORAGE", "REMOTE")
 
 
 @dataclass(frozen=True)
@@ -58,7 +51,7 @@ def event_media(tier_urls: Sequence[str]) -> list[tuple[str, str]]:
     media: list[tuple[str, str]] = []
     for url in tier_urls:
         kv_medium = medium_of(_Scheme(url.split("://", 1)[0].lower()))
-        pair = _VLLM_MEDIUM.get(kv_medium, _SHARED)
+        pair = VLLM_MEDIUM.get(kv_medium, VLLM_MEDIUM[MEDIUM_SHARED])
         if pair not in media:
             media.append(pair)
     return media
