@@ -158,7 +158,8 @@ def make_chain_machine(
             self.expect(key, got)
             copies = self.run(self.tier_copies(key))
             for rank, (index, copy) in enumerate(copies):
-                assert copy is not None, f"tier {index} claims {key.hex()} but cannot read it"
+                assert copy is not None, (f"tier {index} claims {key.hex()} but cannot read "
+                                          f"it; its stats: {self.s.tiers[index].stats()}")
                 # The topmost copy is what readers see, and a copy the get just promoted must
                 # be identical; older copies further down may be stale (write_back overwrites
                 # them only when the newer block is demoted onto them).
