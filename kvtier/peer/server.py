@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
-from kvtier.codec import FLAG_ZSTD, EncodedFrame, decode_frame, encode_frame, parse_header
+from kvtier.codec import FLAG_ZSTD, EncodedFrame, decode_frame, parse_header
 from kvtier.errors import (
     BlockTooLargeError,
     ConfigError,
@@ -38,6 +38,7 @@ from kvtier.peer.guards import (
     RefuseProtocol,
     raise_open_files_limit,
 )
+from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
 from kvtier.peer.metrics import Family, render, store_families
 
@@ -158,6 +159,7 @@ class PeerServer:
         self.stored_keys: dict[bytes, None] = {}  # insertion-ordered; only when tracked
         self._track_keys = False
         self._accept_filter: AcceptErrorFilter | None = None
+        self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
         self.app = self._build_app()
 
     # ----------------------------------------------------------------- lifecycle
@@ -410,7 +412,7 @@ class PeerServer:
         block = await self.segment.get(key)
         if block is None:
             raise web.HTTPNotFound(text="no such block")
-        frame = encode_frame(block, key=key)  # bound to its key: the client verifies it
+        frame = self.frames.encode(key, block)  # bound to its key: the client verifies it
         return await self._send(request, frame.buffers)
 
     async def _put_block(self, request: web.Request) -> web.StreamResponse:
@@ -432,6 +434,7 @@ class PeerServer:
     async def _delete_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
         self.stored_keys.pop(key, None)
+        self.frames.forget(key)
         if await self.segment.delete(key):
             return web.Response(status=204)
         raise web.HTTPNotFound(text="no such block")
@@ -454,7 +457,7 @@ class PeerServer:
         items: list[tuple[bytes, EncodedFrame | None]] = []
         for key in keys:
             block = found.pop(key, None)  # pop: a repeat finds nothing
-            frame = None if block is None else encode_frame(block, key=key)
+            frame = None if block is None else self.frames.encode(key, block)
             if frame is not None:
                 size = 2 + len(key) + 8 + frame.nbytes
                 if size > room or not self.budget.try_take(frame.nbytes):
@@ -493,6 +496,7 @@ class PeerServer:
         keys = await self._read_keys(request)
         for key in keys:
             self.stored_keys.pop(key, None)
+            self.frames.forget(key)
         flags = [await self.segment.delete(k) for k in keys]
         return await self._send(request, [proto.encode_flags(flags)])
 
