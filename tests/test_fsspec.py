@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
+from tmpfs import mounted_tmpfs
 
 from kvtier.errors import ConfigError, TierError
 from kvtier.store import TieredStore
@@ -115,16 +116,8 @@ async def test_corrupt_file_is_counted_miss_and_store_keeps_serving(tmp_path: Pa
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs (root only); skipped where mount is not permitted."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 async def test_read_only_directory_mid_run(tiny_tmpfs: Path) -> None:

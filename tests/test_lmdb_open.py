@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tmpfs import mounted_tmpfs
 
 from kvtier.errors import ConfigError
 from kvtier.testing.conformance import key_of, sample_block
@@ -68,16 +69,8 @@ async def test_unreadable_open_marker_keeps_the_cache(tmp_path: Path, marker: by
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs (root only); skipped where mount is not permitted."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _fill(mnt: Path) -> None:
