@@ -127,6 +127,17 @@ def _serve_aiohttp() -> None:
     asyncio.run(main())
 
 
+def stop_child(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM a benchmark's child process; kill it if it has not exited within 15 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def _child(args: list[str], ready: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -144,13 +155,7 @@ def _child(args: list[str], ready: str) -> Iterator[tuple[subprocess.Popen[str],
             raise RuntimeError(f"child {args[:4]} did not start")
         yield proc, line.strip()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_child(proc)
 
 
 # ---------------------------------------------------------------------- clients

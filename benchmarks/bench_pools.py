@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_peer import HOST, REPO, TOKEN
+from benchmarks.bench_peer import HOST, REPO, TOKEN, stop_child
 from benchmarks.common import (
     SIZES,
     Result,
@@ -91,13 +91,7 @@ def _child(args: list[str], *, ready: str | None = None, port: int | None = None
             _wait_port(port, proc)
         yield line.strip()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_child(proc)
 
 
 def _mooncake_env() -> dict[str, str]:
