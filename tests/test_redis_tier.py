@@ -241,9 +241,18 @@ async def test_cluster_failover(cluster: redis_servers.RedisCluster) -> None:
         assert on_victim and elsewhere
         victim.kill()
         try:
-            got = await store.get_many(keys)
+            # Other primaries keep serving in the same batch as the dead one's misses. Right
+            # after the kill the client may spend a batch or two re-reading the slot map
+            # (every node's MGET then fails; seen 2 in ~6 loaded full-suite runs): bounded.
+            settle = time.monotonic() + 10
+            while True:
+                got = await store.get_many(keys)
+                if all(got[i] is not None for i, k in enumerate(keys) if k in elsewhere) \
+                        or time.monotonic() > settle:
+                    break
+                await asyncio.sleep(0.2)
             for i, (key, block) in enumerate(zip(keys, got, strict=True)):
-                if key in elsewhere:  # other primaries keep serving in the same batch
+                if key in elsewhere:
                     assert block is not None and block.tobytes() == sample_block(i).tobytes()
             assert await store.get(on_victim[0]) is None  # a miss until promotion
             deadline = time.monotonic() + 30
