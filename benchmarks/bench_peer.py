@@ -5,7 +5,8 @@ is this process. Cells, for 64 KiB / 1 MiB / 4 MiB blocks at concurrency 1 / 8 /
 
 - ``peer get`` / ``peer put``: :class:`kvtier.peer.PeerTier` against ``kvtier serve``
   (checksummed frames, bearer token, DRAM segment); ``peer batch16 get``: one ``get_many``
-  of 16 blocks (one request).
+  of 16 blocks (one request). The ``, aiohttp server`` variants run against a second
+  ``kvtier serve --no-data-plane``: the same server with every request through aiohttp.
 - ``tcp proto get``: raw asyncio TCP, BufferedProtocol receiving into a preallocated buffer
   (the ceiling for an asyncio peer).
 - ``aiohttp get`` / ``aiohttp put``: bare aiohttp server and client moving the same bytes
@@ -271,11 +272,15 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                 "server (kvtier serve)", pstats.Stats(str(server_prof))))
         _, line = stack.enter_context(_child(serve, "listening on"))
         member = line.split("listening on ")[1].split()[0]
+        # The same server with the data plane off: every request through aiohttp.
+        _, line = stack.enter_context(_child([*serve, "--no-data-plane"], "listening on"))
+        aio_member = line.split("listening on ")[1].split()[0]
         raw_port = int(stack.enter_context(_child([*module, "_serve_raw"], "READY"))[1].split()[1])
         http_port = int(stack.enter_context(
             _child([*module, "_serve_aiohttp"], "READY"))[1].split()[1])
         tier = PeerTier.from_url(f"peers://{member}?token={TOKEN}&timeout=30")
-        async with tier, _redis(_free_port()) as rds, aiohttp.ClientSession(
+        aio_tier = PeerTier.from_url(f"peers://{aio_member}?token={TOKEN}&timeout=30")
+        async with tier, aio_tier, _redis(_free_port()) as rds, aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=64)) as http:
             async def fetch(url: str) -> bytes:
                 async with http.get(url) as r:
@@ -292,6 +297,7 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                 keys = [f"{label}-{i}".encode().ljust(16, b".") for i in range(16)]
                 body = blocks[0].tobytes()
                 await tier.put_many(list(zip(keys, blocks, strict=True)))
+                await aio_tier.put_many(list(zip(keys, blocks, strict=True)))
                 if rds is not None:
                     await rds.set(f"k{label}", body)  # type: ignore[attr-defined]
                 plain = f"http://{HOST}:{http_port}/b/{nbytes}"
@@ -307,9 +313,13 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                         ("aiohttp get", nbytes, lambda w, u=plain: lambda: fetch(u)),
                         ("aiohttp get joined", nbytes, lambda w, u=joined: lambda: fetch(u)),
                         ("peer get", nbytes, lambda w, k=keys: lambda: tier.get(k[w % 16])),
+                        ("peer get, aiohttp server", nbytes,
+                            lambda w, k=keys: lambda: aio_tier.get(k[w % 16])),
                         ("aiohttp put", nbytes, lambda w, u=plain, b=body: lambda: send(u, b)),
                         ("peer put", nbytes, lambda w, k=keys, b=blocks:
                             lambda: tier.put(k[w % 16], b[w % 16])),
+                        ("peer put, aiohttp server", nbytes, lambda w, k=keys, b=blocks:
+                            lambda: aio_tier.put(k[w % 16], b[w % 16])),
                     ]
                     if rds is not None:
                         cells += [
@@ -318,8 +328,10 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                                 lambda: rds.set(k, b)),  # type: ignore[attr-defined]
                         ]
                     if conc <= 8:
-                        cells.append(("peer batch16 get", 16 * nbytes,
-                                      lambda w, k=keys: lambda: tier.get_many(k)))
+                        cells += [("peer batch16 get", 16 * nbytes,
+                                   lambda w, k=keys: lambda: tier.get_many(k)),
+                                  ("peer batch16 get, aiohttp server", 16 * nbytes,
+                                   lambda w, k=keys: lambda: aio_tier.get_many(k))]
                     runs: dict[str, list[Result]] = {case: [] for case, _, _ in cells}
                     for _ in range(reps):  # round robin, so drift hits every system alike
                         for case, moved, make in cells:
@@ -359,7 +371,9 @@ def _attach_ratios(results: list[Result]) -> None:
     pairs = {"peer get": "aiohttp get", "peer put": "aiohttp put",
              "aiohttp get joined": "aiohttp get", "peer batch16 get": "peer get",
              "redis get": "aiohttp get", "redis set": "aiohttp put",
-             "aiohttp get": "tcp proto get"}
+             "aiohttp get": "tcp proto get",
+             "peer get, aiohttp server": "aiohttp get", "peer put, aiohttp server": "aiohttp put",
+             "peer batch16 get, aiohttp server": "peer get, aiohttp server"}
     for r in results:
         base = by.get((pairs.get(r.case, ""), r.size, r.concurrency))
         if base is not None:
@@ -371,6 +385,9 @@ def _targets(results: list[Result]) -> list[str]:
     lines = []
     for case, base, goal in (("peer get", "redis get", 2.0), ("peer get", "aiohttp get", 0.9),
                              ("peer get", "tcp proto get", 0.6),
+                             ("peer get", "peer get, aiohttp server", None),
+                             ("peer put", "peer put, aiohttp server", None),
+                             ("peer batch16 get", "peer batch16 get, aiohttp server", None),
                              ("peer batch16 get", "redis get", None)):
         a, b = by.get((case, "1MiB", 8)), by.get((base, "1MiB", 8))
         if a is None or b is None or not b.gbps:

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=int, default=4096, metavar="N",
                         help="open connections served at once; more get 503 and are closed "
                              "(default 4096)")
+    parser.add_argument("--no-data-plane", action="store_true",
+                        help="serve every request through aiohttp (by default block "
+                             "GET/PUT and batch get take the data plane, docs/peer-pool.md)")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                         help="event loop: uvloop, asyncio's default, or auto (uvloop when "
                              "installed; pip install 'kvtier[uvloop]')")
@@ -153,7 +156,8 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
                             insecure_no_auth=args.insecure_no_auth, close_segment=True,
                             max_inflight_bytes=max_inflight, idle_timeout=args.idle_timeout,
                             body_timeout=args.body_timeout,
-                            max_connections=args.max_connections)
+                            max_connections=args.max_connections,
+                            data_plane=not args.no_data_plane)
         bound_host, bound_port = await server.start()
     except BaseException:
         await store.aclose()

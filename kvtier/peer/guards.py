@@ -47,6 +47,14 @@ class BodyBudget:
         self.held += nbytes
         return True
 
+    def try_take_quietly(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` if they fit, without counting a refusal (for a caller that
+        hands a request that does not fit to a path which refuses, and counts, it)."""
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
     def give(self, nbytes: int) -> None:
         """Return a reservation."""
         self.held = max(0, self.held - nbytes)

@@ -32,6 +32,8 @@ from kvtier.errors import (
 )
 from kvtier.keys import key_from_hex
 from kvtier.peer import protocol as proto
+from kvtier.peer.dataplane import DataPlaneProtocol
+from kvtier.peer.fastread import BodyBuffers
 from kvtier.peer.guards import (
     AcceptErrorFilter,
     BodyBudget,
@@ -108,6 +110,10 @@ class PeerServer:
         Seconds a request body may go without a byte arriving before it is refused (408).
     max_connections
         Open connections served at once; more are answered ``503`` and closed.
+    data_plane
+        Serve block GET/HEAD/PUT and batch get with :class:`~kvtier.peer.dataplane.
+        DataPlaneProtocol` (every other request, and every refusal, is aiohttp's either
+        way); ``False`` serves everything through aiohttp.
 
     Notes
     -----
@@ -120,7 +126,7 @@ class PeerServer:
                  ssl_context: ssl.SSLContext | None = None, insecure_no_auth: bool = False,
                  close_segment: bool = False, max_inflight_bytes: int = 1 << 30,
                  idle_timeout: float = 15.0, body_timeout: float = 10.0,
-                 max_connections: int = 4096) -> None:
+                 max_connections: int = 4096, data_plane: bool = True) -> None:
         if token is None and not insecure_no_auth:
             raise ConfigError("token: a bearer token is required (or pass insecure_no_auth=True)")
         if token is not None and not token:
@@ -141,7 +147,10 @@ class PeerServer:
         self.max_connections = max_connections
         self.host, self.port = host, port
         self.node_id = node_id
-        self._token = None if token is None else f"Bearer {token}".encode()
+        self.auth_header = None if token is None else f"Bearer {token}".encode()
+        self.data_plane = data_plane
+        self.dataplane_connections: set[DataPlaneProtocol] = set()
+        self._bodies = BodyBuffers(budget=64 << 20)  # PUT bodies of the data plane
         self._ssl = ssl_context
         self._close_segment = close_segment
         self._runner: web.AppRunner | None = None
@@ -220,9 +229,11 @@ class PeerServer:
 
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self._runner.server if self._runner is not None else None
-        if server is None or len(server.connections) >= self.max_connections:
+        if server is None or self._open_connections() >= self.max_connections:
             self.connections_refused += 1
             return RefuseProtocol()
+        if self.data_plane:
+            return DataPlaneProtocol(self, server, self._bodies)
         return server()
 
     def track_keys(self) -> None:
@@ -230,7 +241,8 @@ class PeerServer:
         anti-entropy pass, which prunes what the segment no longer holds)."""
         self._track_keys = True
 
-    def _stored(self, keys: Iterable[bytes]) -> None:
+    def stored(self, keys: Iterable[bytes]) -> None:
+        """Note keys stored through this server (kept only after :meth:`track_keys`)."""
         if self._track_keys:
             for key in keys:
                 self.stored_keys[key] = None
@@ -240,6 +252,7 @@ class PeerServer:
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+        await asyncio.gather(*(conn.shutdown(10.0) for conn in list(self.dataplane_connections)))
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
@@ -277,31 +290,36 @@ class PeerServer:
             return await handler(request)
         except web.HTTPException:
             raise
-        except (BlockTooLargeError, proto.LimitExceededError) as exc:
-            raise _error(web.HTTPRequestEntityTooLarge, str(exc), max_size=0,
-                         actual_size=0) from None
-        except (InvalidKeyError, proto.ProtocolError, CorruptBlockError) as exc:
-            raise _error(web.HTTPBadRequest, str(exc)) from None
-        except TierFullError as exc:
-            raise _error(web.HTTPInsufficientStorage, str(exc)) from None
-        except TimeoutError:
+        except Exception as exc:
+            status, text, headers = self.failure(exc, request.method, request.path)
+            return web.Response(status=status, text=text, headers=headers)
+
+    def failure(self, exc: Exception, method: str, path: str) -> tuple[int, str, dict[str, str]]:
+        """The answer to a request that raised ``exc``: status, text and extra headers
+        (counted and, for a server-side failure, logged). One mapping for aiohttp's routes
+        and the data plane's."""
+        if isinstance(exc, BlockTooLargeError | proto.LimitExceededError):
+            return 413, str(exc), {}
+        if isinstance(exc, InvalidKeyError | proto.ProtocolError | CorruptBlockError):
+            return 400, str(exc), {}
+        if isinstance(exc, TierFullError):
+            return 507, str(exc), {}
+        if isinstance(exc, TimeoutError):
             self.body_timeouts += 1
-            raise _error(web.HTTPRequestTimeout, f"no body bytes for {self.body_timeout} s",
-                         headers={"Connection": "close"}) from None
-        except ConnectionError:
+            return 408, f"no body bytes for {self.body_timeout} s", {"Connection": "close"}
+        if isinstance(exc, ConnectionError):
             # The client went away mid-request (e.g. a truncated body): nobody to answer.
             self.client_gone += 1
-            return web.Response(status=499, text="client closed request")
-        except Exception:
-            # A bug or a failing segment, never a client error: log it and stay up.
-            log.exception("peer server: %s %s failed", request.method, request.path)
-            raise _error(web.HTTPServiceUnavailable, "internal error, see server log") from None
+            return 499, "client closed request", {}
+        # A bug or a failing segment, never a client error: log it and stay up.
+        log.error("peer server: %s %s failed", method, path, exc_info=exc)
+        return 503, "internal error, see server log", {}
 
     @web.middleware
     async def _auth_mw(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._token is not None:
+        if self.auth_header is not None:
             given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-            if not hmac.compare_digest(given, self._token):
+            if not hmac.compare_digest(given, self.auth_header):
                 raise web.HTTPUnauthorized(text="missing or wrong bearer token",
                                            headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
@@ -363,7 +381,9 @@ class PeerServer:
         self.bytes_in += length
         return body
 
-    async def _decode(self, key: bytes, frame: bytes | memoryview) -> Block:
+    async def decode(self, key: bytes, frame: bytes | memoryview) -> Block:
+        """The block in ``frame``, verified under ``key`` (large or compressed frames are
+        decoded in a worker thread)."""
         view = memoryview(frame)
         try:
             head = parse_header(view)
@@ -418,10 +438,10 @@ class PeerServer:
     async def _put_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
         body = await self._read_body(request, self.limits.max_frame_bytes)
-        block = await self._decode(key, body)
+        block = await self.decode(key, body)
         del body
         await self.segment.put(key, block)
-        self._stored((key,))
+        self.stored((key,))
         self._note_abandoned(request)
         return web.Response(status=204)
 
@@ -439,21 +459,34 @@ class PeerServer:
             return web.Response(status=204)
         raise web.HTTPNotFound(text="no such block")
 
+    def key_list_limit(self) -> int:
+        """Most bytes of a key-list body."""
+        return min(4 + self.limits.max_batch * (2 + 128), self.limits.max_body_bytes)
+
     async def _read_keys(self, request: web.Request) -> list[bytes]:
-        limit = 4 + self.limits.max_batch * (2 + 128)
-        body = await self._read_body(request, min(limit, self.limits.max_body_bytes))
+        body = await self._read_body(request, self.key_list_limit())
         return proto.decode_keys(body, self.limits.max_batch)
 
     async def _batch_get(self, request: web.Request) -> web.StreamResponse:
-        """Blocks in request order. A key repeated in one request is served once (later
+        keys = await self._read_keys(request)
+        buffers, reserved = await self.batch_get_answer(keys)
+        self._reserved[id(request)] = self._reserved.get(id(request), 0) + reserved
+        return await self._send(request, buffers)
+
+    async def batch_get_answer(self, keys: Sequence[bytes]
+                               ) -> tuple[list[bytes | memoryview], int]:
+        """The batch get answer for ``keys`` and the in-flight budget bytes it took (the
+        caller gives them back once the answer is sent).
+
+        Blocks in request order. A key repeated in one request is served once (later
         repeats answer as missing), and the answer stops growing at ``max_body_bytes`` and
         at the in-flight budget: the keys past that point answer as missing, and the client
         asks for them again."""
-        keys = await self._read_keys(request)
         unique = list(dict.fromkeys(keys))
         blocks = await self.segment.get_many(unique) if unique else []
         found = {k: b for k, b in zip(unique, blocks, strict=True) if b is not None}
         room = self.limits.max_body_bytes
+        reserved = 0
         items: list[tuple[bytes, EncodedFrame | None]] = []
         for key in keys:
             block = found.pop(key, None)  # pop: a repeat finds nothing
@@ -466,10 +499,10 @@ class PeerServer:
                     frame = None
                 else:
                     room -= size
-                    self._reserved[id(request)] = self._reserved.get(id(request), 0) + frame.nbytes
+                    reserved += frame.nbytes
             items.append((key, frame))
         del blocks, found
-        return await self._send(request, proto.encode_blocks(items))
+        return proto.encode_blocks(items), reserved
 
     async def _batch_put(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request, self.limits.max_body_bytes)
@@ -479,11 +512,11 @@ class PeerServer:
         for key, frame in entries:
             if frame is None:
                 raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
-            decoded.append((key, await self._decode(key, frame)))
+            decoded.append((key, await self.decode(key, frame)))
         del body, entries
         if decoded:
             await self.segment.put_many(decoded)
-            self._stored(k for k, _ in decoded)
+            self.stored(k for k, _ in decoded)
             self._note_abandoned(request)
         return web.Response(status=204)
 
@@ -576,7 +609,8 @@ class PeerServer:
 
     def _open_connections(self) -> int:
         server = self._runner.server if self._runner is not None else None
-        return 0 if server is None else len(server.connections)
+        aiohttp_connections = 0 if server is None else len(server.connections)
+        return aiohttp_connections + len(self.dataplane_connections)
 
 
 def _error(cls: type[web.HTTPException], text: str, **kwargs: Any) -> web.HTTPException:

@@ -1,0 +1,464 @@
+"""The data plane: block GET, HEAD and PUT and batch get served straight off the socket.
+
+aiohttp's per-request machinery (request and response objects, routing, three middlewares,
+a handler task) costs ~80-100 us a request, a quarter of the server's CPU for a 1 MiB GET
+(profiled in docs/performance.md, "Peer GETs"). :class:`DataPlaneProtocol` is what a
+:class:`~kvtier.peer.server.PeerServer` connection starts as. It parses each request head
+with ``httptools`` (llhttp, a maintained parser) and serves the hot requests itself: the
+answer goes out as its header and the stored block's own buffer, and a PUT body is received
+by the kernel straight into the buffer the frame is decoded from.
+
+Everything else is aiohttp's: a request that is not a plain, authorized HTTP/1.1 block or
+batch-get request (another route, a query string, ``Transfer-Encoding``, ``Expect``,
+``Upgrade``, ``Connection: close``, HTTP/1.0, a repeated framing header, a head that does not
+parse or grows past 16 KiB, a body over its limit or past the in-flight budget) makes this
+protocol hand the connection to aiohttp's handler at that request's first byte, and the
+connection stays there. Requests are served one at a time, so that point is always a
+request boundary. So every refusal (401, 413, 503 busy, 400 for a bad key) and every other
+route keeps one implementation, aiohttp's; what the data plane answers itself are outcomes
+of serving (200, 204, 404, and the failure statuses of
+:meth:`~kvtier.peer.server.PeerServer.failure`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
+
+import httptools
+
+from kvtier.errors import KVTierError
+from kvtier.keys import key_from_hex
+from kvtier.peer import protocol as proto
+from kvtier.peer.fastread import BodyBuffers
+
+if TYPE_CHECKING:
+    from kvtier.peer.server import PeerServer
+
+__all__ = ["DataPlaneProtocol"]
+
+_HEAD_MAX = 16 << 10  # aiohttp refuses heads past 8 KiB a line; hand those to it
+_RECV = 256 << 10  # scratch buffer for heads (and a pipelined request behind them)
+_PENDING_MAX = 1 << 20  # bytes queued behind a request in progress before reading pauses
+_BLOCKS_PREFIX = proto.API_PREFIX.encode() + b"/blocks/"
+_BATCH_GET = proto.BATCH_GET_PATH.encode()
+_HEX = frozenset(b"0123456789abcdef")
+# Headers the data plane reads or must see at most once to frame a request unambiguously.
+_SINGLE = (b"content-length", b"authorization", b"transfer-encoding")
+_REASONS = {200: "OK", 204: "No Content", 400: "Bad Request", 404: "Not Found",
+            408: "Request Timeout", 413: "Payload Too Large", 499: "Client Closed Request",
+            503: "Service Unavailable", 507: "Insufficient Storage"}
+_WRITE_SLICE = 1 << 20  # see PeerServer._send: a drain per slice, not per 256 KiB
+BLOCK_ROUTE = proto.BLOCK_PATH  # metric labels, the same as aiohttp's canonical routes
+BATCH_ROUTE = proto.BATCH_GET_PATH
+
+
+class _Head:
+    """httptools callbacks: the URL and the headers of one request head."""
+
+    __slots__ = ("complete", "headers", "repeated", "url")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.repeated = False
+        self.complete = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in self.headers and name in _SINGLE:
+            self.repeated = True
+        self.headers[name] = value
+
+    def on_headers_complete(self) -> None:
+        self.complete = True
+
+
+class _Request:
+    """A request the data plane serves: which, and the body it carries."""
+
+    __slots__ = ("body", "have", "key", "kind", "method", "reserved")
+
+    def __init__(self, kind: str, method: str, key: bytes, length: int) -> None:
+        self.kind, self.method, self.key = kind, method, key
+        self.body: memoryview | None = None
+        self.have = 0
+        self.reserved = length
+
+
+class DataPlaneProtocol(asyncio.BufferedProtocol):
+    """One connection of a :class:`~kvtier.peer.server.PeerServer`, served here until a
+    request needs aiohttp (see the module docstring).
+
+    Parameters
+    ----------
+    server
+        The server whose segment, limits, budget and counters this connection uses.
+    fallback
+        Makes aiohttp's protocol for this connection (the ``aiohttp.web.Server``).
+    bodies
+        Reusable PUT body buffers, shared by the server's connections.
+    """
+
+    def __init__(self, server: PeerServer, fallback: Callable[[], asyncio.BaseProtocol],
+                 bodies: BodyBuffers) -> None:
+        self._server = server
+        self._fallback = fallback
+        self._bodies = bodies
+        self._transport: asyncio.Transport | None = None
+        self._scratch = bytearray(_RECV)
+        self._pending = bytearray()
+        self._request: _Request | None = None  # set from its head to the end of its answer
+        self._task: asyncio.Task[None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_seen = 0
+        self._drained: asyncio.Future[None] | None = None
+        self._reading = True
+        self._stopping = False
+        self.handed_off = False
+
+    # ------------------------------------------------------------ transport events
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport's methods without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+        self._server.dataplane_connections.add(self)
+        self._arm_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.dataplane_connections.discard(self)
+        self._cancel_timers()
+        request = self._request
+        if request is not None and self._task is None:
+            # Gone while its body was arriving: nothing was stored, nobody to answer.
+            self._server.client_gone += 1
+            self._count(request, 499)
+            self._finish(request)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionResetError("client closed the connection"))
+            self._drained.exception()  # retrieved here when no writer waits for it
+
+    def pause_writing(self) -> None:
+        if self._drained is None or self._drained.done():
+            self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        request = self._request
+        if request is not None and request.body is not None and self._task is None:
+            return request.body[request.have :]  # the kernel writes the body in place
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        request = self._request
+        if request is not None and request.body is not None and self._task is None:
+            request.have += nbytes
+            if request.have == request.body.nbytes:
+                self._start(request)
+            return
+        self._pending += memoryview(self._scratch)[:nbytes]
+        if self._request is None:
+            self._next()
+        elif len(self._pending) > _PENDING_MAX and self._transport is not None:
+            self._transport.pause_reading()  # a client pipelining far ahead waits
+            self._reading = False
+
+    def eof_received(self) -> bool:
+        return False  # close: a half-closed client sends no more requests
+
+    # ----------------------------------------------------------------- requests
+    def _next(self) -> None:
+        """Take the next request out of the pending bytes, if its head is complete."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        pending = self._pending
+        while pending[:2] == b"\r\n":  # empty lines before a request are ignored (RFC 9112)
+            del pending[:2]
+        if not pending:
+            return
+        end = pending.find(b"\r\n\r\n")
+        if end < 0:
+            if len(pending) > _HEAD_MAX or b"\n\n" in pending:
+                self._hand_off()  # aiohttp answers a head it cannot take
+            return
+        end += 4
+        head = _Head()
+        parser = httptools.HttpRequestParser(head)
+        try:
+            parser.feed_data(bytes(pending[:end]))
+        except httptools.HttpParserError:
+            self._hand_off()
+            return
+        request = self._route(parser, head)
+        if request is None:
+            self._hand_off()
+            return
+        del pending[:end]
+        self._cancel_idle()
+        self._request = request
+        if request.reserved == 0:
+            self._start(request)
+            return
+        body = request.body = self._bodies.take(request.reserved)
+        request.have = min(len(pending), body.nbytes)
+        body[: request.have] = pending[: request.have]
+        del pending[: request.have]
+        if request.have == body.nbytes:
+            self._start(request)
+        else:
+            self._body_seen = -1
+            self._check_body()
+
+    def _route(self, parser: httptools.HttpRequestParser, head: _Head) -> _Request | None:
+        """The request if the data plane serves it, else ``None`` (aiohttp's then)."""
+        headers = head.headers
+        if (not head.complete or head.repeated or parser.get_http_version() != "1.1"
+                or not parser.should_keep_alive() or b"transfer-encoding" in headers
+                or b"expect" in headers or b"upgrade" in headers):
+            return None
+        server = self._server
+        token = server.auth_header
+        if token is not None and not hmac.compare_digest(headers.get(b"authorization", b""),
+                                                         token):
+            return None
+        length_text = headers.get(b"content-length", b"0")
+        if not length_text.isdigit() or len(length_text) > 18:
+            return None
+        length = int(length_text)
+        method = parser.get_method().decode("latin-1")
+        url = head.url
+        if url.startswith(_BLOCKS_PREFIX):
+            hexkey = url[len(_BLOCKS_PREFIX):]
+            if not hexkey or not _HEX.issuperset(hexkey):
+                return None
+            try:
+                key = key_from_hex(hexkey.decode("ascii"))
+            except KVTierError:
+                return None
+            if method in ("GET", "HEAD") and length == 0:
+                return _Request("get", method, key, 0)
+            if method == "PUT" and 0 < length <= server.limits.max_frame_bytes \
+                    and server.budget.try_take_quietly(length):
+                return _Request("put", method, key, length)
+            return None
+        if url == _BATCH_GET and method == "POST" and 0 < length <= server.key_list_limit() \
+                and server.budget.try_take_quietly(length):
+            return _Request("batch", method, b"", length)
+        return None
+
+    def _hand_off(self) -> None:
+        """Give the connection to aiohttp from the first byte of the pending request."""
+        transport = self._transport
+        if transport is None:
+            return
+        self._cancel_timers()
+        self.handed_off = True
+        self._server.dataplane_connections.discard(self)
+        handler = cast(asyncio.Protocol, self._fallback())
+        data, self._pending = bytes(self._pending), bytearray()
+        transport.set_protocol(handler)
+        if not self._reading:
+            transport.resume_reading()
+        handler.connection_made(transport)
+        if self._drained is not None and not self._drained.done():
+            handler.pause_writing()  # the transport's buffer is still over its high mark
+        if data:
+            handler.data_received(data)
+
+    def _start(self, request: _Request) -> None:
+        self._cancel_body_timer()
+        self._task = asyncio.get_running_loop().create_task(self._serve(request))
+
+    async def _serve(self, request: _Request) -> None:
+        server = self._server
+        status = 500
+        try:
+            try:
+                if request.kind == "get":
+                    status = await self._get(request)
+                elif request.kind == "put":
+                    status = await self._put(request)
+                else:
+                    status = await self._batch_get(request)
+            except ConnectionResetError:
+                raise
+            except Exception as exc:
+                status, text, headers = server.failure(exc, request.method,
+                                                       self._route_of(request))
+                await self._answer(status, [text.encode()], "text/plain; charset=utf-8",
+                                   close=headers.get("Connection") == "close")
+        except ConnectionResetError:
+            server.client_gone += 1
+            status = 499
+        finally:
+            self._count(request, status)
+            self._finish(request)
+            self._task = None
+            self._after_answer()
+
+    async def _get(self, request: _Request) -> int:
+        server = self._server
+        block = await server.segment.get(request.key)
+        if block is None:
+            await self._answer(404, [b"no such block"], "text/plain; charset=utf-8")
+            return 404
+        frame = server.frames.encode(request.key, block)  # bound to its key
+        del block
+        await self._answer(200, frame.buffers, proto.CONTENT_TYPE,
+                           head_only=request.method == "HEAD")
+        if request.method != "HEAD":
+            server.bytes_out += frame.nbytes
+        return 200
+
+    async def _put(self, request: _Request) -> int:
+        server = self._server
+        body, request.body = request.body, None
+        if body is None:
+            raise RuntimeError("a PUT is served only once its body arrived")
+        server.bytes_in += body.nbytes
+        block = await server.decode(request.key, body)
+        del body
+        await server.segment.put(request.key, block)
+        server.stored((request.key,))
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            server.puts_abandoned += 1
+        await self._answer(204, [], "")
+        return 204
+
+    async def _batch_get(self, request: _Request) -> int:
+        server = self._server
+        body, request.body = request.body, None
+        if body is None:
+            raise RuntimeError("a batch get is served only once its body arrived")
+        server.bytes_in += body.nbytes
+        keys = proto.decode_keys(body, server.limits.max_batch)
+        del body
+        buffers, reserved = await server.batch_get_answer(keys)
+        request.reserved += reserved
+        total = sum(memoryview(b).nbytes for b in buffers)
+        await self._answer(200, buffers, proto.CONTENT_TYPE)
+        server.bytes_out += total
+        return 200
+
+    # ------------------------------------------------------------------- answers
+    async def _answer(self, status: int, buffers: Sequence[bytes | memoryview],
+                      content_type: str, *, head_only: bool = False,
+                      close: bool = False) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("client closed the connection")
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}"]
+        if status != 204:  # RFC 9110: a 204 carries no Content-Length
+            total = sum(memoryview(b).nbytes for b in buffers)
+            lines += [f"Content-Type: {content_type}", f"Content-Length: {total}"]
+        if close:
+            lines.append("Connection: close")
+            self._stopping = True
+        transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        if head_only:
+            return
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            for off in range(0, view.nbytes, _WRITE_SLICE):
+                transport.write(view[off : off + _WRITE_SLICE])
+                if self._drained is not None and not self._drained.done():
+                    await self._drained
+
+    def _after_answer(self) -> None:
+        self._request = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if self._stopping:
+            transport.close()
+            return
+        if not self._reading:
+            transport.resume_reading()
+            self._reading = True
+        self._arm_idle()
+        self._next()
+
+    def _finish(self, request: _Request) -> None:
+        request.body = None
+        self._server.budget.give(request.reserved)
+        request.reserved = 0
+
+    def _count(self, request: _Request, status: int) -> None:
+        self._server.requests[(self._route_of(request), request.method, status)] += 1
+
+    @staticmethod
+    def _route_of(request: _Request) -> str:
+        return BATCH_ROUTE if request.kind == "batch" else BLOCK_ROUTE
+
+    # -------------------------------------------------------------------- timers
+    def _arm_idle(self) -> None:
+        self._cancel_idle()
+        self._idle = asyncio.get_running_loop().call_later(self._server.idle_timeout,
+                                                           self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self._idle = None
+        if self._transport is not None and self._request is None:
+            self._transport.close()  # no request head within the idle timeout
+
+    def _cancel_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _check_body(self) -> None:
+        """Refuse the body with 408 once ``body_timeout`` passes without a byte of it."""
+        self._body_timer = None
+        request = self._request
+        if request is None or request.body is None or self._task is not None:
+            return
+        if request.have != self._body_seen:
+            self._body_seen = request.have
+            self._body_timer = asyncio.get_running_loop().call_later(
+                self._server.body_timeout, self._check_body)
+            return
+        status, text, _ = self._server.failure(TimeoutError(), request.method,
+                                               self._route_of(request))
+        self._count(request, status)
+        self._finish(request)
+        self._request = None
+        if self._transport is not None:
+            body = text.encode()
+            self._transport.write(
+                f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: text/plain; "
+                f"charset=utf-8\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+                f"\r\n".encode() + body)
+            self._transport.close()
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _cancel_timers(self) -> None:
+        self._cancel_idle()
+        self._cancel_body_timer()
+
+    # ------------------------------------------------------------------ shutdown
+    async def shutdown(self, grace: float) -> None:
+        """Let the request in progress finish (at most ``grace`` seconds), then close."""
+        self._stopping = True
+        task = self._task
+        if task is not None:
+            try:
+                async with asyncio.timeout(grace):
+                    await asyncio.shield(task)
+            except TimeoutError:
+                pass
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
