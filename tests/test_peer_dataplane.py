@@ -309,3 +309,39 @@ async def test_with_the_data_plane_off_aiohttp_serves_everything() -> None:
         conn.close()
     finally:
         await srv.stop()
+
+
+async def test_an_upgrade_request_is_answered_by_aiohttp(server: PeerServer) -> None:
+    conn = await Conn.open(server)
+    await conn.send(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n" + AUTH
+                    + b"Connection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+    status, _, body = await conn.answer()
+    assert status == 200 and b"node_id" in body
+    conn.close()
+
+
+async def test_a_client_that_stops_reading_loses_its_connection_and_budget() -> None:
+    from test_peer_protocol import key_list
+
+    srv = PeerServer(DRAMTier(), token=TOKEN, close_segment=True, body_timeout=0.3,
+                     limits=Limits(max_block_bytes=4 << 20, max_batch=16,
+                                   max_body_bytes=64 << 20))
+    await srv.start()
+    try:
+        keys = [bytes([i]) for i in range(8)]
+        for key in keys:
+            await srv.segment.put(key, np.full(4 << 20, 7, dtype=np.uint8))
+        conn = await Conn.open(srv)
+        body = key_list(keys)
+        await conn.send(b"POST /v1/batch/get HTTP/1.1\r\nHost: x\r\n" + AUTH
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        conn.writer.transport.pause_reading()  # takes nothing of the 32 MiB answer
+        for _ in range(500):
+            if srv.client_gone:
+                break
+            await asyncio.sleep(0.02)
+        assert srv.client_gone == 1 and srv.budget.held == 0
+        assert srv.requests[("/v1/batch/get", "POST", 499)] == 1
+        conn.close()
+    finally:
+        await srv.stop()

@@ -195,8 +195,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         parser = httptools.HttpRequestParser(head)
         try:
             parser.feed_data(bytes(pending[:end]))
-        except httptools.HttpParserError:
-            self._hand_off()
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            self._hand_off()  # aiohttp answers what it cannot parse, or an upgrade
             return
         request = self._route(parser, head)
         if request is None:
@@ -372,7 +372,22 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             for off in range(0, view.nbytes, _WRITE_SLICE):
                 transport.write(view[off : off + _WRITE_SLICE])
                 if self._drained is not None and not self._drained.done():
-                    await self._drained
+                    await self._drain(transport)
+
+    async def _drain(self, transport: asyncio.Transport) -> None:
+        """Wait for the client to take the answer; one that takes no byte of it for
+        ``body_timeout`` seconds loses the connection (it holds a task and in-flight budget)."""
+        drained = self._drained
+        while drained is not None and not drained.done():
+            before = transport.get_write_buffer_size()
+            try:
+                async with asyncio.timeout(self._server.body_timeout):
+                    await asyncio.shield(drained)
+            except TimeoutError:
+                if transport.get_write_buffer_size() >= before:
+                    transport.abort()
+                    raise ConnectionResetError("client stopped reading its answer") from None
+            drained = self._drained
 
     def _after_answer(self) -> None:
         self._request = None
