@@ -59,8 +59,8 @@ class Conn:
             body = await self.reader.readexactly(length)
         return status, headers, body
 
-    async def closed_by_server(self) -> bool:
-        async with asyncio.timeout(10):
+    async def closed_by_server(self, within: float = 10.0) -> bool:
+        async with asyncio.timeout(within):
             return await self.reader.read() == b""
 
     def close(self) -> None:
@@ -345,3 +345,17 @@ async def test_a_client_that_stops_reading_loses_its_connection_and_budget() -> 
         conn.close()
     finally:
         await srv.stop()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    get_request(KEY).replace(b"HTTP/1.1", b"HTTP/1.0"),
+    get_request(KEY).replace(b"Host: x\r\n", b"Host: x\r\nConnection: close\r\n"),
+])
+async def test_a_last_request_is_answered_then_the_connection_closes(
+        server: PeerServer, request_bytes: bytes) -> None:
+    await server.segment.put(KEY, BLOCK)
+    conn = await Conn.open(server)
+    await conn.send(request_bytes)
+    status, _, body = await conn.answer()
+    assert status == 200 and body == frame_of(BLOCK)
+    assert await conn.closed_by_server(within=2.0)  # at once, not at the 5 s idle timeout

@@ -58,13 +58,15 @@ BATCH_ROUTE = proto.BATCH_GET_PATH
 class _Head:
     """httptools callbacks: the URL and the headers of one request head."""
 
-    __slots__ = ("complete", "headers", "repeated", "url")
+    __slots__ = ("complete", "headers", "keep_alive", "parser", "repeated", "url")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: dict[bytes, bytes] = {}
         self.repeated = False
         self.complete = False
+        self.keep_alive = False
+        self.parser: httptools.HttpRequestParser | None = None
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -77,6 +79,8 @@ class _Head:
 
     def on_headers_complete(self) -> None:
         self.complete = True
+        # Read now: llhttp resets its connection flags once a message without a body ends.
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
 
 
 class _Request:
@@ -192,7 +196,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             return
         end += 4
         head = _Head()
-        parser = httptools.HttpRequestParser(head)
+        parser = head.parser = httptools.HttpRequestParser(head)
         try:
             parser.feed_data(bytes(pending[:end]))
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
@@ -222,7 +226,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         """The request if the data plane serves it, else ``None`` (aiohttp's then)."""
         headers = head.headers
         if (not head.complete or head.repeated or parser.get_http_version() != "1.1"
-                or not parser.should_keep_alive() or b"transfer-encoding" in headers
+                or not head.keep_alive or b"transfer-encoding" in headers
                 or b"expect" in headers or b"upgrade" in headers):
             return None
         server = self._server
@@ -370,6 +374,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         for buf in buffers:
             view = memoryview(buf).cast("B")
             for off in range(0, view.nbytes, _WRITE_SLICE):
+                if transport.is_closing():  # gone mid-answer: writing on only logs warnings
+                    raise ConnectionResetError("client closed the connection")
                 transport.write(view[off : off + _WRITE_SLICE])
                 if self._drained is not None and not self._drained.done():
                     await self._drain(transport)
