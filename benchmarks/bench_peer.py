@@ -14,8 +14,14 @@ is this process. Cells, for 64 KiB / 1 MiB / 4 MiB blocks at concurrency 1 / 8 /
   frame response would without two writes: measures what the zero-copy response saves).
 - ``redis get`` / ``redis set``: redis-server + redis-py asyncio (skipped with a message when
   redis-server is not installed).
+- ``mooncake get_into`` / ``mooncake batch_get_into`` (16 blocks per call), concurrency 1 / 8:
+  Mooncake Store over its TCP transport, measured by ``../shared/bench/bench_mooncake.py``
+  run as a child process right after each size's other cells (see
+  :mod:`benchmarks.mooncake_baseline`; skipped with a message when the script or
+  ``mooncake.store`` is missing).
 
-Usage: ``python -m benchmarks.bench_peer [--quick] [--json FILE] [--profile] [--sizes 1MiB,..]``.
+Usage: ``python -m benchmarks.bench_peer [--quick] [--json FILE] [--profile] [--sizes 1MiB,..]
+[--mooncake auto|off|PATH]``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import mooncake_baseline
 from benchmarks.common import (
     SIZES,
     Result,
@@ -48,6 +55,7 @@ from benchmarks.common import (
     print_table,
     time_op_pool,
     with_ratio,
+    with_second_ratio,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -243,10 +251,12 @@ class _Profiler:
 
 
 async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
-                   server_loop: str = "auto") -> list[Result]:
+                   server_loop: str = "auto", mooncake: Path | None = None) -> list[Result]:
     """All servers up at once; for each size and concurrency the systems run back to back,
     round robin for 3 repetitions (the median is kept), so every ratio compares cells
-    measured seconds apart (the machine drifts up to 2x between periods)."""
+    measured seconds apart (the machine drifts up to 2x between periods). The Mooncake
+    script (``mooncake``, if given) runs after each size's cells, with the same cell time and
+    repetitions."""
     import aiohttp
 
     from kvtier.peer.tier import PeerTier
@@ -341,6 +351,13 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                     results += [median_of(r) for r in runs.values()]
                     for raw in raws:
                         raw.tr.close()
+                if mooncake is not None:
+                    rows, why = await mooncake_baseline.measure(
+                        mooncake, label, nbytes, [c for c in concs if c <= 8],
+                        duration=min_time, reps=reps, warmup=0.05 if quick else 0.3)
+                    if why:
+                        print(f"mooncake baseline {label}: skipped: {why}")
+                    results += rows
         if prof.prof is not None:
             _print_profile("client (this process), peer cells", pstats.Stats(prof.prof))
     return results
@@ -371,13 +388,19 @@ def _attach_ratios(results: list[Result]) -> None:
     pairs = {"peer get": "aiohttp get", "peer put": "aiohttp put",
              "aiohttp get joined": "aiohttp get", "peer batch16 get": "peer get",
              "redis get": "aiohttp get", "redis set": "aiohttp put",
-             "aiohttp get": "tcp proto get",
+             "aiohttp get": "tcp proto get", "mooncake get_into": "aiohttp get",
+             "mooncake batch_get_into": "mooncake get_into",
              "peer get, aiohttp server": "aiohttp get", "peer put, aiohttp server": "aiohttp put",
              "peer batch16 get, aiohttp server": "peer get, aiohttp server"}
+    # Printed after the first ratio: the peer reads against Mooncake's matching reads.
+    second = {"peer get": "mooncake get_into", "peer batch16 get": "mooncake batch_get_into"}
     for r in results:
         base = by.get((pairs.get(r.case, ""), r.size, r.concurrency))
         if base is not None:
             with_ratio(r, base)
+        also = by.get((second.get(r.case, ""), r.size, r.concurrency))
+        if also is not None:
+            with_second_ratio(r, also)
 
 
 def _targets(results: list[Result]) -> list[str]:
@@ -388,7 +411,9 @@ def _targets(results: list[Result]) -> list[str]:
                              ("peer get", "peer get, aiohttp server", None),
                              ("peer put", "peer put, aiohttp server", None),
                              ("peer batch16 get", "peer batch16 get, aiohttp server", None),
-                             ("peer batch16 get", "redis get", None)):
+                             ("peer batch16 get", "redis get", None),
+                             ("peer batch16 get", "mooncake batch_get_into", 1.3),
+                             ("peer get", "mooncake get_into", None)):
         a, b = by.get((case, "1MiB", 8)), by.get((base, "1MiB", 8))
         if a is None or b is None or not b.gbps:
             lines.append(f"{case} / {base} @1MiB c=8: n/a")
@@ -401,19 +426,23 @@ def _targets(results: list[Result]) -> list[str]:
     return lines
 
 
-def run(quick: bool = False, profile: bool = False,
-        sizes: dict[str, int] | None = None, server_loop: str = "auto") -> list[Result]:
+def run(quick: bool = False, profile: bool = False, sizes: dict[str, int] | None = None,
+        server_loop: str = "auto", mooncake: str = "auto") -> list[Result]:
     """Run every cell (for ``sizes``, default all of SIZES; ``kvtier serve --loop
-    server_loop``) and return the results (ratios attached)."""
+    server_loop``; the Mooncake cells per ``mooncake``: ``auto``, ``off`` or the path of
+    ``bench_mooncake.py``) and return the results (ratios attached)."""
+    script, why = mooncake_baseline.resolve(mooncake)
+    if script is None:
+        print(f"mooncake baseline: skipped: {why}")
     results = asyncio.run(_run_all(quick, profile, SIZES if sizes is None else sizes,
-                                   server_loop))
+                                   server_loop, script))
     _attach_ratios(results)
     return results
 
 
 def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     sizes = {label: SIZES[label] for label in args.sizes}
-    results = run(args.quick, args.profile, sizes, args.server_loop)
+    results = run(args.quick, args.profile, sizes, args.server_loop, args.mooncake)
     for label in sizes:
         rows = sorted((r for r in results if r.size == label),
                       key=lambda r: (r.concurrency, r.case))
@@ -431,6 +460,10 @@ def _options(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated block sizes to run (of {', '.join(SIZES)})")
     parser.add_argument("--server-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                         help="event loop of the kvtier serve child (kvtier serve --loop)")
+    parser.add_argument("--mooncake", default="auto", metavar="auto|off|PATH",
+                        help="Mooncake Store baseline: run bench_mooncake.py at PATH, or "
+                             "(auto) ../shared/bench/bench_mooncake.py from the repository "
+                             "root when it exists and mooncake.store imports; off: skip it")
 
 
 def _sizes(text: str) -> list[str]:
