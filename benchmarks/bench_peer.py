@@ -280,14 +280,17 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
             # Runs last in the stack: after the server has exited and written its profile.
             stack.callback(lambda: server_prof.exists() and _print_profile(
                 "server (kvtier serve)", pstats.Stats(str(server_prof))))
-        _, line = stack.enter_context(_child(serve, "listening on"))
+        proc, line = stack.enter_context(_child(serve, "listening on"))
         member = line.split("listening on ")[1].split()[0]
+        server_pid = {"": proc.pid}
         # The same server with the data plane off: every request through aiohttp.
-        _, line = stack.enter_context(_child([*serve, "--no-data-plane"], "listening on"))
+        proc, line = stack.enter_context(_child([*serve, "--no-data-plane"], "listening on"))
+        server_pid[", aiohttp server"] = proc.pid
         aio_member = line.split("listening on ")[1].split()[0]
-        raw_port = int(stack.enter_context(_child([*module, "_serve_raw"], "READY"))[1].split()[1])
-        http_port = int(stack.enter_context(
-            _child([*module, "_serve_aiohttp"], "READY"))[1].split()[1])
+        proc, line = stack.enter_context(_child([*module, "_serve_raw"], "READY"))
+        raw_port, server_pid["tcp"] = int(line.split()[1]), proc.pid
+        proc, line = stack.enter_context(_child([*module, "_serve_aiohttp"], "READY"))
+        http_port, server_pid["aiohttp"] = int(line.split()[1]), proc.pid
         tier = PeerTier.from_url(f"peers://{member}?token={TOKEN}&timeout=30")
         aio_tier = PeerTier.from_url(f"peers://{aio_member}?token={TOKEN}&timeout=30")
         async with tier, aio_tier, _redis(_free_port()) as rds, aiohttp.ClientSession(
@@ -345,9 +348,15 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                     runs: dict[str, list[Result]] = {case: [] for case, _, _ in cells}
                     for _ in range(reps):  # round robin, so drift hits every system alike
                         for case, moved, make in cells:
+                            pid = _server_of(case, server_pid)
+                            before = _cpu_s(pid)
                             with prof.on() if case.startswith("peer") else contextlib.nullcontext():
                                 await _cell(runs[case], case, label, moved, conc, make,
                                             min_time)
+                            if pid is not None:
+                                cell = runs[case][-1]
+                                cell.extra["server_us_per_op"] = \
+                                    (_cpu_s(pid) - before) / max(cell.ops, 1) * 1e6
                     results += [median_of(r) for r in runs.values()]
                     for raw in raws:
                         raw.tr.close()
@@ -361,6 +370,34 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
         if prof.prof is not None:
             _print_profile("client (this process), peer cells", pstats.Stats(prof.prof))
     return results
+
+
+def _server_of(case: str, pids: dict[str, int]) -> int | None:
+    """The child process serving ``case`` (``None`` for Redis, whose CPU is not compared)."""
+    if case.startswith("peer"):
+        return pids[", aiohttp server" if case.endswith(", aiohttp server") else ""]
+    if case == "tcp proto get":
+        return pids["tcp"]
+    return pids["aiohttp"] if case.startswith("aiohttp") else None
+
+
+def _cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds a child process has used so far (``/proc``)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _server_cpu(results: list[Result]) -> list[str]:
+    """Server CPU per request: the peer server (data plane, aiohttp) and the baselines'."""
+    lines = []
+    for r in sorted(results, key=lambda r: (r.size, r.concurrency, r.case)):
+        if "server_us_per_op" in r.extra:
+            lines.append(f"{r.case:<34} {r.size:>6} c={r.concurrency:<3} "
+                         f"{r.extra['server_us_per_op']:9.0f} us")
+    return lines
 
 
 async def _wait_port(port: int) -> None:
@@ -447,6 +484,10 @@ def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
         rows = sorted((r for r in results if r.size == label),
                       key=lambda r: (r.concurrency, r.case))
         print_table(rows, f"peer tier vs baselines, {label}")
+    print("\n## server CPU per request (/proc utime+stime of the serving child over the "
+          "median cell / its requests; a batch16 request moves 16 blocks)")
+    for line in _server_cpu(results):
+        print(line)
     print("\n## targets (same run)")
     for line in _targets(results):
         print(line)

@@ -51,6 +51,7 @@ _REASONS = {200: "OK", 204: "No Content", 400: "Bad Request", 404: "Not Found",
             408: "Request Timeout", 413: "Payload Too Large", 499: "Client Closed Request",
             503: "Service Unavailable", 507: "Insufficient Storage"}
 _WRITE_SLICE = 1 << 20  # see PeerServer._send: a drain per slice, not per 256 KiB
+_JOIN_MAX = 64 << 10  # leading buffers up to this many bytes are joined with the head
 BLOCK_ROUTE = proto.BLOCK_PATH  # metric labels, the same as aiohttp's canonical routes
 BATCH_ROUTE = proto.BATCH_GET_PATH
 
@@ -120,6 +121,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._request: _Request | None = None  # set from its head to the end of its answer
         self._task: asyncio.Task[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None  # None while a request is in progress
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_seen = 0
         self._drained: asyncio.Future[None] | None = None
@@ -132,7 +134,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         # uvloop's transports implement asyncio.Transport's methods without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
         self._server.dataplane_connections.add(self)
-        self._arm_idle()
+        loop = asyncio.get_running_loop()
+        self._idle_since = loop.time()
+        self._idle = loop.call_later(self._server.idle_timeout, self._idle_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.dataplane_connections.discard(self)
@@ -207,7 +211,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             self._hand_off()
             return
         del pending[:end]
-        self._cancel_idle()
+        self._idle_since = None
         self._request = request
         if request.reserved == 0:
             self._start(request)
@@ -368,11 +372,19 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if close:
             lines.append("Connection: close")
             self._stopping = True
-        transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         if head_only:
+            transport.write(head)
             return
-        for buf in buffers:
-            view = memoryview(buf).cast("B")
+        # One send for the head and every buffer up to the first large one (a frame
+        # header, or a whole small answer): a send costs more than copying a few KiB.
+        views = [memoryview(b).cast("B") for b in buffers]
+        small = joined = 0
+        while small < len(views) and joined + views[small].nbytes <= _JOIN_MAX:
+            joined += views[small].nbytes
+            small += 1
+        transport.write(b"".join([head, *views[:small]]) if small else head)
+        for view in views[small:]:
             for off in range(0, view.nbytes, _WRITE_SLICE):
                 if transport.is_closing():  # gone mid-answer: writing on only logs warnings
                     raise ConnectionResetError("client closed the connection")
@@ -406,7 +418,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if not self._reading:
             transport.resume_reading()
             self._reading = True
-        self._arm_idle()
+        self._idle_since = asyncio.get_running_loop().time()
         self._next()
 
     def _finish(self, request: _Request) -> None:
@@ -422,15 +434,19 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         return BATCH_ROUTE if request.kind == "batch" else BLOCK_ROUTE
 
     # -------------------------------------------------------------------- timers
-    def _arm_idle(self) -> None:
-        self._cancel_idle()
-        self._idle = asyncio.get_running_loop().call_later(self._server.idle_timeout,
-                                                           self._idle_expired)
-
-    def _idle_expired(self) -> None:
-        self._idle = None
-        if self._transport is not None and self._request is None:
-            self._transport.close()  # no request head within the idle timeout
+    def _idle_check(self) -> None:
+        """Close the connection once it has had no complete request head for
+        ``idle_timeout`` seconds. One timer per connection that re-arms itself: a timer
+        per request cost ~8 us of a 64 KiB GET's ~85 us of server CPU."""
+        loop = asyncio.get_running_loop()
+        since, timeout = self._idle_since, self._server.idle_timeout
+        if since is not None and loop.time() - since >= timeout:
+            self._idle = None
+            if self._transport is not None:
+                self._transport.close()
+            return
+        self._idle = loop.call_at((loop.time() if since is None else since) + timeout,
+                                  self._idle_check)
 
     def _cancel_idle(self) -> None:
         if self._idle is not None:
