@@ -10,6 +10,7 @@ buffers (:class:`~kvtier.backends.staging.StagingPipeline`).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -86,11 +87,21 @@ class TorchBackend:
                 record=lambda k: events[k].record(stream))
         return self._staging
 
+    def host_tensor(self, array: npt.NDArray[np.uint8]) -> Any:
+        """``array`` as a CPU tensor sharing its memory, read-only arrays included.
+
+        A DRAM tier's stored blocks are read-only views of its (registered) arena: they must
+        reach the device as one DMA, not through the staging buffers. ``torch.from_numpy``
+        only warns that torch has no read-only tensors; the tensor of a read-only array is
+        used here only as the source of a copy, never written.
+        """
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+            return self._torch.from_numpy(array)
+
     def _pinned(self, array: npt.NDArray[np.uint8]) -> Any:
         """The array as a tensor if it lives in pinned memory, else ``None``."""
-        if not array.flags.writeable:
-            return None  # torch.from_numpy warns on read-only arrays; stage those instead
-        tensor = self._torch.from_numpy(array)
+        tensor = self.host_tensor(array)
         return tensor if tensor.is_pinned() else None
 
     def _enter(self) -> Any:
