@@ -4,15 +4,22 @@ readable while they leave, and pins taken meanwhile keep them."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from kvtier.codec import frame_size_bound
 from kvtier.store import TieredStore
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.base import Block
+from kvtier.tiers.budget import BudgetedTier
 from kvtier.tiers.dram import DRAMTier
+from kvtier.tiers.fsspec import FsspecTier
+from kvtier.tiers.lmdb import LMDBTier
 
 BLOCK = 1024
 
@@ -150,3 +157,100 @@ async def test_delete_of_a_key_being_overwritten_frees_no_room_twice() -> None:
     await asyncio.gather(grow, deleting, other)
     assert tier.used <= tier.capacity  # type: ignore[operator]
     assert tier.used == sum(tier._policy.size_of(k) or 0 for k in tier._policy.lru_order())
+
+
+# A victim's drop step removes it from storage before the tier forgets it. While the drop
+# runs, the tier used to still claim the victim (it was in the leaving map) although its
+# storage copy was already gone: ``contains`` said yes and ``get`` missed. The store's
+# hypothesis chain machine hit this about once in 15 runs (write-through workers evicting
+# from the LMDB and file tiers while the machine read every tier's copy). A victim being
+# dropped is no longer claimed (it was demoted before its drop began).
+
+def _persistent_victims(tier: BudgetedTier) -> list[bytes]:
+    demoted: list[bytes] = []
+
+    async def on_evict(key: bytes, block: Block) -> None:
+        demoted.append(key)
+
+    tier.on_evict = on_evict
+    return demoted
+
+
+async def _assert_claims_are_readable(tier: BudgetedTier, keys: list[bytes]) -> None:
+    claims = await tier.contains_many(keys)
+    for key, claimed in zip(keys, claims, strict=True):
+        assert claimed == await tier.contains(key)
+        got = await tier.get(key)
+        out = np.empty(BLOCK, np.uint8)
+        hit = await tier.get_into(key, out)
+        if claimed:
+            assert got is not None and got.tobytes() == _byte_block(key).tobytes(), key.hex()
+            assert hit and out.tobytes() == _byte_block(key).tobytes(), key.hex()
+
+
+def _byte_block(key: bytes) -> Block:
+    return np.full(BLOCK, key[-1], np.uint8)
+
+
+async def test_lmdb_victim_is_not_claimed_once_its_drop_committed(tmp_path: Path) -> None:
+    keys = [key_of(i) for i in range(3)]
+    tier = LMDBTier(tmp_path / "lmdb", capacity=2 * frame_size_bound(_byte_block(keys[0])))
+    demoted = _persistent_victims(tier)
+    await tier.put(keys[0], _byte_block(keys[0]))
+    await tier.put(keys[1], _byte_block(keys[1]))
+    env = tier._env
+    assert env is not None
+    committed, release = threading.Event(), threading.Event()
+    write = env.write
+
+    def write_then_pause(puts: Any, deletes: Any, touches: Any) -> list[bool]:
+        present = write(puts, deletes, touches)
+        if keys[0] in deletes:  # the victim is gone from LMDB; the loop has not heard yet
+            committed.set()
+            release.wait()
+        return present
+
+    env.write = write_then_pause  # type: ignore[method-assign]
+    put = asyncio.create_task(tier.put(keys[2], _byte_block(keys[2])))
+    try:
+        assert await asyncio.to_thread(committed.wait, 60)
+        await _assert_claims_are_readable(tier, keys)
+        assert tier.used <= 2 * frame_size_bound(_byte_block(keys[0]))
+    finally:
+        release.set()
+    await put
+    assert demoted == [keys[0]]
+    assert await tier.contains_many(keys) == [False, True, True]
+    await _assert_claims_are_readable(tier, keys)
+    await tier.aclose()
+
+
+async def test_file_victim_is_not_claimed_once_its_file_is_removed(tmp_path: Path) -> None:
+    keys = [key_of(i) for i in range(3)]
+    tier = FsspecTier(f"file://{tmp_path}/files",
+                      capacity=2 * frame_size_bound(_byte_block(keys[0])))
+    demoted = _persistent_victims(tier)
+    await tier.put(keys[0], _byte_block(keys[0]))
+    await tier.put(keys[1], _byte_block(keys[1]))
+    writing, release = asyncio.Event(), asyncio.Event()
+    write = tier._write
+
+    async def pause_then_write(key: bytes, block: Block) -> int:
+        # The commit removed the victims' files first; hold the new block's write here.
+        writing.set()
+        await release.wait()
+        return await write(key, block)
+
+    tier._write = pause_then_write  # type: ignore[method-assign]
+    put = asyncio.create_task(tier.put(keys[2], _byte_block(keys[2])))
+    try:
+        await writing.wait()
+        assert not await asyncio.to_thread(Path(tier.path_of(keys[0])).exists)
+        await _assert_claims_are_readable(tier, keys)
+    finally:
+        release.set()
+    await put
+    assert demoted == [keys[0]]
+    assert await tier.contains_many(keys) == [False, True, True]
+    await _assert_claims_are_readable(tier, keys)
+    await tier.aclose()

@@ -5,14 +5,19 @@ Eviction in three steps (cachetools' one hook, diskcache's bounded steps):
 
 1. **choose and detach** (one synchronous step, so no other coroutine of the tier sees it
    half done): the policy picks victims; they leave the policy and enter the ``leaving``
-   map, still stored and still readable (``get``/``contains`` find them there); the put
-   claims the bytes it adds beyond its victims.
+   map, still stored and still readable (``get``/``contains`` find them there,
+   :meth:`BudgetedTier._held`); the put claims the bytes it adds beyond its victims.
 2. **demote** outside any lock: each victim goes to the eviction callback (the store writes
    it to the tier below) in steps of at most ``STEP_BLOCKS`` blocks / ``STEP_BYTES`` bytes.
    Other puts choose other victims and demote at the same time.
 3. **drop and commit**: victims pinned meanwhile are kept (back into the policy, and the put
    chooses again); the others are dropped in the same step that writes the new blocks
-   (:meth:`BudgetedTier._commit`), which runs shielded unless it cannot yield.
+   (:meth:`BudgetedTier._commit`), which runs shielded unless it cannot yield. From the
+   moment their drop begins they are no longer claimed (``Leaving.dropping``): storage may
+   lose them before the tier hears back (an LMDB commit in a worker thread, a file removed
+   before the new blocks are written), and a tier must never claim a block it cannot read.
+   They were demoted in step 2, so readers find them below; their bytes stay counted until
+   the drop ends.
 
 Budget: ``policy.used + leaving bytes + claimed bytes <= capacity`` holds at every step, so
 what the tier holds never exceeds its capacity. A put of a key that is leaving, and a delete
@@ -70,6 +75,7 @@ class Leaving:
     size: int
     block: Block | None  # held in memory by the tier (dram), else read back from storage
     done: asyncio.Future[None] | None = None  # made when someone waits (_settled)
+    dropping: bool = False  # its drop from storage began: no longer claimed or read
 
 
 def _steps(entries: list[Leaving]) -> list[list[Leaving]]:
@@ -97,8 +103,8 @@ class BudgetedTier(Tier):
     must be read back from storage to be demoted, and :meth:`_drop_stored`.
 
     Concurrency: any number of puts, gets and deletes may run at once; puts that need
-    victims demote them concurrently. ``_get``/``_contains`` of subclasses must also look in
-    ``self._leaving``.
+    victims demote them concurrently. ``_get``/``_contains`` of subclasses that keep no index
+    of their own answer with :meth:`_held` (the policy and the victims still readable).
     """
 
     _policy: Policy
@@ -140,6 +146,14 @@ class BudgetedTier(Tier):
     async def _unpin(self, keys: Sequence[bytes]) -> None:
         for key in keys:
             self._policy.unpin(key)
+
+    def _held(self, key: bytes) -> bool:
+        """Whether the tier holds ``key`` readably: admitted, or a victim whose drop from
+        storage has not begun."""
+        if key in self._policy:
+            return True
+        entry = self._leaving.get(key)
+        return entry is not None and not entry.dropping
 
     def resident_keys(self) -> list[bytes] | None:
         """Keys held, least recently used first (from the recency policy)."""
@@ -250,6 +264,12 @@ class BudgetedTier(Tier):
             self._leaving_bytes += size
             entries.append(entry)
         return entries
+
+    @staticmethod
+    def _begin_drop(entries: Iterable[Leaving]) -> None:
+        """Stop claiming victims whose drop from storage starts now (module docstring)."""
+        for entry in entries:
+            entry.dropping = True
 
     def _end_leaving(self, entry: Leaving, *, keep: bool) -> None:
         if self._leaving.get(entry.key) is entry:
@@ -378,6 +398,7 @@ class BudgetedTier(Tier):
             for entry in kept:
                 self._end_leaving(entry, keep=True)
             rest = [e for e in entries if e not in kept]
+            self._begin_drop(rest)
             try:
                 await self._drop_stored([e.key for e in rest])
             finally:
@@ -395,6 +416,7 @@ class BudgetedTier(Tier):
 
     async def _finish(self, items: Sequence[tuple[bytes, Block]], wanted: dict[bytes, int],
                       entries: list[Leaving], claim: int, done: asyncio.Future[None]) -> None:
+        self._begin_drop(entries)
         try:
             actual = await self._commit(items, [e.key for e in entries])
             for (key, _), size in zip(items, actual or wanted.values(), strict=True):
@@ -434,6 +456,7 @@ class BudgetedTier(Tier):
         rest = [e for e in entries if e not in kept]
         for entry in kept:
             self._end_leaving(entry, keep=True)
+        self._begin_drop(rest)
         try:
             await self._drop_stored([e.key for e in rest])
         finally:

@@ -262,8 +262,10 @@ class FsspecTier(BudgetedTier):
         return block
 
     async def _contains(self, key: bytes) -> bool:
-        if key in self._policy or key in self._leaving:
+        if self._held(key):
             return True
+        if key in self._leaving:  # being dropped: its file may go while we look
+            return False
         path = await self._path(key)
         try:
             return await self._io(lambda b: b.exists(path))

@@ -392,7 +392,7 @@ class LMDBTier(BudgetedTier):
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         env = await self._ready()
-        wanted = [k for k in dict.fromkeys(keys) if k in self._policy or k in self._leaving]
+        wanted = [k for k in dict.fromkeys(keys) if self._held(k)]
         found: dict[bytes, Block] = {}
         if wanted:
             try:
@@ -427,7 +427,7 @@ class LMDBTier(BudgetedTier):
 
     async def _get_into(self, key: bytes, out: Block) -> bool:
         env = await self._ready()
-        if key not in self._policy and key not in self._leaving:
+        if not self._held(key):
             self.misses += 1
             return False
         try:
@@ -452,11 +452,11 @@ class LMDBTier(BudgetedTier):
 
     async def _contains(self, key: bytes) -> bool:
         await self._ready()
-        return key in self._policy or key in self._leaving
+        return self._held(key)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         await self._ready()
-        return [k in self._policy or k in self._leaving for k in keys]
+        return [self._held(k) for k in keys]
 
     async def _put(self, key: bytes, block: Block) -> None:
         await self._put_many([(key, block)])
