@@ -192,6 +192,16 @@ def _byte_block(key: bytes) -> Block:
     return np.full(BLOCK, key[-1], np.uint8)
 
 
+async def _after_the_drop(tier: BudgetedTier, put: asyncio.Task[None], demoted: list[bytes],
+                          keys: list[bytes]) -> None:
+    """Once the paused put finished: only the victim went, and every claim reads."""
+    await put
+    assert demoted == [keys[0]]
+    assert await tier.contains_many(keys) == [False, True, True]
+    await _assert_claims_are_readable(tier, keys)
+    await tier.aclose()
+
+
 async def test_lmdb_victim_is_not_claimed_once_its_drop_committed(tmp_path: Path) -> None:
     keys = [key_of(i) for i in range(3)]
     tier = LMDBTier(tmp_path / "lmdb", capacity=2 * frame_size_bound(_byte_block(keys[0])))
@@ -218,11 +228,7 @@ async def test_lmdb_victim_is_not_claimed_once_its_drop_committed(tmp_path: Path
         assert tier.used <= 2 * frame_size_bound(_byte_block(keys[0]))
     finally:
         release.set()
-    await put
-    assert demoted == [keys[0]]
-    assert await tier.contains_many(keys) == [False, True, True]
-    await _assert_claims_are_readable(tier, keys)
-    await tier.aclose()
+    await _after_the_drop(tier, put, demoted, keys)
 
 
 async def test_file_victim_is_not_claimed_once_its_file_is_removed(tmp_path: Path) -> None:
@@ -249,8 +255,4 @@ async def test_file_victim_is_not_claimed_once_its_file_is_removed(tmp_path: Pat
         await _assert_claims_are_readable(tier, keys)
     finally:
         release.set()
-    await put
-    assert demoted == [keys[0]]
-    assert await tier.contains_many(keys) == [False, True, True]
-    await _assert_claims_are_readable(tier, keys)
-    await tier.aclose()
+    await _after_the_drop(tier, put, demoted, keys)

@@ -327,12 +327,17 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             server.bytes_out += frame.nbytes
         return 200
 
-    async def _put(self, request: _Request) -> int:
-        server = self._server
+    def _take_body(self, request: _Request) -> memoryview:
+        """The request's received body, handed over (and counted) once."""
         body, request.body = request.body, None
         if body is None:
-            raise RuntimeError("a PUT is served only once its body arrived")
-        server.bytes_in += body.nbytes
+            raise RuntimeError(f"a {request.method} is served only once its body arrived")
+        self._server.bytes_in += body.nbytes
+        return body
+
+    async def _put(self, request: _Request) -> int:
+        server = self._server
+        body = self._take_body(request)
         block = await server.decode(request.key, body)
         del body
         await server.segment.put(request.key, block)
@@ -345,10 +350,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     async def _batch_get(self, request: _Request) -> int:
         server = self._server
-        body, request.body = request.body, None
-        if body is None:
-            raise RuntimeError("a batch get is served only once its body arrived")
-        server.bytes_in += body.nbytes
+        body = self._take_body(request)
         keys = proto.decode_keys(body, server.limits.max_batch)
         del body
         buffers, reserved = await server.batch_get_answer(keys)
