@@ -97,7 +97,7 @@ async def test_block_requests_stay_on_the_data_plane(server: PeerServer) -> None
     assert status == 200 and int(headers["content-length"]) == len(frame_of(BLOCK))
     await conn.send(get_request(b"\x09"))
     assert (await conn.answer())[0] == 404
-    assert on_data_plane(server) == 1
+    assert on_data_plane(server) == 1 and server.handoffs == 0
     assert server.requests[("/v1/blocks/{key}", "PUT", 204)] == 1
     assert server.requests[("/v1/blocks/{key}", "GET", 200)] == 1
     assert server.requests[("/v1/blocks/{key}", "HEAD", 200)] == 1
@@ -120,6 +120,8 @@ async def test_pipelined_requests_across_a_hand_off_are_answered_in_order(
     status, _, body = await conn.answer()
     assert status == 200 and body == frame_of(BLOCK)
     assert on_data_plane(server) == 0  # handed off for good
+    assert server.handoffs == 1
+    assert "kvtier_peer_dataplane_handoffs_total 1.0" in server.metrics_text()
     conn.close()
 
 

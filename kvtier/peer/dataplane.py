@@ -271,6 +271,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._cancel_timers()
         self.handed_off = True
         self._server.dataplane_connections.discard(self)
+        self._server.handoffs += 1
         handler = cast(asyncio.Protocol, self._fallback())
         data, self._pending = bytes(self._pending), bytearray()
         transport.set_protocol(handler)

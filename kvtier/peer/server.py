@@ -165,6 +165,7 @@ class PeerServer:
         self.body_timeouts = 0
         self.connections_refused = 0
         self.batch_truncated = 0
+        self.handoffs = 0  # data-plane connections handed to aiohttp
         self.stored_keys: dict[bytes, None] = {}  # insertion-ordered; only when tracked
         self._track_keys = False
         self._accept_filter: AcceptErrorFilter | None = None
@@ -593,6 +594,8 @@ class PeerServer:
              "Connections refused at the connection cap."),
             ("kvtier_peer_batch_truncated", "counter", self.batch_truncated,
              "Batch get answers cut short at the body limit or the in-flight budget."),
+            ("kvtier_peer_dataplane_handoffs", "counter", self.handoffs,
+             "Connections the data plane handed to aiohttp (a request it does not serve)."),
             ("kvtier_peer_accept_errors_suppressed", "counter", accept_suppressed,
              "Accept-error log records suppressed by the rate limit (process-wide)."),
             ("kvtier_peer_inflight_bytes", "gauge", self.budget.held,
