@@ -3,6 +3,7 @@ same verification as the threaded path; everything else goes to a worker thread.
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 from pathlib import Path
@@ -73,13 +74,40 @@ async def test_threaded_reads_when_off_or_compressed(tmp_path: Path, url_options
     await tier.aclose()
 
 
-async def test_large_batches_read_in_a_thread(tmp_path: Path) -> None:
+async def test_large_batches_read_inline_in_groups(tmp_path: Path) -> None:
+    """A resident batch larger than INLINE_READ_BYTES is read on the loop in groups of at
+    most that size (here 16 + 4 blocks), yielding to other tasks between them."""
     tier = LMDBTier(tmp_path / "db", capacity=64 * BLOCK)
     keys = [key(i) for i in range(20)]  # 5 MiB: more than INLINE_READ_BYTES
     await tier.put_many((k, block(i)) for i, k in enumerate(keys))
+    turns = 0
+
+    async def other_task() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(other_task())
+    await asyncio.sleep(0)
+    before = turns
     got = await tier.get_many(keys)
+    ticker.cancel()
     assert all(np.array_equal(g, block(i)) for i, g in enumerate(got))  # type: ignore[arg-type]
-    assert tier.stats()["reads_inline"] == 0
+    assert tier.stats()["reads_inline"] == 2
+    assert turns > before  # the other task ran between the groups
+    await tier.aclose()
+
+
+async def test_a_block_too_large_for_the_loop_reads_the_rest_in_a_thread(
+        tmp_path: Path) -> None:
+    tier = LMDBTier(tmp_path / "db", capacity=64 << 20)
+    big = np.random.default_rng(7).integers(0, 256, 5 << 20, dtype=np.uint8)
+    await tier.put_many([(key(0), block(0)), (key(1), big), (key(2), block(2))])
+    got = await tier.get_many([key(0), key(1), key(2)])
+    assert np.array_equal(got[0], block(0)) and np.array_equal(got[1], big)  # type: ignore[arg-type]
+    assert np.array_equal(got[2], block(2))  # type: ignore[arg-type]
+    assert tier.stats()["reads_inline"] == 1  # key 0 on the loop; keys 1-2 in one thread hop
     await tier.aclose()
 
 

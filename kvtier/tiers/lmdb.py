@@ -372,6 +372,34 @@ class LMDBTier(BudgetedTier):
                 return result
         return await self._in_thread(fn, *args)
 
+    async def _read_blocks(self, env: BlockEnv, keys: list[bytes]) -> list[Any]:
+        """``env.read(keys)``: resident groups of at most ``INLINE_READ_BYTES`` on the loop,
+        yielding between groups (a batch holds the loop no longer than a single inline get
+        does), and the rest, from the first group that is not resident, in one thread hop.
+        A batch of 16 x 1 MiB read in one thread ran at 0.93x its single gets per byte."""
+        out: list[Any] = []
+        start = 0
+        while self.inline_reads and start < len(keys):
+            end, size = start, 0
+            while end < len(keys):
+                grown = size + (self._policy.size_of(keys[end]) or 0)
+                if grown > INLINE_READ_BYTES:
+                    break
+                size, end = grown, end + 1
+            if end == start:
+                break  # the next block alone is too large to read on the loop
+            try:
+                out += env.read(keys[start:end], resident_only=True)
+            except NotResident:
+                break
+            self.reads_inline += 1
+            start = end
+            if start < len(keys):
+                await asyncio.sleep(0)
+        if start < len(keys):
+            out += await self._in_thread(env.read, keys[start:])
+        return out
+
     async def _locked(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` under the writer lock as a shielded, tracked task (see above)."""
         async def run() -> T:
@@ -396,7 +424,7 @@ class LMDBTier(BudgetedTier):
         found: dict[bytes, Block] = {}
         if wanted:
             try:
-                results = await self._read(env.read, wanted, wanted)
+                results = await self._read_blocks(env, wanted)
             except lmdb.Error as exc:
                 self.io_errors += 1
                 raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
