@@ -16,7 +16,9 @@ calling thread and, in the ``in to_thread`` rows, through ``asyncio.to_thread`` 
 read costs when it must not block the loop). Tier reads print their ratio against the
 ``to_thread`` baseline, then against the calling thread. ``lmdb://`` reads resident,
 uncompressed blocks on the loop by default (``inline_reads=0``: always a worker thread);
-``file://?nowait=1`` reads cached files on the loop. Data stays hot in the page cache, so
+``file://`` reads cached files on the loop where its directory is on a local filesystem
+(``nowait=auto``, the default; the default rows name the decision), and the
+``nowait=0`` row always reads in a worker thread. Data stays hot in the page cache, so
 these are software-overhead figures, not disk figures.
 
 Run ``python -m benchmarks.bench_persist [--quick] [--json FILE] [--dir DIR]``.
@@ -239,7 +241,8 @@ async def _file_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
     raw_dir = root / f"rawfiles-{size_name}"
     raw_dir.mkdir()
     tier = FsspecTier(f"file://{root}/tierfiles-{size_name}")
-    nowait = FsspecTier(f"file://{root}/tierfiles-{size_name}", nowait=True)  # same files
+    threaded = FsspecTier(f"file://{root}/tierfiles-{size_name}", nowait=False)  # same files
+    default = f"nowait=auto: {'on' if tier.nowait else 'off'}, {tier.fstype}"
     seq = iter(range(1 << 62))
 
     def raw_write() -> None:
@@ -262,8 +265,8 @@ async def _file_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
     async def tier_get() -> None:
         assert await tier.get(_key(next(seq) % n)) is not None
 
-    async def nowait_get() -> None:
-        assert await nowait.get(_key(next(seq) % n)) is not None
+    async def threaded_get() -> None:
+        assert await threaded.get(_key(next(seq) % n)) is not None
 
     async def tier_get_into() -> None:
         assert await tier.get_into(_key(next(seq) % n), out)
@@ -275,17 +278,17 @@ async def _file_cells(cells: _Cells, root: Path, size_name: str, nbytes: int) ->
         ("raw open/write", raw_write, None),
         ("raw open/write in to_thread", None, raw_write_thread),
         ("file:// tier put (tmp+rename)", None, tier_put)])
-    get_raw, get_raw_t, get_tier, into_tier, get_nowait = await cells.group(
+    get_raw, get_raw_t, get_tier, into_tier, get_threaded = await cells.group(
         "file", size_name, nbytes, [
             ("raw open/readinto", raw_read, None),
             ("raw open/readinto in to_thread", None, raw_read_thread),
-            ("file:// tier get", None, tier_get),
-            ("file:// tier get_into", None, tier_get_into),
-            ("file:// tier get, nowait=1", None, nowait_get)])
+            (f"file:// tier get ({default})", None, tier_get),
+            (f"file:// tier get_into ({default})", None, tier_get_into),
+            ("file:// tier get, nowait=0", None, threaded_get)])
     await tier.aclose()
-    await nowait.aclose()
+    await threaded.aclose()
     reads = [with_second_ratio(with_ratio(r, get_raw_t), get_raw)
-             for r in (get_tier, into_tier, get_nowait)]
+             for r in (get_tier, into_tier, get_threaded)]
     return [put_raw, with_ratio(put_raw_t, put_raw), with_ratio(put_tier, put_raw),
             get_raw, with_ratio(get_raw_t, get_raw), *reads]
 

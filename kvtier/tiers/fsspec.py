@@ -37,6 +37,7 @@ from kvtier.policy import Clock
 from kvtier.tiers.base import Block
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
+from kvtier.tiers.mounts import check_local, read_mountinfo
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
 
 __all__ = ["BLOCK_SUFFIX", "FsspecTier", "key_path"]
@@ -104,8 +105,12 @@ class FsspecTier(BudgetedTier):
         ``file://`` only: fsync the block and its directory before publishing.
     nowait
         ``file://`` only: read files that are in the page cache on the event loop
-        (``preadv`` with ``RWF_NOWAIT``), others in a worker thread; for local disks, not
-        network mounts (see :class:`~kvtier.tiers.fsspec_io.LocalBackend`).
+        (``preadv`` with ``RWF_NOWAIT``), others in a worker thread (see
+        :class:`~kvtier.tiers.fsspec_io.LocalBackend`). ``"auto"`` (default): on where the
+        root directory and every mount beneath it are on a local filesystem
+        (:func:`~kvtier.tiers.mounts.check_local`: ext4, xfs, tmpfs...), off on NFS, FUSE
+        and other network mounts, whose ``open`` would block the loop, and on other
+        protocols. ``True``/``False`` (or ``1``/``0``) force it.
     timeout
         Seconds after which one storage operation is abandoned (a miss or a put error).
     policy
@@ -122,7 +127,7 @@ class FsspecTier(BudgetedTier):
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
-                 nowait: bool = False, timeout: float = 30.0, policy: str = "lru",
+                 nowait: bool | str = "auto", timeout: float = 30.0, policy: str = "lru",
                  clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
@@ -130,7 +135,8 @@ class FsspecTier(BudgetedTier):
         if timeout <= 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout}")
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
-        if nowait and self.protocol not in ("file", "local"):
+        nowait_mode = _parse_nowait(nowait)
+        if nowait_mode and self.protocol not in ("file", "local"):
             raise ConfigError(f"nowait: only for file:// tiers, not {self.protocol}://")
         super().__init__(name=name or self.protocol)
         self.url = url
@@ -139,7 +145,9 @@ class FsspecTier(BudgetedTier):
         self.shuffle = shuffle
         self.fanout = fanout
         self.fsync = fsync
-        self.nowait = nowait
+        self._nowait_mode = nowait_mode
+        self.nowait = False  # decided with the back end
+        self.fstype: str | None = None
         self.timeout = timeout
         self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
@@ -158,7 +166,7 @@ class FsspecTier(BudgetedTier):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
         """``PROTO://LOCATION?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&fanout=2
-        &fsync=0&nowait=0&timeout=30&name=LABEL&<storage options>``; other query options and the
+        &fsync=0&nowait=auto&timeout=30&name=LABEL&<storage options>``; other query options and the
         ``storage_options`` keyword go to the fsspec filesystem."""
         parsed = parse_tier_url(url)
         merged: dict[str, Any] = {**parsed.params, **options}
@@ -182,7 +190,7 @@ class FsspecTier(BudgetedTier):
             compress_level=parse_compress(merged.get("compress")),
             shuffle=parse_bool(merged.get("shuffle", False), "shuffle"),
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
-            nowait=parse_bool(merged.get("nowait", False), "nowait"),
+            nowait=merged.get("nowait", "auto"),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
             name=str(merged["name"]) if "name" in merged else None, **kwargs)
 
@@ -197,8 +205,18 @@ class FsspecTier(BudgetedTier):
                 unknown = ", ".join(sorted(self.storage_options))
                 raise ConfigError(f"url: unknown option(s) {unknown} for file:// (kvtier "
                                   f"options: {', '.join(sorted(_OWN_OPTIONS))})")
+            self._decide_nowait(root)
             return LocalBackend(fsync=self.fsync, nowait=self.nowait), root
         return SyncFsBackend(fs), root
+
+    def _decide_nowait(self, root: str) -> None:
+        """Find the root's filesystem type (for stats) and settle ``nowait=auto``. Looks up
+        /proc and path components on local mounts only, so it never waits for a server."""
+        check = check_local(root, read_mountinfo())
+        self.fstype = check.fstype
+        self.nowait = check.local if self._nowait_mode is None else self._nowait_mode
+        log.debug("%s tier: nowait=%s (%s): %s", self.name, self.nowait,
+                  "auto" if self._nowait_mode is None else "forced", check.reason)
 
     async def _ready(self) -> Backend:
         if self._backend is not None:
@@ -345,11 +363,23 @@ class FsspecTier(BudgetedTier):
 
     def stats(self) -> dict[str, Any]:
         backend = self._backend
-        nowait = {"reads_nowait": backend.reads_nowait} \
-            if isinstance(backend, LocalBackend) and self.nowait else {}
+        nowait = {"nowait": backend.nowait, "fstype": self.fstype,
+                  "reads_nowait": backend.reads_nowait} \
+            if isinstance(backend, LocalBackend) else {}
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,
                 "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
                 "url": self.url, **nowait}
+
+
+def _parse_nowait(value: object) -> bool | None:
+    """The ``nowait`` option: ``None`` for ``"auto"``; ``True``/``False`` (``1``/``0``,
+    ``true``/``false``...) force it."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    if isinstance(value, bool | int | str):
+        with contextlib.suppress(ConfigError):
+            return parse_bool(value, "nowait")
+    raise ConfigError(f"nowait: expected 0, 1 or auto, got {value!r}")
 
 
 def _base_url(parsed: TierURL) -> str:

@@ -77,8 +77,8 @@ class LocalBackend:
         in the page cache: a file read whole that way (up to :data:`NOWAIT_MAX_BYTES`,
         uncompressed or small) costs no thread hop; any other falls back to a worker
         thread. ``open``/``fstat`` then also run on the loop, which is quick on a local
-        disk with a warm directory tree but waits for the server on NFS: leave it off
-        for network mounts.
+        disk with a warm directory tree but waits for the server on NFS: the tier turns it
+        on for local filesystems only (``nowait=auto``, :mod:`kvtier.tiers.mounts`).
     """
 
     def __init__(self, *, fsync: bool = False, nowait: bool = False) -> None:
