@@ -361,3 +361,13 @@ async def test_a_last_request_is_answered_then_the_connection_closes(
     status, _, body = await conn.answer()
     assert status == 200 and body == frame_of(BLOCK)
     assert await conn.closed_by_server(within=2.0)  # at once, not at the 5 s idle timeout
+
+
+async def test_a_flood_of_empty_lines_is_skipped_in_one_step(server: PeerServer) -> None:
+    await server.segment.put(KEY, BLOCK)
+    conn = await Conn.open(server)
+    await conn.send(b"\r\n" * 100_000 + get_request(KEY))
+    status, _, body = await conn.answer()
+    assert status == 200 and body == frame_of(BLOCK)
+    assert on_data_plane(server) == 1
+    conn.close()

@@ -189,8 +189,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if transport is None or transport.is_closing():
             return
         pending = self._pending
-        while pending[:2] == b"\r\n":  # empty lines before a request are ignored (RFC 9112)
-            del pending[:2]
+        if pending[:1] in (b"\r", b"\n"):  # empty lines before a request are ignored
+            del pending[: len(pending) - len(pending.lstrip(b"\r\n"))]  # (RFC 9112 2.2)
         if not pending:
             return
         end = pending.find(b"\r\n\r\n")
