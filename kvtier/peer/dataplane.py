@@ -303,8 +303,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             except Exception as exc:
                 status, text, headers = server.failure(exc, request.method,
                                                        self._route_of(request))
-                await self._answer(status, [text.encode()], "text/plain; charset=utf-8",
-                                   close=headers.get("Connection") == "close")
+                if status != 499:  # 499: the client is gone (counted), nobody to answer
+                    await self._answer(status, [text.encode()], "text/plain; charset=utf-8",
+                                       close=headers.get("Connection") == "close")
         except ConnectionResetError:
             server.client_gone += 1
             status = 499
