@@ -189,7 +189,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if transport is None or transport.is_closing():
             return
         pending = self._pending
-        if pending[:1] in (b"\r", b"\n"):  # empty lines before a request are ignored
+        if pending and pending[0] in b"\r\n":  # empty lines before a request are ignored
             del pending[: len(pending) - len(pending.lstrip(b"\r\n"))]  # (RFC 9112 2.2)
         if not pending:
             return
