@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from kvtier.errors import ConfigError
 
-__all__ = ["TierURL", "merge_options", "parse_bool", "parse_secret", "parse_size", "parse_tier_url"]
+__all__ = ["TierURL", "merge_options", "parse_bool", "parse_number", "parse_secret", "parse_size",
+           "parse_tier_url"]
+
+N = TypeVar("N", int, float)
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -73,6 +77,19 @@ def parse_size(value: str | int, name: str = "capacity") -> int:
         known = "B, KiB, MiB, GiB, TiB, PiB, KB, MB, GB, TB, PB, K, M, G, T, P"
         raise ConfigError(f"{name}: unknown unit {unit!r} in {value!r} (known: {known})")
     return int(float(number) * multiplier) if "." in number else int(number) * multiplier
+
+
+def parse_number(value: object, name: str, cast: type[N], low: float) -> N:
+    """A URL option as ``cast`` (``int`` or ``float``) of at least ``low``; ``ConfigError``
+    for text that is not one, and for NaN (which no bound check would catch)."""
+    try:
+        number = cast(str(value).strip())
+    except ValueError:
+        kind = "an integer" if cast is int else "a number"
+        raise ConfigError(f"{name}: expected {kind}, got {value!r}") from None
+    if not number >= low:  # also false for NaN
+        raise ConfigError(f"{name}: expected >= {low}, got {value!r}")
+    return number
 
 
 def parse_bool(value: str | bool | int, name: str) -> bool:

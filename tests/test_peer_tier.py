@@ -142,6 +142,7 @@ async def test_delete_reaches_every_copy(pool: list[PeerServer]) -> None:
     "peers://h1:7070?timeout=-1", "peers://h1:7070?compress=lz4", "peers://h1:7070?bogus=1",
     "peers://h1:7070?self=h9:7070", "peers+dns://a:1,b:2", "peers://::1:7070",
     "peers://h1:7070/path", "peers://h1:7070?token=env:KVTIER_NO_SUCH_VAR",
+    "peers://h1:7070?timeout=nan", "peers://h1:7070?health_interval=nan",
 ])
 def test_bad_urls_rejected(url: str) -> None:
     with pytest.raises(ConfigError):

@@ -11,6 +11,7 @@ from kvtier.urls import (
     TierURL,
     merge_options,
     parse_bool,
+    parse_number,
     parse_secret,
     parse_size,
     parse_tier_url,
@@ -123,3 +124,21 @@ def test_merge_options_unknown() -> None:
     assert isinstance(info.value, KVTierError)
     with pytest.raises(ConfigError, match="allowed: none"):
         merge_options(parse_tier_url("x://?a=1"), {}, set())
+
+
+@pytest.mark.parametrize(("value", "cast", "low", "expected"), [
+    ("3", int, 1, 3), (" 2 ", int, 0, 2), ("0.5", float, 0.001, 0.5), (7, int, 7, 7),
+    ("inf", float, 0, float("inf")),
+])
+def test_parse_number_valid(value: object, cast: type, low: float, expected: float) -> None:
+    assert parse_number(value, "opt", cast, low) == expected
+
+
+@pytest.mark.parametrize(("value", "cast", "low", "message"), [
+    ("x", int, 1, "expected an integer"), ("1.5", int, 1, "expected an integer"),
+    ("soon", float, 0, "expected a number"), ("0", int, 1, "expected >= 1"),
+    ("nan", float, 0, "expected >= 0"), ("-0.1", float, 0, "expected >= 0"),
+])
+def test_parse_number_invalid(value: object, cast: type, low: float, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_number(value, "opt", cast, low)

@@ -30,7 +30,13 @@ from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
 from kvtier.peer.tls import client_context
 from kvtier.tiers.base import Block, Tier
-from kvtier.urls import merge_options, parse_secret, parse_size, parse_tier_url
+from kvtier.urls import (
+    merge_options,
+    parse_number,
+    parse_secret,
+    parse_size,
+    parse_tier_url,
+)
 
 __all__ = ["PeerTier"]
 
@@ -41,16 +47,6 @@ _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "t
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
             "change_window", "repair_bytes"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
-
-
-def _number(value: object, name: str, cast: Callable[[str], T], low: float) -> T:
-    try:
-        out = cast(str(value))
-    except ValueError:
-        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
-    if out < low:  # type: ignore[operator]
-        raise ConfigError(f"{name}: expected >= {low}, got {value!r}")
-    return out
 
 
 class PeerTier(Tier):
@@ -191,31 +187,32 @@ class PeerTier(Tier):
             if tls else None
         token = opts.get("token")
         limits = proto.Limits(
-            max_batch=_number(opts.get("max_batch", proto.Limits.max_batch), "max_batch", int, 1),
-            max_body_bytes=_number(opts.get("max_body", proto.Limits.max_body_bytes),
-                                   "max_body", int, proto.Limits.max_block_bytes))
+            max_batch=parse_number(opts.get("max_batch", proto.Limits.max_batch), "max_batch",
+                                   int, 1),
+            max_body_bytes=parse_number(opts.get("max_body", proto.Limits.max_body_bytes),
+                                        "max_body", int, proto.Limits.max_block_bytes))
         return cls(
             None if dns else entries, dns=dns,
-            replicas=_number(opts.get("replicas", 1), "replicas", int, 1),
+            replicas=parse_number(opts.get("replicas", 1), "replicas", int, 1),
             token=None if token in (None, "") else parse_secret(str(token), "token"),
             self_id=str(opts["self"]) if opts.get("self") else None,
             local=opts.get("local"),  # type: ignore[arg-type]
-            timeout=_number(opts.get("timeout", 0.5), "timeout", float, 0.001),
+            timeout=parse_number(opts.get("timeout", 0.5), "timeout", float, 0.001),
             ack=str(opts.get("ack", "all")),
             ssl_context=ctx,
             compress_level=_compress_level(opts.get("compress", "")),
-            health_interval=_number(opts.get("health_interval", 2.0), "health_interval",
-                                    float, 0.01),
-            dns_interval=_number(opts.get("dns_interval", 5.0), "dns_interval", float, 0.01),
-            vnodes=_number(opts.get("vnodes", DEFAULT_VNODES), "vnodes", int, 1),
-            pool_limit=_number(opts.get("pool", 64), "pool", int, 1),
+            health_interval=parse_number(opts.get("health_interval", 2.0), "health_interval",
+                                         float, 0.01),
+            dns_interval=parse_number(opts.get("dns_interval", 5.0), "dns_interval", float, 0.01),
+            vnodes=parse_number(opts.get("vnodes", DEFAULT_VNODES), "vnodes", int, 1),
+            pool_limit=parse_number(opts.get("pool", 64), "pool", int, 1),
             limits=limits,
             name=str(opts["name"]) if opts.get("name") else None,
             tls_server_name=tls.get("tls_server_name"),
-            min_copies=_number(opts["min_copies"], "min_copies", int, 1)
+            min_copies=parse_number(opts["min_copies"], "min_copies", int, 1)
             if opts.get("min_copies") not in (None, "") else None,
-            read_walk=_number(opts.get("read_walk", 1), "read_walk", int, 0),
-            change_window=_number(opts.get("change_window", 300.0), "change_window", float, 0),
+            read_walk=parse_number(opts.get("read_walk", 1), "read_walk", int, 0),
+            change_window=parse_number(opts.get("change_window", 300.0), "change_window", float, 0),
             repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
         )
 

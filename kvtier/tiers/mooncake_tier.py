@@ -41,7 +41,7 @@ from kvtier.tiers.mooncake_client import (
     MooncakeClient,
     MooncakeSettings,
 )
-from kvtier.urls import merge_options, parse_size, parse_tier_url
+from kvtier.urls import merge_options, parse_number, parse_size, parse_tier_url
 
 __all__ = ["MooncakeTier"]
 
@@ -53,17 +53,6 @@ _PROTOCOLS = ("tcp", "rdma")
 _DEFAULT_SLOT = (1 << 20) + 4096  # a 1 MiB block's frame fits; the hint grows with use
 #: A fetched frame: ``(slot offset, slot size, frame bytes)`` in the staging area, or bytes.
 _Fetched = tuple[int, int, int] | bytes | None
-
-
-def _int(opts: dict[str, object], name: str, default: int, low: int) -> int:
-    raw = opts.get(name, default)
-    try:
-        value = int(str(raw))
-    except ValueError:
-        raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
-    if value < low:
-        raise ConfigError(f"{name}: expected >= {low}, got {raw!r}")
-    return value
 
 
 class MooncakeTier(BatchTier):
@@ -137,10 +126,7 @@ class MooncakeTier(BatchTier):
         protocol = str(opts.get("protocol", "tcp")).lower()
         if protocol not in _PROTOCOLS:
             raise ConfigError(f"protocol: expected one of {_PROTOCOLS}, got {protocol!r}")
-        try:
-            timeout = float(str(opts.get("timeout", 5.0)))
-        except ValueError:
-            raise ConfigError(f"timeout: expected seconds, got {opts['timeout']!r}") from None
+        timeout = parse_number(opts.get("timeout", 5.0), "timeout", float, 0.001)
         settings = MooncakeSettings(
             master=parsed.netloc,
             metadata=str(opts.get("metadata", "P2PHANDSHAKE")),
@@ -152,9 +138,9 @@ class MooncakeTier(BatchTier):
             staging=parse_size(opts.get("staging", 64 << 20), "staging"),  # type: ignore[arg-type]
             local_host=str(opts.get("local_host", "")),
         )
-        return cls(settings, replicas=_int(opts, "replicas", 1, 1),
+        return cls(settings, replicas=parse_number(opts.get("replicas", 1), "replicas", int, 1),
                    prefix=str(opts.get("prefix", "kvt:")), timeout=timeout,
-                   threads=_int(opts, "threads", 2, 1),
+                   threads=parse_number(opts.get("threads", 2), "threads", int, 1),
                    name=str(opts["name"]) if opts.get("name") else None)
 
     @property

@@ -27,7 +27,14 @@ from typing import Any, Self, TypeVar, cast
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.tiers.base import BatchTier, Block
-from kvtier.urls import merge_options, parse_bool, parse_secret, parse_size, parse_tier_url
+from kvtier.urls import (
+    merge_options,
+    parse_bool,
+    parse_number,
+    parse_secret,
+    parse_size,
+    parse_tier_url,
+)
 
 try:
     from redis.asyncio import Redis
@@ -47,17 +54,6 @@ _OPTIONS = {"prefix", "ttl", "max_connections", "token", "username", "tls", "tls
             "timeout", "name", "max_block", "usage_interval"}
 _DEFAULT_PORT = 6379
 _PIPELINE_BYTES = 256 << 10
-
-
-def _number(opts: dict[str, object], name: str, default: float, low: float) -> float:
-    raw = opts.get(name, default)
-    try:
-        value = float(str(raw))
-    except ValueError:
-        raise ConfigError(f"{name}: expected a number, got {raw!r}") from None
-    if not value >= low:
-        raise ConfigError(f"{name}: expected >= {low}, got {raw!r}")
-    return value
 
 
 def _split_host(entry: str, url: str) -> tuple[str, int]:
@@ -154,7 +150,7 @@ class RedisTier(BatchTier):
                               "several)")
         elif db_text and not db_text.isdigit():
             raise ConfigError(f"url: database must be a number, got /{db_text}")
-        timeout = _number(opts, "timeout", 1.0, 0.001)
+        timeout = parse_number(opts.get("timeout", 1.0), "timeout", float, 0.001)
         token = opts.get("token")
         password = None if token in (None, "") else parse_secret(str(token), "token")
         tls = parse_bool(opts.get("tls", False), "tls")  # type: ignore[arg-type]
@@ -163,14 +159,16 @@ class RedisTier(BatchTier):
             raise ConfigError("tls_ca: given without tls=1")
         tier_opts: dict[str, Any] = dict(  # all checked before a client exists
             prefix=str(opts.get("prefix", "kvt:")),
-            ttl=int(_number(opts, "ttl", 0, 0)) or None,
+            ttl=parse_number(opts.get("ttl", 0), "ttl", int, 0) or None,
             max_block=parse_size(opts.get("max_block", 512 << 20), "max_block"),  # type: ignore[arg-type]
-            usage_interval=_number(opts, "usage_interval", 5.0, 0.0),
+            usage_interval=parse_number(opts.get("usage_interval", 5.0), "usage_interval",
+                                        float, 0.0),
             name=str(opts["name"]) if opts.get("name") else None)
         common: dict[str, Any] = dict(
             password=password, username=str(opts["username"]) if opts.get("username") else None,
             socket_timeout=timeout, socket_connect_timeout=timeout,
-            max_connections=int(_number(opts, "max_connections", 64, 1)),
+            max_connections=parse_number(opts.get("max_connections", 64), "max_connections",
+                                         int, 1),
             # One immediate retry absorbs a pooled connection that died with a restarted
             # server; more retries (with backoff) would only delay the miss.
             retry=Retry(NoBackoff(), 1), decode_responses=False)
