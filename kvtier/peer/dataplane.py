@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Callable, Sequence
+from http import HTTPStatus
 from typing import TYPE_CHECKING, cast
 
 import httptools
@@ -47,13 +48,22 @@ _BATCH_GET = proto.BATCH_GET_PATH.encode()
 _HEX = frozenset(b"0123456789abcdef")
 # Headers the data plane reads or must see at most once to frame a request unambiguously.
 _SINGLE = (b"content-length", b"authorization", b"transfer-encoding")
-_REASONS = {200: "OK", 204: "No Content", 400: "Bad Request", 404: "Not Found",
-            408: "Request Timeout", 413: "Payload Too Large", 499: "Client Closed Request",
-            503: "Service Unavailable", 507: "Insufficient Storage"}
 _WRITE_SLICE = 1 << 20  # see PeerServer._send: a drain per slice, not per 256 KiB
 _JOIN_MAX = 64 << 10  # leading buffers up to this many bytes are joined with the head
-BLOCK_ROUTE = proto.BLOCK_PATH  # metric labels, the same as aiohttp's canonical routes
-BATCH_ROUTE = proto.BATCH_GET_PATH
+
+
+def _answer_head(status: int, content_type: str, length: int, *, close: bool) -> bytes:
+    """Status line and headers of an answer (a ``204`` carries no length, RFC 9110)."""
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Client Closed Request" if status == 499 else "Error"
+    lines = [f"HTTP/1.1 {status} {reason}"]
+    if status != 204:
+        lines += [f"Content-Type: {content_type}", f"Content-Length: {length}"]
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 class _Head:
@@ -323,10 +333,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             return 404
         frame = server.frames.encode(request.key, block)  # bound to its key
         del block
-        await self._answer(200, frame.buffers, proto.CONTENT_TYPE,
-                           head_only=request.method == "HEAD")
-        if request.method != "HEAD":
-            server.bytes_out += frame.nbytes
+        server.bytes_out += await self._answer(200, frame.buffers, proto.CONTENT_TYPE,
+                                               head_only=request.method == "HEAD")
         return 200
 
     def _take_body(self, request: _Request) -> memoryview:
@@ -357,29 +365,24 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         del body
         buffers, reserved = await server.batch_get_answer(keys)
         request.reserved += reserved
-        total = sum(memoryview(b).nbytes for b in buffers)
-        await self._answer(200, buffers, proto.CONTENT_TYPE)
-        server.bytes_out += total
+        server.bytes_out += await self._answer(200, buffers, proto.CONTENT_TYPE)
         return 200
 
     # ------------------------------------------------------------------- answers
     async def _answer(self, status: int, buffers: Sequence[bytes | memoryview],
                       content_type: str, *, head_only: bool = False,
-                      close: bool = False) -> None:
+                      close: bool = False) -> int:
+        """Write an answer; the body bytes sent (0 for HEAD)."""
         transport = self._transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("client closed the connection")
-        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}"]
-        if status != 204:  # RFC 9110: a 204 carries no Content-Length
-            total = sum(memoryview(b).nbytes for b in buffers)
-            lines += [f"Content-Type: {content_type}", f"Content-Length: {total}"]
+        total = sum(memoryview(b).nbytes for b in buffers)
         if close:
-            lines.append("Connection: close")
             self._stopping = True
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        head = _answer_head(status, content_type, total, close=close)
         if head_only:
             transport.write(head)
-            return
+            return 0
         # One send for the head and every buffer up to the first large one (a frame
         # header, or a whole small answer): a send costs more than copying a few KiB.
         views = [memoryview(b).cast("B") for b in buffers]
@@ -395,6 +398,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 transport.write(view[off : off + _WRITE_SLICE])
                 if self._drained is not None and not self._drained.done():
                     await self._drain(transport)
+        return total
 
     async def _drain(self, transport: asyncio.Transport) -> None:
         """Wait for the client to take the answer; one that takes no byte of it for
@@ -435,7 +439,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     @staticmethod
     def _route_of(request: _Request) -> str:
-        return BATCH_ROUTE if request.kind == "batch" else BLOCK_ROUTE
+        # Metric labels: the same as aiohttp's canonical routes.
+        return proto.BATCH_GET_PATH if request.kind == "batch" else proto.BLOCK_PATH
 
     # -------------------------------------------------------------------- timers
     def _idle_check(self) -> None:
@@ -475,10 +480,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         self._request = None
         if self._transport is not None:
             body = text.encode()
-            self._transport.write(
-                f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: text/plain; "
-                f"charset=utf-8\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
-                f"\r\n".encode() + body)
+            self._transport.write(_answer_head(status, "text/plain; charset=utf-8", len(body),
+                                               close=True) + body)
             self._transport.close()
 
     def _cancel_body_timer(self) -> None:
