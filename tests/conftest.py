@@ -1,10 +1,11 @@
 """Test-suite wide configuration: which tests run on which event loops.
 
 kvtier must work on asyncio's default loop and on uvloop (what vLLM, SGLang and most Python
-servers run). The peer tests, the peer conformance suite and the store tests therefore run
-once per loop, in the same ``pytest`` invocation; every other async test runs on asyncio's
-default loop only, to keep the suite's time down. ``--loops=asyncio`` (or ``uvloop``)
-restricts the dual-loop modules to one loop.
+servers run). The peer tests, the peer conformance suite, the store tests and the tests of
+reads served on the loop (LMDB inline, file ``nowait``) therefore run once per loop, in
+the same ``pytest`` invocation; every other async test runs on asyncio's default loop
+only, to keep the suite's time down. ``--loops=asyncio`` (or ``uvloop``) restricts the
+dual-loop modules to one loop.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ except ImportError:  # pragma: no cover - uvloop is in the test extra
     uvloop = None  # type: ignore[assignment]
 
 # Modules (by file name prefix) whose async tests run on every available loop.
-DUAL_LOOP_PREFIXES = ("test_peer_", "test_store")
+# Plus the two modules whose reads run on the event loop itself (LMDB inline reads, file
+# reads with RWF_NOWAIT).
+DUAL_LOOP_PREFIXES = ("test_peer_", "test_store", "test_lmdb_inline", "test_fsspec_nowait")
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
