@@ -16,7 +16,7 @@ from kvtier.promotion import Promotion
 from kvtier.singleflight import KeyRegistry, KeyState
 from kvtier.tierchain import NOT_HERE, TierChain, finish_even_if_cancelled, log
 from kvtier.tiers.base import Block, EvictionCallback
-from kvtier.writethrough import WriteThrough
+from kvtier.writethrough import WritesDone, WriteThrough
 
 __all__ = ["Placement"]
 
@@ -93,10 +93,11 @@ class Placement:
             await self._writes.enqueue(key, block, (placed if pool is None else pool) + 1)
 
     async def put_many(self, items: dict[bytes, tuple[Block, int]], count: int,
-                       parent: bytes | None = None) -> None:
+                       parent: bytes | None = None) -> WritesDone:
         """Place validated blocks (``key -> (block, first fitting tier)``); ``count`` is the
         number of puts the caller made (repeated keys included). The keys are taken as a
-        prefix chain after ``parent`` for the ``BlockStored`` events."""
+        prefix chain after ``parent`` for the ``BlockStored`` events. Returns the completion
+        of the write-through writes this call queued."""
         chain = self._chain
         chain.counters.puts += count
         for key in items:
@@ -129,11 +130,13 @@ class Placement:
             await finish_even_if_cancelled(self._pool_put(pool_items, pool))
         if per_pool and events:
             chain.stored_runs([self._pool_below[placed[k]] for k in keys], keys, parent)
+        done = WritesDone()
         if self._writes is not None:
             for key, (block, _) in items.items():
                 pool = self._pool_below[placed[key]]
                 await self._writes.enqueue(key, block,
-                                           (placed[key] if pool is None else pool) + 1)
+                                           (placed[key] if pool is None else pool) + 1, done)
+        return done
 
     async def _place(self, key: bytes, block: Block, first: int) -> int:
         """Put into the first tier from ``first`` that accepts; return its index."""

@@ -36,7 +36,7 @@ from kvtier.singleflight import KeyRegistry
 from kvtier.stats import StoreCounters, store_stats
 from kvtier.tierchain import TierChain, check_positive_int, check_timeout, keys_list
 from kvtier.tiers.base import Block, Tier
-from kvtier.writethrough import WriteThrough
+from kvtier.writethrough import WritesDone, WriteThrough
 
 if TYPE_CHECKING:
     from kvtier.peer.locate import PrefixLocation
@@ -350,7 +350,7 @@ class TieredStore:
         await self._placement.put(key, block, first)
 
     async def put_many(self, items: Iterable[tuple[bytes, object]], *,
-                       parent: bytes | None = None) -> None:
+                       parent: bytes | None = None) -> WritesDone:
         """Store ``(key, value)`` pairs; all are validated before anything is written.
 
         Blocks that fit the top tier go there in one batch call, and the chain's recency is
@@ -364,6 +364,14 @@ class TieredStore:
         parent
             The key chained before the first item's (for KV events' ``parent``; ``None``:
             unknown or the prompt's start).
+
+        Returns
+        -------
+        kvtier.writethrough.WritesDone
+            The completion of the write-through writes this call queued (``write_through``;
+            already done with ``write_back``): ``await`` it to wait for these blocks to be
+            written to the tiers below without waiting for other callers' writes, as
+            :meth:`flush` would. Dropping it is fine.
 
         Raises
         ------
@@ -391,11 +399,16 @@ class TieredStore:
             last.pop(key, None)
             last[key] = (block, first)
             count += 1
-        if last:
-            await self._placement.put_many(last, count, parent)
+        if not last:
+            return WritesDone()
+        return await self._placement.put_many(last, count, parent)
 
     async def flush(self) -> None:
-        """Wait until every queued write-through write has been attempted."""
+        """Wait until every write-through write queued before this call has been attempted.
+
+        Writes queued meanwhile are not waited for, so ``flush`` returns under a steady stream
+        of puts; to wait for one batch's writes only, await what :meth:`put_many` returned.
+        """
         self._enter()
         await self._writes.flush()
 
