@@ -465,8 +465,9 @@ class TieredStore:
         keys
             A prefix chain, in order.
         timeout
-            Seconds to wait for answers (default: the store's ``timeout``, else 0.05). A
-            member that has not answered by then is left out of ``nodes``.
+            Seconds to wait for answers (default: the store's ``timeout``, else 0.05;
+            ``math.inf``: no limit, each pool member then bounded by its pool tier's
+            ``timeout``). A member that has not answered by then is left out of ``nodes``.
 
         Returns
         -------
@@ -478,8 +479,9 @@ class TieredStore:
 
         self._enter()
         key_list = keys_list(keys)
-        seconds = check_timeout(timeout) if timeout is not None else None
-        seconds = seconds or self._timeout or LOCATE_DEADLINE
+        # An explicit timeout is taken as given (math.inf: no limit, as for every verb).
+        seconds = (self._timeout or LOCATE_DEADLINE) if timeout is None \
+            else check_timeout(timeout)
         deadline = TierChain.deadline(seconds)
 
         async def leading() -> int:

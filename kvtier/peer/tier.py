@@ -601,13 +601,15 @@ class PeerTier(Tier):
         return out
 
     # ------------------------------------------------------------------ close
-    async def locate(self, keys: Sequence[bytes], deadline: float
+    async def locate(self, keys: Sequence[bytes], deadline: float | None
                      ) -> dict[str, LocalPrefix]:
         """Ask every other member (``POST /v1/locate``, concurrently, within ``deadline``
-        seconds) how many leading ``keys`` it serves locally; late or failing members are
-        left out. See :func:`kvtier.peer.locate.locate_prefix`."""
+        seconds; ``None``: this tier's ``timeout``) how many leading ``keys`` it serves
+        locally; late or failing members are left out. See
+        :func:`kvtier.peer.locate.locate_prefix`."""
         others = [m for m in self.members.members if m != self.members.self_id]
-        return await locate_prefix(others, keys, token=self._token, deadline=deadline,
+        return await locate_prefix(others, keys, token=self._token,
+                                   deadline=self.timeout if deadline is None else deadline,
                                    ssl_context=self._ssl_context,
                                    tls_server_name=self._tls_server_name)
 
