@@ -19,9 +19,10 @@ loop, and delegates to the parts it builds (see ``docs/architecture.md``):
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Self
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
@@ -47,6 +48,27 @@ __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 LOCATE_DEADLINE = 0.05
 
 WritePolicy = Literal["write_back", "write_through"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _in_flight(method: Callable[Concatenate[TieredStore, _P], Awaitable[_R]]
+               ) -> Callable[Concatenate[TieredStore, _P], Coroutine[Any, Any, _R]]:
+    """Count a call as in flight until it returns: :meth:`TieredStore.aclose` waits for it
+    before it closes the tiers the call may still be using (a demotion, a pool copy)."""
+
+    @functools.wraps(method)
+    async def call(self: TieredStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._in_flight += 1
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+
+    return call
 
 class TieredStore:
     """A chain of tiers behind one async API (``get``/``put``/batch/prefix forms).
@@ -147,6 +169,8 @@ class TieredStore:
         self._timeout = check_timeout(timeout)
         self._write_policy: WritePolicy = write_policy
         self._closed = False
+        self._in_flight = 0  # calls running now (see _in_flight)
+        self._idle: asyncio.Event | None = None  # set when they are done, while closing
         self._loop: asyncio.AbstractEventLoop | None = None
         self._chain = chain = TierChain(list(tiers), StoreCounters(), self._events,
                                         block_tokens)
@@ -217,6 +241,7 @@ class TieredStore:
         return TierChain.deadline(seconds)
 
     # ------------------------------------------------------------------ reads
+    @_in_flight
     async def get(self, key: bytes, *, timeout: float | None = None) -> Block | None:  # noqa: ASYNC109
         """Return the block stored under ``key``, or ``None`` on a miss.
 
@@ -241,6 +266,7 @@ class TieredStore:
         deadline = None if timeout is None and self._timeout is None else self._deadline(timeout)
         return await self._reads.get(key, deadline)
 
+    @_in_flight
     async def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                        ) -> list[Block | None]:
         """Batch :meth:`get`: one batch call per tier for the keys still missing.
@@ -259,6 +285,7 @@ class TieredStore:
         key_list = keys_list(keys)
         return await self._reads.get_many(key_list, self._deadline(timeout))
 
+    @_in_flight
     async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Copy the block into caller-owned ``out``; ``False`` on a miss.
 
@@ -274,6 +301,7 @@ class TieredStore:
         validate_key(key)
         return await self._reads.get_into(key, out, self._deadline(timeout))
 
+    @_in_flight
     async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                             timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
         """Batch :meth:`get_into`; ``outs[i]`` receives ``keys[i]``.
@@ -294,18 +322,21 @@ class TieredStore:
                              f"got {len(outs)}")
         return await self._reads.get_many_into(key_list, list(outs), self._deadline(timeout))
 
+    @_in_flight
     async def contains(self, key: bytes, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Whether any tier holds ``key`` (refreshes no recency)."""
         self._enter()
         validate_key(key)
         return (await self._reads.contains_many([key], self._deadline(timeout)))[0]
 
+    @_in_flight
     async def contains_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                             ) -> list[bool]:
         """Batch :meth:`contains`: one batch call per tier for the keys not yet found."""
         self._enter()
         return await self._reads.contains_many(keys_list(keys), self._deadline(timeout))
 
+    @_in_flight
     async def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:  # noqa: ASYNC109
         """How many leading ``keys`` (a prefix chain) are present in some tier.
 
@@ -317,6 +348,7 @@ class TieredStore:
         return await self._reads.lookup_prefix(keys_list(keys), self._deadline(timeout))
 
     # ------------------------------------------------------------------ writes
+    @_in_flight
     async def put(self, key: bytes, value: object) -> None:
         """Store ``value`` under ``key`` in the top tier that can hold it.
 
@@ -349,6 +381,7 @@ class TieredStore:
         first = self._placement.first_fitting(block.nbytes, "value")
         await self._placement.put(key, block, first)
 
+    @_in_flight
     async def put_many(self, items: Iterable[tuple[bytes, object]], *,
                        parent: bytes | None = None) -> WritesDone:
         """Store ``(key, value)`` pairs; all are validated before anything is written.
@@ -403,6 +436,7 @@ class TieredStore:
             return WritesDone()
         return await self._placement.put_many(last, count, parent)
 
+    @_in_flight
     async def flush(self) -> None:
         """Wait until every write-through write queued before this call has been attempted.
 
@@ -412,6 +446,7 @@ class TieredStore:
         self._enter()
         await self._writes.flush()
 
+    @_in_flight
     async def delete(self, key: bytes) -> bool:
         """Remove ``key`` from every tier; returns whether any tier held it.
 
@@ -422,6 +457,7 @@ class TieredStore:
         validate_key(key)
         return (await self._placement.delete([key]))[0]
 
+    @_in_flight
     async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Batch :meth:`delete`; one batch call per tier."""
         self._enter()
@@ -451,6 +487,7 @@ class TieredStore:
         self._enter()
         return self._events.subscribe(buffer=buffer)
 
+    @_in_flight
     async def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                             ) -> PrefixLocation:
         """Where the leading blocks of a prefix can be served without a network fetch.
@@ -508,6 +545,7 @@ class TieredStore:
         """Release one pin of each key (in the same tier(s) :meth:`pin` used)."""
         await self._pin_op("unpin", keys, tier)
 
+    @_in_flight
     async def _pin_op(self, op: str, keys: Sequence[bytes], tier: int | None) -> None:
         self._enter()
         key_list = keys_list(keys)
@@ -553,16 +591,20 @@ class TieredStore:
                 "events_dropped": self._events.dropped}
 
     async def aclose(self) -> None:
-        """Flush write-through writes, copy volatile tiers into persistent ones (bounded,
-        see ``close_flush``), then close every tier (an ``AllBlocksCleared`` event each) and
-        end the :meth:`events` subscriptions. Calling it again does nothing."""
+        """Let the calls in flight finish (calls made from now on raise ``ClosedError``),
+        flush write-through writes, copy volatile tiers into persistent ones (bounded, see
+        ``close_flush``), then close every tier (an ``AllBlocksCleared`` event each) and end
+        the :meth:`events` subscriptions. Calling it again does nothing."""
         if self._closed:
             return
         loop = asyncio.get_running_loop()
         if self._loop is not None and loop is not self._loop:
             self._bind(loop)  # raises WrongLoopError: the tiers' resources live on that loop
-        self._closed = True
+        self._closed = True  # calls from now on raise ClosedError
         try:
+            if self._in_flight:
+                self._idle = asyncio.Event()
+                await self._idle.wait()
             await self._writes.aclose()
             if self._close_flush is not None and self._close_flush.active:
                 await self._close_flush.run()

@@ -1,12 +1,16 @@
 """``flush()`` is a watermark and ``put_many`` hands back the completion of its own
 write-through writes (issue 20, bug 3): under a steady stream of puts the queue is never
-empty, and a flush that waited for that never returned."""
+empty, and a flush that waited for that never returned. ``aclose()`` lets the calls in flight
+finish before it closes the tiers under them (issue 20, suspected item)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
+import pytest
+
+from kvtier.errors import ClosedError
 from kvtier.store import TieredStore
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import LatencyTier
@@ -113,3 +117,24 @@ async def test_vllm_save_waits_for_its_own_writes_not_the_whole_queue() -> None:
             assert await lower.contains(key_of(1)) and not await lower.contains(key_of(0))
         finally:
             lower.gate.set()
+
+
+async def test_close_lets_a_put_in_flight_finish_its_demotion() -> None:
+    """A put whose eviction is demoting into a slow tier when ``aclose`` starts: the demotion
+    lands (the block is not lost to a tier closed under it), and calls made after ``aclose``
+    began raise ``ClosedError``."""
+    one_block = sample_block(1).nbytes
+    slow = LatencyTier(DRAMTier(), delay=0.1)
+    store = TieredStore([DRAMTier(one_block), slow])
+    await store.put(key_of(1), sample_block(1))
+    putting = asyncio.ensure_future(store.put(key_of(2), sample_block(2)))  # demotes key 1
+    await asyncio.sleep(0.02)
+    closing = asyncio.ensure_future(store.aclose())
+    await asyncio.sleep(0)
+    with pytest.raises(ClosedError):
+        await store.get(key_of(1))
+    await asyncio.wait_for(putting, 5)
+    await asyncio.wait_for(closing, 5)
+    stats = store.stats()
+    assert stats["dropped"] == 0 and stats["tiers"][1]["errors"] == 0
+    assert stats["tiers"][1]["demotions"] == 1
