@@ -201,6 +201,11 @@ class BlockingStore:
         """:meth:`TieredStore.contains` (refreshes no recency)."""
         return self._read(lambda s, t: s.contains(key, timeout=t), timeout)
 
+    def contains_many(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET
+                      ) -> list[bool]:
+        """:meth:`TieredStore.contains_many`: whether some tier holds each key."""
+        return self._read(lambda s, t: s.contains_many(keys, timeout=t), timeout)
+
     def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET) -> int:
         """:meth:`TieredStore.lookup_prefix`: how many leading keys some tier holds."""
         return self._read(lambda s, t: s.lookup_prefix(keys, timeout=t), timeout)
