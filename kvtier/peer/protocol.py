@@ -33,6 +33,7 @@ __all__ = [
     "BATCH_PUT_PATH",
     "BLOCK_PATH",
     "CONTENT_TYPE",
+    "FILL_QUERY",
     "HEALTH_PATH",
     "METRICS_PATH",
     "LimitExceededError",
@@ -56,6 +57,10 @@ BATCH_DELETE_PATH = f"{API_PREFIX}/batch/delete"
 HEALTH_PATH = f"{API_PREFIX}/health"
 METRICS_PATH = "/metrics"
 CONTENT_TYPE = "application/octet-stream"
+#: Query of a block PUT or batch put that only fills holes: the server stores only the
+#: blocks its segment does not hold, so a read repair or an anti-entropy push never
+#: overwrites a newer value that reached the owner meanwhile.
+FILL_QUERY = "fill=1"
 
 _COUNT = struct.Struct("<I")
 _KEY_LEN = struct.Struct("<H")

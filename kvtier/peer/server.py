@@ -441,6 +441,8 @@ class PeerServer:
         body = await self._read_body(request, self.limits.max_frame_bytes)
         block = await self.decode(key, body)
         del body
+        if _fills(request) and (await self.segment.contains_many([key]))[0]:
+            return web.Response(status=204)  # fills holes only: the value held here stays
         await self.segment.put(key, block)
         self.stored((key,))
         self._note_abandoned(request)
@@ -515,6 +517,9 @@ class PeerServer:
                 raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
             decoded.append((key, await self.decode(key, frame)))
         del body, entries
+        if decoded and _fills(request):  # fills holes only: the values held here stay
+            present = await self.segment.contains_many([k for k, _ in decoded])
+            decoded = [item for item, here in zip(decoded, present, strict=True) if not here]
         if decoded:
             await self.segment.put_many(decoded)
             self.stored(k for k, _ in decoded)
@@ -614,6 +619,12 @@ class PeerServer:
         server = self._runner.server if self._runner is not None else None
         aiohttp_connections = 0 if server is None else len(server.connections)
         return aiohttp_connections + len(self.dataplane_connections)
+
+
+def _fills(request: web.Request) -> bool:
+    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`). The data
+    plane hands any request with a query to aiohttp, so only these routes see it."""
+    return request.query_string == proto.FILL_QUERY
 
 
 def _error(cls: type[web.HTTPException], text: str, **kwargs: Any) -> web.HTTPException:

@@ -378,12 +378,19 @@ class PeerTier(Tier):
             self.counts["copies_made"] += 1
 
     async def _put_to(self, target: str, op: str, key: bytes, block: Block,
-                      frame: EncodedFrame) -> object:
+                      frame: EncodedFrame, *, fill: bool = False) -> object:
         """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
-        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it."""
+        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it. ``fill``: only if
+        ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
         if self._is_local(target):
-            return await self._call(target, op, lambda: self.local.put(key, block))  # type: ignore[union-attr]
-        return await self._call(target, op, partial(self.members.client(target).put, key, frame))
+            return await self._call(target, op, partial(self._put_local, key, block, fill))
+        return await self._call(target, op, partial(self.members.client(target).put, key, frame,
+                                                    fill=fill))
+
+    async def _put_local(self, key: bytes, block: Block, fill: bool) -> None:
+        local = cast(Segment, self.local)
+        if not fill or not (await local.contains_many([key]))[0]:
+            await local.put(key, block)
 
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
                          order: list[str], used: set[str]) -> bool:
@@ -525,7 +532,8 @@ class PeerTier(Tier):
     async def _repair_copies(self, key: bytes, block: Block, targets: list[str]) -> None:
         frame = await self._encode(key, block)
         for target in targets:
-            if await self._put_to(target, "repair", key, block, frame) is not _FAILED:
+            if await self._put_to(target, "repair", key, block, frame, fill=True) \
+                    is not _FAILED:
                 self.counts["read_repairs"] += 1
 
     async def _exists(self, member: str, keys: list[bytes]) -> list[bool]:
