@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from kvtier.promotion import Promotion
 from kvtier.singleflight import Flight, KeyRegistry, KeyState, LeaderGone
@@ -19,6 +19,8 @@ from kvtier.tierchain import TierChain
 from kvtier.tiers.base import Block, copy_into
 
 __all__ = ["ReadPath"]
+
+T = TypeVar("T")
 
 
 class ReadPath:
@@ -91,31 +93,41 @@ class ReadPath:
     async def tier_get(self, index: int, key: bytes, deadline: float | None) -> Block | None:
         """One tier's get with stats; errors and timeouts are misses."""
         block = await self._tier_get(index, key, deadline)
-        return None if isinstance(block, _TimedOut) else block
+        return None if isinstance(block, _Failed) else block
 
     async def _tier_get(self, index: int, key: bytes, deadline: float | None
-                        ) -> Block | _TimedOut | None:
-        """:meth:`tier_get` that tells a timeout (:data:`TIMED_OUT`) from a clean miss."""
-        tier = self._chain.tiers[index]
-        c = self._chain.tier_counters[index]
+                        ) -> Block | _Failed | None:
+        """:meth:`tier_get` that tells a timeout or failure (:class:`_Failed`) from a clean
+        miss."""
         start = time.perf_counter_ns()
-        try:
-            if deadline is None:
-                block = await tier._get(key)
-            else:
-                block = await TierChain.bounded(deadline, tier._get, key)
-        except TimeoutError:
-            c.timeouts += 1
-            return TIMED_OUT
-        except Exception as exc:
-            self._chain.error(index, "get", exc)
-            return None
+        block = await self._guarded(index, "get", deadline, self._chain.tiers[index]._get, key)
+        if isinstance(block, _Failed):
+            return block
         elapsed = time.perf_counter_ns() - start
+        c = self._chain.tier_counters[index]
         if block is None:
             c.count_read(elapsed, misses=1)
         else:
             c.count_read(elapsed, hits=1, nbytes=block.nbytes)
         return block
+
+    async def _guarded(self, index: int, op: str, deadline: float | None,
+                       fn: Callable[..., Awaitable[T]], *args: Any,
+                       passthrough: tuple[type[Exception], ...] = ()) -> T | _Failed:
+        """``fn(*args)``, a call of tier ``index``, within ``deadline``: the one place a read
+        counts a tier's timeout (:data:`TIMED_OUT`) or failure (:data:`FAILED`, counted and
+        logged as a tier error). Exceptions of the ``passthrough`` types propagate (the
+        caller's own errors, such as a bad output buffer)."""
+        try:
+            return await TierChain.bounded(deadline, fn, *args)
+        except passthrough:
+            raise
+        except TimeoutError:
+            self._chain.tier_counters[index].timeouts += 1
+            return TIMED_OUT
+        except Exception as exc:
+            self._chain.error(index, op, exc)
+            return FAILED
 
     async def fetch_lower(self, key: bytes, deadline: float | None) -> Block | None:
         """Below the top tier, with single flight: one fetch per key at a time."""
@@ -135,7 +147,7 @@ class ReadPath:
         gen = state.gen
         try:
             block, index = await self._walk(key, deadline)
-            if isinstance(block, _TimedOut) or (block is None and _expired(deadline)):
+            if isinstance(block, _Failed) or (block is None and _expired(deadline)):
                 # Out of time: followers with more of it fetch themselves. (A timer may fire
                 # a little before the loop's clock reaches the deadline, as on uvloop, so the
                 # timeout itself is the signal, not only the clock.)
@@ -149,7 +161,7 @@ class ReadPath:
             self._keys.unwatch(key, state)
 
     async def _walk(self, key: bytes, deadline: float | None
-                    ) -> tuple[Block | _TimedOut | None, int]:
+                    ) -> tuple[Block | _Failed | None, int]:
         """The first hit below the top tier and its index; :data:`TIMED_OUT` when a tier ran
         into the deadline (the walk is incomplete, not a miss)."""
         for index in range(1, len(self._chain)):
@@ -158,7 +170,7 @@ class ReadPath:
             block = await self._tier_get(index, key, deadline)
             if block is TIMED_OUT:
                 return block, -1
-            if block is not None:
+            if block is not None and not isinstance(block, _Failed):
                 return block, index
         return None, -1
 
@@ -246,16 +258,12 @@ class ReadPath:
                           ) -> list[int] | None:
         """One tier's batch get for ``keys[j] for j in idxs``; returns the indices still
         missing (all of them if the tier failed), or ``None`` when the deadline passed."""
-        c = self._chain.tier_counters[index]
         start = time.perf_counter_ns()
-        try:
-            blocks = await TierChain.bounded(deadline, self._chain.tiers[index]._get_many,
-                                             [keys[j] for j in idxs])
-        except TimeoutError:
-            c.timeouts += 1
+        blocks = await self._guarded(index, "get_many", deadline,
+                                     self._chain.tiers[index]._get_many, [keys[j] for j in idxs])
+        if blocks is TIMED_OUT:
             return None
-        except Exception as exc:
-            self._chain.error(index, "get_many", exc)
+        if isinstance(blocks, _Failed):
             return idxs
         elapsed = time.perf_counter_ns() - start
         still: list[int] = []
@@ -269,7 +277,8 @@ class ReadPath:
             nbytes += block.nbytes
             if index:
                 found_at.append((j, index))
-        c.count_read(elapsed, hits=len(idxs) - len(still), misses=len(still), nbytes=nbytes)
+        self._chain.tier_counters[index].count_read(elapsed, hits=len(idxs) - len(still),
+                                                    misses=len(still), nbytes=nbytes)
         return still
 
     async def _promote_batch(self, keys: list[bytes], results: list[Block | None],
@@ -339,18 +348,13 @@ class ReadPath:
 
     async def _top_into(self, key: bytes, out: Any, deadline: float | None) -> bool | None:
         """The top tier's ``get_into``: ``True`` on a hit, ``None`` on a miss/failure."""
-        c = self._chain.tier_counters[0]
         start = time.perf_counter_ns()
-        try:
-            hit = await TierChain.bounded(deadline, self._chain.tiers[0]._get_into, key, out)
-        except (TypeError, ValueError):
-            raise  # a bad ``out`` is the caller's error (ShapeMismatchError too)
-        except TimeoutError:
-            c.timeouts += 1
+        # A bad ``out`` (TypeError, ValueError, ShapeMismatchError) is the caller's error.
+        hit = await self._guarded(0, "get_into", deadline, self._chain.tiers[0]._get_into, key,
+                                  out, passthrough=(TypeError, ValueError))
+        if isinstance(hit, _Failed):
             return None
-        except Exception as exc:
-            self._chain.error(0, "get_into", exc)
-            return None
+        c = self._chain.tier_counters[0]
         elapsed = time.perf_counter_ns() - start
         if hit:
             c.count_read(elapsed, hits=1)
@@ -388,14 +392,11 @@ class ReadPath:
             todo = [j for j, p in enumerate(present) if not p]
             if not todo:
                 break
-            try:
-                found = await TierChain.bounded(deadline, tier._contains_many,
-                                                [keys[j] for j in todo])
-            except TimeoutError:
-                self._chain.tier_counters[index].timeouts += 1
+            found = await self._guarded(index, "contains_many", deadline,
+                                        tier._contains_many, [keys[j] for j in todo])
+            if found is TIMED_OUT:
                 break
-            except Exception as exc:
-                self._chain.error(index, "contains_many", exc)
+            if isinstance(found, _Failed):
                 continue
             for j, yes in zip(todo, found, strict=True):
                 present[j] = present[j] or bool(yes)
@@ -411,11 +412,13 @@ class ReadPath:
         return hit
 
 
-class _TimedOut:
-    """A tier read cut short by the caller's deadline (distinct from a clean miss)."""
+class _Failed:
+    """A tier call that gave no answer (distinct from a clean miss): cut short by the
+    caller's deadline (:data:`TIMED_OUT`) or failed (:data:`FAILED`)."""
 
 
-TIMED_OUT = _TimedOut()
+TIMED_OUT = _Failed()
+FAILED = _Failed()
 
 
 def _expired(deadline: float | None) -> bool:
