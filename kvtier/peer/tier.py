@@ -545,7 +545,8 @@ class PeerTier(Tier):
                            missed: list[list[str]]) -> None:
         """A key no member answered for (all down, failed or too slow) is unavailable, not
         absent: say so to the store (``explain``, miss reasons)."""
-        lost = [k for k, r, m in zip(keys, results, missed, strict=True) if not r and not m]
+        lost = [k for k, r, m in zip(keys, results, missed, strict=True)
+                if (r is None or r is False) and not m]
         if lost:
             self._report_miss(lost, MissReason.UNAVAILABLE,
                               f"no member answered (down, failed or slower than "
