@@ -55,6 +55,8 @@ class TierLook:
         ago = f" {_ago(self.age_s)}" if self.age_s is not None else ""
         if self.reason is MissReason.EVICTED:
             return f"evicted{ago}" + (f" ({self.detail} policy)" if self.detail else "")
+        if self.reason is MissReason.DELETED:
+            return f"deleted{ago}"
         if self.reason is MissReason.CORRUPT:
             return f"dropped as corrupt{ago}: {self.detail}"
         return f"{self.reason}: {self.detail}"
@@ -110,6 +112,8 @@ class Explanation:
             text = f"evicted from {name}{by}{ago}; no tier below holds it"
         elif reason is MissReason.CORRUPT:
             text = f"found in {name} but corrupt ({detail}), dropped{ago}"
+        elif reason is MissReason.DELETED:
+            text = f"deleted from {name}{ago} (a delete() of this store)"
         elif reason is MissReason.UNAVAILABLE:
             text = f"{name} did not answer: {detail}"
         elif reason is MissReason.DEADLINE:

@@ -33,6 +33,8 @@ class MissReason(StrEnum):
     NOT_STORED = "not_stored"
     #: A tier evicted it by its byte budget (and no tier below holds it).
     EVICTED = "evicted"
+    #: Removed by a ``delete`` of this store.
+    DELETED = "deleted"
     #: Found, but its frame failed the checksum or could not be decoded (it was dropped).
     CORRUPT = "corrupt"
     #: The tier that would hold it failed or did not answer: owner down, its own timeout,

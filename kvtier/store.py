@@ -561,7 +561,7 @@ class TieredStore:
             ``write_queue_bytes``, ``node``, ``event_subscribers``, ``events_emitted`` and
             ``events_dropped`` (events subscribers lost to their buffer bound);
             ``miss_reasons`` (``{reason: count}`` over the store's misses: ``not_stored``,
-            ``evicted``, ``corrupt``, ``unavailable``, ``deadline``),
+            ``evicted``, ``deleted``, ``corrupt``, ``unavailable``, ``deadline``),
             ``lookup_miss_reasons`` (the same for the key that ended each
             :meth:`lookup_prefix` short of its last key) and ``miss_records`` (keys the
             eviction records hold); each tier's ``miss_reasons`` counts the misses

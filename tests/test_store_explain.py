@@ -85,6 +85,19 @@ async def test_namespace_mismatch_is_not_stored() -> None:
         assert "never stored under this namespace" in str(e)
 
 
+async def test_deleted_key_is_told_as_deleted() -> None:
+    async with TieredStore([DRAMTier(capacity=1 << 20), DRAMTier(capacity=1 << 20)]) as store:
+        await store.put(key_of(1), _block(1))
+        assert await store.delete(key_of(1))
+        assert await store.get(key_of(1)) is None
+        assert _reasons(store) == {"deleted": 1}
+        [e] = await store.explain([key_of(1)])
+        assert e.reason is MissReason.DELETED and e.reason_tier == 0
+        assert "deleted from tier 0 (dram)" in str(e)
+        await store.put(key_of(1), _block(1))  # stored again: a hit, whatever was noted
+        assert (await store.explain([key_of(1)]))[0].hit_tier == 0
+
+
 async def test_lmdb_eviction_and_corrupt_frame(tmp_path: Path) -> None:
     lmdb_tier = LMDBTier(tmp_path / "db", capacity=4 * (BLOCK + 256))
     async with TieredStore([DRAMTier(capacity=2 * BLOCK), lmdb_tier]) as store:
