@@ -355,6 +355,7 @@ class TieredStore:
         self._enter()
         return await self._reads.lookup_prefix(keys_list(keys), self._deadline(timeout))
 
+    @_in_flight
     async def explain(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                       ) -> list[Explanation]:
         """Where each key was looked for, and where it hits or why it misses.
