@@ -107,7 +107,9 @@ class Placement:
         placed: dict[bytes, int] = {}
         if top:
             try:
-                await chain.tiers[0]._put_many(top)
+                # Tail first: a batch larger than the tier then evicts the chain's end, not
+                # its start (admitted head-first, the head was the oldest entry and went).
+                await chain.tiers[0]._put_many(top[::-1])
             except Exception as exc:
                 if not isinstance(exc, NOT_HERE):
                     chain.error(0, "put_many", exc)
@@ -115,7 +117,7 @@ class Placement:
                 chain.tier_counters[0].bytes_in += sum(b.nbytes for _, b in top)
                 placed.update((k, 0) for k, _ in top)
                 await chain.touch(0, [k for k, _ in top])
-        for key, (block, first) in items.items():
+        for key, (block, first) in reversed(items.items()):
             if key not in placed:
                 placed[key] = await self._place(key, block, first)
         keys = list(items)
