@@ -44,7 +44,7 @@ from kvtier.errors import (
     TierFullError,
 )
 from kvtier.policy import Clock, RecencyPolicy
-from kvtier.tiers.base import Block
+from kvtier.tiers.base import Block, copy_into
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.lmdb_dir import (
     check_unclean_shutdown,
@@ -267,20 +267,6 @@ class LMDBTier(BudgetedTier):
         fut.add_done_callback(self._inflight.discard)
         return await asyncio.shield(fut)
 
-    async def _read(self, fn: Callable[..., T], keys: Sequence[bytes], *args: Any) -> T:
-        """``fn(*args)`` (a :class:`BlockEnv` read of ``keys``) on the loop when the values
-        are small, uncompressed and resident, else in a worker thread."""
-        if self.inline_reads and sum(self._policy.size_of(k) or 0 for k in keys) \
-                <= INLINE_READ_BYTES:
-            try:
-                result = fn(*args, resident_only=True)
-            except NotResident:
-                pass
-            else:
-                self.reads_inline += 1
-                return result
-        return await self._in_thread(fn, *args)
-
     async def _read_blocks(self, env: BlockEnv, keys: list[bytes]) -> list[Any]:
         """``env.read(keys)``: resident groups of at most ``INLINE_READ_BYTES`` on the loop,
         yielding between groups (a batch holds the loop no longer than a single inline get
@@ -368,7 +354,7 @@ class LMDBTier(BudgetedTier):
             self.misses += 1
             return False
         try:
-            res = await self._read(env.read_into, (key,), key, out)
+            res = await self._read_into(env, key, out)
         except lmdb.Error as exc:
             self.io_errors += 1
             raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
@@ -385,6 +371,28 @@ class LMDBTier(BudgetedTier):
         self._touched.add(key)
         if len(self._touched) >= self._touch_flush:
             await self._locked(self._flush_touches_locked())
+        return True
+
+    async def _read_into(self, env: BlockEnv, key: bytes, out: Block
+                         ) -> bool | CorruptBlockError:
+        """Copy ``key`` into ``out``: straight from the map when it can be read on the loop;
+        else a worker thread reads it into memory of the tier's own (a read-arena slot) and
+        the copy into ``out`` happens here, after the await, so a caller that gave up (a
+        store deadline) never finds ``out`` written later."""
+        if self.inline_reads and (self._policy.size_of(key) or 0) <= INLINE_READ_BYTES:
+            try:
+                found = env.read_into(key, out, resident_only=True)
+            except NotResident:
+                pass
+            else:
+                self.reads_inline += 1
+                return found
+        res = (await self._in_thread(env.read, [key]))[0]
+        if res is None:
+            return False
+        if isinstance(res, CorruptBlockError):
+            return res
+        copy_into(res, out)  # checks ``out`` first: a mismatch raises before any write
         return True
 
     async def _contains(self, key: bytes) -> bool:
