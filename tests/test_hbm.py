@@ -47,6 +47,17 @@ class TestHBMTorchCPUConformance(TestHBMNumpyConformance):
         pytest.importorskip("torch")
 
 
+class TestHBMThreadedCopiesConformance(TestHBMNumpyConformance):
+    """Copies in a worker thread, as on a CUDA device (a copy there is waited for off the
+    loop); the numpy pool makes the path run on any machine."""
+
+    async def make_tier(self, capacity: int | None) -> Tier:
+        tier = await super().make_tier(capacity)
+        assert isinstance(tier, HBMTier)
+        tier._inline_copies = False  # what _copies_are_synchronous says of a CUDA backend
+        return tier
+
+
 async def test_block_metadata_and_slot_accounting() -> None:
     tier = HBMTier(4 * 4096, block_bytes=4096, backend="numpy")
     block = sample_block(1, nbytes=1000, dtype="<f4").reshape(10, 25)

@@ -44,7 +44,7 @@ from kvtier.errors import (
     TierFullError,
 )
 from kvtier.policy import Clock, RecencyPolicy
-from kvtier.tiers.base import Block, copy_into
+from kvtier.tiers.base import Block, copy_into, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.lmdb_dir import (
     check_unclean_shutdown,
@@ -296,7 +296,9 @@ class LMDBTier(BudgetedTier):
         return out
 
     async def _locked(self, coro: Awaitable[T]) -> T:
-        """Run ``coro`` under the writer lock as a shielded, tracked task (see above)."""
+        """Run ``coro`` under the writer lock as a tracked task that a cancelled caller
+        waits for (a write transaction cannot be stopped, and one left running would act
+        after the call returned)."""
         async def run() -> T:
             async with self._lock:
                 return await coro
@@ -304,7 +306,7 @@ class LMDBTier(BudgetedTier):
         task = asyncio.ensure_future(run())
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
-        return await asyncio.shield(task)
+        return await run_to_end(task)
 
     # ---------------------------------------------------------------- contract
     def __len__(self) -> int:
