@@ -43,6 +43,7 @@ from kvtier.peer.guards import (
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
 from kvtier.peer.metrics import Family, render, store_families
+from kvtier.peer.writeorder import WriteOrder
 
 __all__ = ["PeerServer", "Segment"]
 
@@ -170,6 +171,7 @@ class PeerServer:
         self._track_keys = False
         self._accept_filter: AcceptErrorFilter | None = None
         self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
+        self.write_order = WriteOrder()  # a PUT its client gave up on never lands late
         self.app = self._build_app()
 
     # ----------------------------------------------------------------- lifecycle
@@ -439,9 +441,10 @@ class PeerServer:
     async def _put_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
         body = await self._read_body(request, self.limits.max_frame_bytes)
-        block = await self.decode(key, body)
-        del body
-        await self.segment.put(key, block)
+        async with self.write_order.turn((key,)):
+            block = await self.decode(key, body)
+            del body
+            await self.segment.put(key, block)
         self.stored((key,))
         self._note_abandoned(request)
         return web.Response(status=204)
@@ -456,7 +459,9 @@ class PeerServer:
         key = key_from_hex(request.match_info["key"])
         self.stored_keys.pop(key, None)
         self.frames.forget(key)
-        if await self.segment.delete(key):
+        async with self.write_order.turn((key,)):
+            found = await self.segment.delete(key)
+        if found:
             return web.Response(status=204)
         raise web.HTTPNotFound(text="no such block")
 
@@ -508,15 +513,17 @@ class PeerServer:
     async def _batch_put(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request, self.limits.max_body_bytes)
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
-        # Every frame is verified before anything is stored: a bad batch changes nothing.
-        decoded: list[tuple[bytes, object]] = []
-        for key, frame in entries:
-            if frame is None:
-                raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
-            decoded.append((key, await self.decode(key, frame)))
-        del body, entries
+        async with self.write_order.turn(k for k, _ in entries):
+            # Every frame is verified before anything is stored: a bad batch changes nothing.
+            decoded: list[tuple[bytes, object]] = []
+            for key, frame in entries:
+                if frame is None:
+                    raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
+                decoded.append((key, await self.decode(key, frame)))
+            del body, entries
+            if decoded:
+                await self.segment.put_many(decoded)
         if decoded:
-            await self.segment.put_many(decoded)
             self.stored(k for k, _ in decoded)
             self._note_abandoned(request)
         return web.Response(status=204)
@@ -531,7 +538,8 @@ class PeerServer:
         for key in keys:
             self.stored_keys.pop(key, None)
             self.frames.forget(key)
-        flags = [await self.segment.delete(k) for k in keys]
+        async with self.write_order.turn(keys):
+            flags = [await self.segment.delete(k) for k in keys]
         return await self._send(request, [proto.encode_flags(flags)])
 
     def health(self) -> dict[str, Any]:
