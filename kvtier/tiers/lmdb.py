@@ -267,6 +267,15 @@ class LMDBTier(BudgetedTier):
         fut.add_done_callback(self._inflight.discard)
         return await asyncio.shield(fut)
 
+    def _frame_bytes(self, key: bytes) -> int:
+        """Stored bytes of a held block: from the policy, or from its eviction while it is
+        leaving (out of the policy, still readable)."""
+        size = self._policy.size_of(key)
+        if size is None:
+            entry = self._leaving.get(key)
+            size = entry.size if entry is not None else INLINE_READ_BYTES + 1
+        return size
+
     async def _read_blocks(self, env: BlockEnv, keys: list[bytes]) -> list[Any]:
         """``env.read(keys)``: resident groups of at most ``INLINE_READ_BYTES`` on the loop,
         yielding between groups (a batch holds the loop no longer than a single inline get
@@ -277,7 +286,7 @@ class LMDBTier(BudgetedTier):
         while self.inline_reads and start < len(keys):
             end, size = start, 0
             while end < len(keys):
-                grown = size + (self._policy.size_of(keys[end]) or 0)
+                grown = size + self._frame_bytes(keys[end])
                 if grown > INLINE_READ_BYTES:
                     break
                 size, end = grown, end + 1
@@ -381,7 +390,7 @@ class LMDBTier(BudgetedTier):
         else a worker thread reads it into memory of the tier's own (a read-arena slot) and
         the copy into ``out`` happens here, after the await, so a caller that gave up (a
         store deadline) never finds ``out`` written later."""
-        if self.inline_reads and (self._policy.size_of(key) or 0) <= INLINE_READ_BYTES:
+        if self.inline_reads and self._frame_bytes(key) <= INLINE_READ_BYTES:
             try:
                 found = env.read_into(key, out, resident_only=True)
             except NotResident:
