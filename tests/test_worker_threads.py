@@ -10,6 +10,7 @@ import contextlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtier import TieredStore
 from kvtier.errors import TierError
@@ -60,3 +61,28 @@ async def test_file_puts_that_timed_out_are_counted(tmp_path: Path) -> None:
     assert tier.used == sum(p.stat().st_size for p in files)
     assert len(tier.resident_keys() or []) == len(files)
     await tier.aclose()
+
+
+async def test_lmdb_commit_that_fails_otherwise_than_lmdb_keeps_victims_counted(
+        tmp_path: Path) -> None:
+    """A commit whose worker thread dies with something other than an ``lmdb.Error`` (here
+    MemoryError) wrote nothing: its victims, still on disk, are deleted or still counted,
+    never forgotten by the budget only to come back at the next open."""
+    threads = slow_worker_threads()
+    capacity = 2 * (1024 + 43)
+    tier = LMDBTier(tmp_path / "db", capacity=capacity)
+
+    async def on_evict(key: bytes, block: np.ndarray) -> None:
+        threads.fail_next(MemoryError("worker thread out of memory"))  # the commit's
+
+    await tier.put(key_of(1), sample_block(1))
+    await tier.put(key_of(2), sample_block(2))
+    tier.on_evict = on_evict
+    with pytest.raises(MemoryError):
+        await tier.put(key_of(3), sample_block(3))
+    held = await tier.contains(key_of(1))
+    await tier.aclose()
+    reopened = LMDBTier(tmp_path / "db", capacity=capacity)
+    assert await reopened.contains(key_of(1)) == held
+    assert not await reopened.contains(key_of(3))
+    await reopened.aclose()

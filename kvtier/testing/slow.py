@@ -32,6 +32,8 @@ class SlowWorkerThreads(ThreadPoolExecutor):
 
     ``delay`` is read when a call is submitted, so calls made while it is set are slow and
     later ones are not. :meth:`idle` waits until every submitted call has returned.
+    :meth:`fail_next` makes the next calls die in their worker thread before they start, as
+    a thread that runs out of memory does.
     """
 
     def __init__(self, max_workers: int | None = None) -> None:
@@ -41,11 +43,22 @@ class SlowWorkerThreads(ThreadPoolExecutor):
         self.delayed = 0
         self._submitted: set[Future[Any]] = set()
         self._count_lock = threading.Lock()
+        self._failures: list[BaseException] = []
+
+    def fail_next(self, error: BaseException, count: int = 1) -> None:
+        """Make the next ``count`` calls raise ``error`` in their worker thread instead of
+        running."""
+        with self._count_lock:
+            self._failures += [error] * count
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         delay = self.delay
+        with self._count_lock:
+            failure = self._failures.pop(0) if self._failures else None
 
         def late() -> T:
+            if failure is not None:
+                raise failure
             if delay > 0:
                 time.sleep(delay)
                 with self._count_lock:

@@ -547,11 +547,16 @@ class LMDBTier(BudgetedTier):
                         await asyncio.to_thread(env.tick)
                 else:
                     raise _MapFull
-            except lmdb.Error as exc:
-                self.io_errors += 1
+            except BaseException as exc:
+                # Nothing was written, whatever failed (an LMDB error, a worker thread out of
+                # memory): the victims, demoted already, still go.
+                if isinstance(exc, lmdb.Error):
+                    self.io_errors += 1
                 if deletes:
                     await self._delete_locked(deletes)
-                raise TierError(f"lmdb tier {self.name}: put failed: {exc}") from exc
+                if isinstance(exc, lmdb.Error):
+                    raise TierError(f"lmdb tier {self.name}: put failed: {exc}") from exc
+                raise
             for key in dropped:
                 self._touched.discard(key)
             return [put.nbytes for put in pending or ()]
