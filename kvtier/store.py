@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Self
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
@@ -40,6 +40,8 @@ from kvtier.writethrough import WriteThrough
 
 if TYPE_CHECKING:
     from kvtier.peer.locate import PrefixLocation
+
+T = TypeVar("T")
 
 __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 
@@ -317,7 +319,8 @@ class TieredStore:
         return await self._reads.lookup_prefix(keys_list(keys), self._deadline(timeout))
 
     # ------------------------------------------------------------------ writes
-    async def put(self, key: bytes, value: object) -> None:
+    async def put(self, key: bytes, value: object, *, timeout: float | None = None  # noqa: ASYNC109
+                  ) -> None:
         """Store ``value`` under ``key`` in the top tier that can hold it.
 
         The block goes into the first tier (top-down) whose capacity fits it; if that tier
@@ -333,6 +336,10 @@ class TieredStore:
             ``bytes`` of 1..128 bytes.
         value
             A C-contiguous numpy array of a fixed-size dtype, or a bytes-like object.
+        timeout
+            Deadline in seconds for the whole call (``None``, the default, or ``math.inf``:
+            none). The store's ``timeout`` bounds reads only: it is sized for reads a
+            scheduler waits on, where a miss is cheap, while a write past it is lost work.
 
         Raises
         ------
@@ -342,15 +349,21 @@ class TieredStore:
             If the block exceeds every tier's capacity (nothing is written).
         TierError
             If every tier that could hold the block failed, or the pool copy failed.
+        TimeoutError
+            If ``timeout`` passed first. The block may or may not be stored, but nothing the
+            put started acts after this is raised: a write a tier had begun has ended (it
+            no longer reads ``value``), and none lands over a later put of ``key``.
         """
         self._enter()
+        seconds = check_timeout(timeout)
         validate_key(key)
         block = as_block(value)
         first = self._placement.first_fitting(block.nbytes, "value")
-        await self._placement.put(key, block, first)
+        await self._within(seconds, "put", self._placement.put(key, block, first))
 
     async def put_many(self, items: Iterable[tuple[bytes, object]], *,
-                       parent: bytes | None = None) -> None:
+                       parent: bytes | None = None,
+                       timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Store ``(key, value)`` pairs; all are validated before anything is written.
 
         Blocks that fit the top tier go there in one batch call, and the chain's recency is
@@ -364,6 +377,8 @@ class TieredStore:
         parent
             The key chained before the first item's (for KV events' ``parent``; ``None``:
             unknown or the prompt's start).
+        timeout
+            Deadline in seconds for the whole call, as for :meth:`put`.
 
         Raises
         ------
@@ -371,8 +386,12 @@ class TieredStore:
             For a bad item (nothing is written); the message names it (``items[i]``).
         TierError
             If every tier that could hold one of the blocks failed, or the pool copy failed.
+        TimeoutError
+            If ``timeout`` passed first (as for :meth:`put`: some blocks may be stored,
+            nothing acts later).
         """
         self._enter()
+        seconds = check_timeout(timeout)
         if parent is not None:
             validate_key(parent, "parent")
         if isinstance(items, bytes | str | Mapping) or not isinstance(items, Iterable):
@@ -392,27 +411,53 @@ class TieredStore:
             last[key] = (block, first)
             count += 1
         if last:
-            await self._placement.put_many(last, count, parent)
+            await self._within(seconds, "put_many",
+                               self._placement.put_many(last, count, parent))
 
     async def flush(self) -> None:
         """Wait until every queued write-through write has been attempted."""
         self._enter()
         await self._writes.flush()
 
-    async def delete(self, key: bytes) -> bool:
+    async def delete(self, key: bytes, *, timeout: float | None = None  # noqa: ASYNC109
+                     ) -> bool:
         """Remove ``key`` from every tier; returns whether any tier held it.
 
         Once started, a delete completes even if the caller is cancelled (the cancellation
         is raised afterwards), so no older value is ever exposed.
+
+        Parameters
+        ----------
+        key
+            ``bytes`` of 1..128 bytes.
+        timeout
+            Deadline in seconds, as for :meth:`put`. A delete is never left half done:
+            past the deadline it still finishes in every tier, then raises
+            ``TimeoutError`` (the key is gone), so it never removes a later put's block.
         """
         self._enter()
+        seconds = check_timeout(timeout)
         validate_key(key)
-        return (await self._placement.delete([key]))[0]
+        return (await self._within(seconds, "delete", self._placement.delete([key])))[0]
 
-    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Batch :meth:`delete`; one batch call per tier."""
+    async def delete_many(self, keys: Sequence[bytes], *,
+                          timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
+        """Batch :meth:`delete`; one batch call per tier (``timeout`` as for :meth:`delete`)."""
         self._enter()
-        return await self._placement.delete(keys_list(keys))
+        seconds = check_timeout(timeout)
+        return await self._within(seconds, "delete_many",
+                                  self._placement.delete(keys_list(keys)))
+
+    @staticmethod
+    async def _within(seconds: float | None, op: str, call: Awaitable[T]) -> T:
+        """``call`` under a write's deadline (checked seconds; ``None``: none)."""
+        if seconds is None:
+            return await call
+        try:
+            async with asyncio.timeout(seconds):
+                return await call
+        except TimeoutError:
+            raise TimeoutError(f"{op}: did not finish within {seconds} s") from None
 
     # ------------------------------------------------------------------ routers
     def events(self, *, buffer: int | None = None) -> Subscription:

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvtier import TieredStore
+from kvtier import BlockingStore, TieredStore
 from kvtier.errors import TierError
 from kvtier.testing.conformance import key_of, sample_block
-from kvtier.testing.slow import slow_worker_threads
+from kvtier.testing.slow import SlowWorkerThreads, slow_worker_threads
 from kvtier.tiers.fsspec import BLOCK_SUFFIX, FsspecTier
 from kvtier.tiers.lmdb import LMDBTier
 
@@ -86,3 +87,49 @@ async def test_lmdb_commit_that_fails_otherwise_than_lmdb_keeps_victims_counted(
     assert await reopened.contains(key_of(1)) == held
     assert not await reopened.contains(key_of(3))
     await reopened.aclose()
+
+
+async def test_store_put_and_delete_take_a_deadline(tmp_path: Path) -> None:
+    threads = slow_worker_threads()
+    store = TieredStore([LMDBTier(tmp_path / "db", capacity=1 << 20)])
+    value = sample_block(1)
+    threads.delay = 0.2
+    with pytest.raises(TimeoutError, match="put"):
+        await store.put(key_of(1), value, timeout=0.05)
+    value[...] = 0  # the caller's buffer is its own again
+    with pytest.raises(TimeoutError, match="put_many"):
+        await store.put_many([(key_of(2), sample_block(2))], timeout=0.05)
+    threads.delay = 0.0
+    await threads.idle()
+    for i in (1, 2):  # stored or not, never what the caller wrote after giving up
+        got = await store.get(key_of(i))
+        assert got is None or got.tobytes() == sample_block(i).tobytes()
+    threads.delay = 0.2
+    with pytest.raises(TimeoutError, match="delete"):
+        await store.delete(key_of(1), timeout=0.05)
+    threads.delay = 0.0
+    assert await store.get(key_of(1)) is None  # a delete that timed out still finished
+    await store.put(key_of(3), sample_block(3), timeout=math.inf)
+    assert await store.delete_many([key_of(3)], timeout=5) == [True]
+    with pytest.raises(ValueError, match="timeout"):
+        await store.put(key_of(4), sample_block(4), timeout=0)
+    await store.aclose()
+
+
+def test_blocking_put_that_timed_out_never_reads_the_buffer_later(tmp_path: Path) -> None:
+    with BlockingStore([LMDBTier(tmp_path / "db", capacity=1 << 20)]) as bs:
+        threads = bs.submit(_install_slow_threads).result(5)
+        bs.put(key_of(9), sample_block(9))  # the environment is open
+        value = sample_block(1)
+        threads.delay = 0.3
+        with pytest.raises(TimeoutError):
+            bs.put(key_of(1), value, timeout=0.05)
+        value[...] = 0  # the caller reuses its buffer
+        threads.delay = 0.0
+        bs.submit(lambda s: threads.idle()).result(5)
+        got = bs.get(key_of(1))
+        assert got is None or got.tobytes() == sample_block(1).tobytes()
+
+
+async def _install_slow_threads(store: TieredStore) -> SlowWorkerThreads:
+    return slow_worker_threads()
