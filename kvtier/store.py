@@ -531,11 +531,19 @@ class TieredStore:
         tier
             Index of the one tier to pin in; ``None`` (default) pins in every tier, so a
             block stays in whichever tier holds it and is kept when promoted.
+
+        Notes
+        -----
+        A tier that fails to pin is counted in its ``errors`` and logged, not raised (the
+        other tiers still pin): a pin only protects from eviction, so a failed one can cost
+        a recompute, never a wrong block, and raising would make an engine give up a request
+        whose blocks are still readable. Bad ``keys`` or ``tier`` raise.
         """
         await self._pin_op("pin", keys, tier)
 
     async def unpin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:
-        """Release one pin of each key (in the same tier(s) :meth:`pin` used)."""
+        """Release one pin of each key (in the same tier(s) :meth:`pin` used); tier failures
+        are counted, not raised, as for :meth:`pin`."""
         await self._pin_op("unpin", keys, tier)
 
     async def _pin_op(self, op: str, keys: Sequence[bytes], tier: int | None) -> None:

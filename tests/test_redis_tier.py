@@ -128,6 +128,20 @@ def test_bad_urls_rejected(url: str, message: str) -> None:
         tier_from_url(url)
 
 
+async def test_a_tier_that_fails_to_pin_is_counted_not_raised() -> None:
+    """Store pins are hints about eviction: a tier's failure is counted and logged (the
+    other tiers still pin), unlike a put's (``docs/architecture.md``, Pins)."""
+    dead = f"{redis_servers.HOST}:{redis_servers._free_port(False)}"  # nothing listens
+    dram = DRAMTier(1 << 20)
+    store = TieredStore([dram, tier_from_url(f"redis://{dead}/0?ttl=60&timeout=0.5")])
+    await store.pin([key_of(1)])
+    assert dram._policy.is_pinned(key_of(1))
+    assert store.stats()["tiers"][1]["errors"] == 1
+    await store.unpin([key_of(1)])
+    assert not dram._policy.is_pinned(key_of(1))
+    await store.aclose()
+
+
 async def test_url_options_reach_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTIER_TEST_REDIS_PW", "s3cret-pw")
     tier = tier_from_url("redis://127.0.0.1:6390/2?prefix=p:&ttl=60&max_connections=7"
