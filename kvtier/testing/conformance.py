@@ -348,6 +348,7 @@ class TierConformance(abc.ABC):
 
     async def test_abandoned_put_never_lands_over_a_newer_value(self) -> None:
         tier = await self.tier(self.capacity_for(4) if self.bounded else None)
+        await tier.put(key_of(9), sample_block(9))  # set up (opened, connected)
         older = sample_block(1)
         gave_up = await self._give_up(tier, tier.put(key_of(1), older))
         older[...] = 0  # the caller reuses its buffer
@@ -358,6 +359,19 @@ class TierConformance(abc.ABC):
         got = await tier.get(key_of(1))
         assert got is not None and got.tobytes() == sample_block(2).tobytes(), \
             "an abandoned put landed over the newer value"
+
+    async def test_abandoned_put_never_reads_the_buffer_later(self) -> None:
+        tier = await self.tier(self.capacity_for(4) if self.bounded else None)
+        await tier.put(key_of(9), sample_block(9))  # set up (opened, connected)
+        buffer = sample_block(3)
+        gave_up = await self._give_up(tier, tier.put(key_of(3), buffer))
+        buffer[...] = 0  # the caller reuses its buffer
+        await self.backend_idle(tier)
+        if not gave_up:
+            pytest.skip("put finished before the deadline: nothing waited on the backend")
+        got = await tier.get(key_of(3))  # stored or not, never the reused buffer
+        assert got is None or got.tobytes() == sample_block(3).tobytes(), \
+            "an abandoned put stored what its caller wrote after giving up"
 
     async def test_abandoned_puts_are_counted_or_gone(self) -> None:
         self._need_budget()
