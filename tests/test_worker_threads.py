@@ -15,6 +15,7 @@ import pytest
 
 from kvtier import BlockingStore, TieredStore
 from kvtier.errors import TierError
+from kvtier.peer.writeorder import WriteOrder
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.slow import SlowWorkerThreads, slow_worker_threads
 from kvtier.tiers.fsspec import BLOCK_SUFFIX, FsspecTier
@@ -133,3 +134,28 @@ def test_blocking_put_that_timed_out_never_reads_the_buffer_later(tmp_path: Path
 
 async def _install_slow_threads(store: TieredStore) -> SlowWorkerThreads:
     return slow_worker_threads()
+
+
+async def test_peer_server_write_turns_run_in_arrival_order() -> None:
+    order = WriteOrder()
+    ran: list[str] = []
+    release = asyncio.Event()
+
+    async def write(name: str, keys: list[bytes], hold: bool = False) -> None:
+        async with order.turn(keys):
+            if hold:
+                await release.wait()
+            if name == "b":
+                raise TierError("segment failed")  # a failed write still ends its turn
+            ran.append(name)
+
+    first = asyncio.create_task(write("a", [b"k1", b"k2"], hold=True))
+    await asyncio.sleep(0)
+    later = [asyncio.create_task(write(n, k)) for n, k in
+             (("b", [b"k2"]), ("c", [b"k2", b"k3"]), ("d", [b"k9"]))]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert ran == ["d"]  # other keys never wait
+    release.set()
+    await asyncio.gather(first, *later, return_exceptions=True)
+    assert ran == ["d", "a", "c"] and len(order) == 0
