@@ -141,6 +141,11 @@ class Tier(abc.ABC):
     The default batch implementations run at most :data:`BATCH_CONCURRENCY` operations at
     once.
 
+    A call that has returned never acts later: worker threads read into memory the tier
+    owns (the copy into a caller's buffer happens on the loop after the await), and a
+    thread that writes is waited for (:func:`run_to_end`) or ordered before later writes
+    of its keys (``docs/writing-a-tier.md``).
+
     Parameters
     ----------
     name
