@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from kvtier.errors import ClosedError
 from kvtier.events import Subscription
+from kvtier.explain import Explanation
 from kvtier.store import TieredStore, open_store
 from kvtier.tierchain import check_timeout
 from kvtier.tiers.base import Block, Tier
@@ -216,6 +217,11 @@ class BlockingStore:
     def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET) -> int:
         """:meth:`TieredStore.lookup_prefix`: how many leading keys some tier holds."""
         return self._read(lambda s, t: s.lookup_prefix(keys, timeout=t), timeout)
+
+    def explain(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET
+                ) -> list[Explanation]:
+        """:meth:`TieredStore.explain`: where each key was looked for and why it missed."""
+        return self._read(lambda s, t: s.explain(keys, timeout=t), timeout)
 
     def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None
                       ) -> PrefixLocation:

@@ -12,6 +12,7 @@ demotion that skips a tier or is dropped).
 from __future__ import annotations
 
 from kvtier.errors import BlockTooLargeError, TierError
+from kvtier.misses import MissReason
 from kvtier.promotion import Promotion
 from kvtier.singleflight import KeyRegistry, KeyState
 from kvtier.tierchain import NOT_HERE, TierChain, finish_even_if_cancelled, log
@@ -234,6 +235,8 @@ class Placement:
                     self._chain.error(index, "delete_many", exc)
                     continue
                 self._chain.removed_where(index, keys, gone)
+                self._chain.misses.note_many(index, [k for k, g in zip(keys, gone, strict=True)
+                                                     if g], MissReason.DELETED)
                 removed = [a or bool(b) for a, b in zip(removed, gone, strict=True)]
         finally:
             for state in locked:

@@ -27,7 +27,9 @@ from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
 from kvtier.errors import ClosedError, WrongLoopError
 from kvtier.events import EventHub, Subscription
+from kvtier.explain import Explanation, explain_keys
 from kvtier.keys import validate_key
+from kvtier.misses import DEFAULT_MISS_RECORD_SIZE, MissLedger
 from kvtier.open import open_store
 from kvtier.placement import Placement
 from kvtier.promotion import Promote, Promotion
@@ -94,6 +96,10 @@ class TieredStore:
         id of a ``peers://`` tier in the chain, else the host name).
     block_tokens
         Tokens per block, reported in ``BlockStored`` events (default ``None``: unknown).
+    miss_record_size
+        Keys each tier remembers evicting or dropping as corrupt, so that a later miss can
+        say why (:meth:`explain`, ``miss_reasons`` in :meth:`stats`); the oldest is
+        forgotten first (default 32768 per tier, about 200 bytes each).
 
     Raises
     ------
@@ -125,7 +131,8 @@ class TieredStore:
                  write_workers: int = 4, promote_counter_size: int = 65536,
                  pool_write_through: bool = True, close_flush: bool = True,
                  close_flush_timeout: float = 30.0, node: str | None = None,
-                 block_tokens: int | None = None) -> None:
+                 block_tokens: int | None = None,
+                 miss_record_size: int = DEFAULT_MISS_RECORD_SIZE) -> None:
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence) or not tiers:
             raise TypeError("tiers: expected a non-empty sequence of Tier objects")
         for i, tier in enumerate(tiers):
@@ -150,8 +157,9 @@ class TieredStore:
         self._write_policy: WritePolicy = write_policy
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        misses = MissLedger(len(tiers), check_positive_int(miss_record_size, "miss_record_size"))
         self._chain = chain = TierChain(list(tiers), StoreCounters(), self._events,
-                                        block_tokens)
+                                        block_tokens, misses)
         self._keys = KeyRegistry()
         self._promotion = Promotion(promote, promote_counter_size)
         self._writes = WriteThrough(
@@ -317,6 +325,32 @@ class TieredStore:
         """
         self._enter()
         return await self._reads.lookup_prefix(keys_list(keys), self._deadline(timeout))
+
+    async def explain(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
+                      ) -> list[Explanation]:
+        """Where each key was looked for, and where it hits or why it misses.
+
+        Every tier is asked with its presence check (nothing is read, no recency refreshed,
+        nothing promoted). A key no tier holds is explained from what the tiers noted of it:
+        evicted (which tier, how long ago, which policy), dropped as corrupt, a tier that did
+        not answer now (down, failing, or slower than the deadline), else never stored under
+        this namespace. See ``docs/troubleshooting.md``.
+
+        Parameters
+        ----------
+        keys
+            Keys to explain (e.g. a prompt's prefix chain).
+        timeout
+            Deadline in seconds for the probes (default: the store's).
+
+        Returns
+        -------
+        list of kvtier.explain.Explanation
+            One per key, in order; ``str()`` of one is a readable report.
+        """
+        self._enter()
+        return await explain_keys(self._chain, self._reads, keys_list(keys),
+                                  self._deadline(timeout))
 
     # ------------------------------------------------------------------ writes
     async def put(self, key: bytes, value: object, *, timeout: float | None = None  # noqa: ASYNC109
@@ -578,10 +612,16 @@ class TieredStore:
             ``single_flight_joins``, ``dropped`` (evicted blocks no lower tier took),
             ``pool_writes``, ``close_flushed``, ``write_policy``, ``write_queue_depth``,
             ``write_queue_bytes``, ``node``, ``event_subscribers``, ``events_emitted`` and
-            ``events_dropped`` (events subscribers lost to their buffer bound).
+            ``events_dropped`` (events subscribers lost to their buffer bound);
+            ``miss_reasons`` (``{reason: count}`` over the store's misses: ``not_stored``,
+            ``evicted``, ``deleted``, ``corrupt``, ``unavailable``, ``deadline``),
+            ``lookup_miss_reasons`` (the same for the key that ended each
+            :meth:`lookup_prefix` short of its last key) and ``miss_records`` (keys the
+            eviction records hold); each tier's ``miss_reasons`` counts the misses
+            attributed to it.
         """
         return {**store_stats(self._chain.tiers, self._chain.tier_counters,
-                              self._chain.counters),
+                              self._chain.counters, self._chain.misses),
                 "write_policy": self._write_policy,
                 "write_queue_depth": self._writes.depth,
                 "write_queue_bytes": self._writes.pending_bytes,

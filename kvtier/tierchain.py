@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 from kvtier.errors import BlockTooLargeError, TierFullError
 from kvtier.events import EventHub, medium_of
 from kvtier.keys import validate_key
+from kvtier.misses import MissLedger, MissReason
 from kvtier.stats import StoreCounters, TierCounters
 from kvtier.tiers.base import Block, Tier
 
@@ -94,6 +95,9 @@ class TierChain:
         default: a hub of its own (node ``"local"``).
     block_tokens
         Tokens per block, stamped on ``BlockStored`` (``None``: unknown).
+    misses
+        Where evictions and the tiers' miss reports are noted (default: a ledger of its
+        own, :data:`~kvtier.misses.DEFAULT_MISS_RECORD_SIZE` keys per tier).
 
     Notes
     -----
@@ -104,15 +108,18 @@ class TierChain:
     """
 
     def __init__(self, tiers: list[Tier], counters: StoreCounters,
-                 events: EventHub | None = None, block_tokens: int | None = None) -> None:
+                 events: EventHub | None = None, block_tokens: int | None = None,
+                 misses: MissLedger | None = None) -> None:
         self.tiers = tiers
         self.counters = counters
         self.tier_counters = [TierCounters() for _ in tiers]
         self.events = events if events is not None else EventHub(node="local")
         self.block_tokens = block_tokens
         self.mediums = [medium_of(t) for t in tiers]
+        self.misses = misses if misses is not None else MissLedger(len(tiers))
         for index, tier in enumerate(tiers):
-            tier.on_drop = self._dropper(index)
+            tier.on_drop = self._dropper(index, str(getattr(tier, "policy_name", "") or ""))
+            tier.on_miss = self._misser(index)
 
     # ------------------------------------------------------------------ events
     def stored(self, index: int, keys: Sequence[bytes], parent: bytes | None = None) -> None:
@@ -140,10 +147,16 @@ class TierChain:
         """``BlockRemoved``: ``keys`` left tier ``index``."""
         self.events.removed(keys, tier=self.tiers[index].name, medium=self.mediums[index])
 
-    def _dropper(self, index: int) -> Callable[[Sequence[bytes]], None]:
+    def _dropper(self, index: int, policy: str) -> Callable[[Sequence[bytes]], None]:
         def dropped(keys: Sequence[bytes]) -> None:
+            self.misses.note_many(index, keys, MissReason.EVICTED, policy)
             self.removed(index, keys)
         return dropped
+
+    def _misser(self, index: int) -> Callable[[Sequence[bytes], MissReason, str], None]:
+        def missed(keys: Sequence[bytes], reason: MissReason, detail: str) -> None:
+            self.misses.note_many(index, keys, reason, detail)
+        return missed
 
     def __len__(self) -> int:
         return len(self.tiers)

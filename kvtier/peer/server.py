@@ -42,7 +42,7 @@ from kvtier.peer.guards import (
 )
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
-from kvtier.peer.metrics import Family, render, store_families
+from kvtier.peer.metrics import Family, miss_families, render, store_families
 from kvtier.peer.writeorder import WriteOrder
 
 __all__ = ["PeerServer", "Segment"]
@@ -616,7 +616,8 @@ class PeerServer:
             family = Family(name, kind, text)  # type: ignore[arg-type]
             family.add(value)
             out.append(family)
-        return out + store_families(_tier_stats(self.segment))
+        return out + store_families(_tier_stats(self.segment)) + \
+            miss_families(self.segment.stats())
 
     def _open_connections(self) -> int:
         server = self._runner.server if self._runner is not None else None

@@ -21,6 +21,7 @@ from typing import Any, Self, TypeVar, cast
 from kvtier.codec import EncodedFrame, decode_frame, encode_frame
 from kvtier.codec import parse_compress as _compress_level
 from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError, PeerStatusError
+from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
 from kvtier.peer.client import PeerClient
 from kvtier.peer.frames import decode_from_peer
@@ -307,6 +308,7 @@ class PeerTier(Tier):
         except (CorruptBlockError, MemoryError) as exc:  # corrupt, foreign or a bomb: a miss
             self.counts["corrupt"] += 1
             log.warning("peer %s sent a bad frame: %s", member, exc)
+            self._report_miss((key,), MissReason.CORRUPT, f"from {member}: {exc}")
             return None
 
     def _next(self, order: list[str], tried: set[str]) -> str | None:
@@ -495,6 +497,7 @@ class PeerTier(Tier):
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         blocks, missed = await self._rounds(keys, "get", self._fetch_blocks,
                                             lambda b: b is not None)
+        self._report_unanswered(keys, blocks, missed)
         for key, block, not_here in zip(keys, blocks, missed, strict=True):
             if block is not None and not_here:
                 self._read_repair(key, block, not_here)
@@ -534,8 +537,20 @@ class PeerTier(Tier):
         return await self.members.client(member).exists_many(keys)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        got, _ = await self._rounds(keys, "exists", self._exists, bool)
+        got, missed = await self._rounds(keys, "exists", self._exists, bool)
+        self._report_unanswered(keys, got, missed)
         return [bool(g) for g in got]
+
+    def _report_unanswered(self, keys: Sequence[bytes], results: list[Any],
+                           missed: list[list[str]]) -> None:
+        """A key no member answered for (all down, failed or too slow) is unavailable, not
+        absent: say so to the store (``explain``, miss reasons)."""
+        lost = [k for k, r, m in zip(keys, results, missed, strict=True)
+                if (r is None or r is False) and not m]
+        if lost:
+            self._report_miss(lost, MissReason.UNAVAILABLE,
+                              f"no member answered (down, failed or slower than "
+                              f"timeout={self.timeout:g}s)")
 
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._start()

@@ -21,20 +21,24 @@ import numpy.typing as npt
 from kvtier.codec import as_block
 from kvtier.errors import ClosedError, ShapeMismatchError
 from kvtier.keys import validate_key
+from kvtier.misses import MissReason
 
 if TYPE_CHECKING:
     from kvtier.backends import DeviceOutput
 
 __all__ = [
     "BATCH_CONCURRENCY",
-    "BatchTier", "Block", "DropCallback", "EvictionCallback", "Tier", "check_output_buffer",
-    "check_output_spec", "copy_into", "run_to_end",
+    "BatchTier", "Block", "DropCallback", "EvictionCallback", "MissCallback", "Tier",
+    "check_output_buffer", "check_output_spec", "copy_into", "run_to_end",
 ]
 
 Block = npt.NDArray[np.generic]
 EvictionCallback = Callable[[bytes, Block], Awaitable[None]]
 #: ``on_drop(keys)``: keys a tier dropped on its own (budget eviction), once unreadable.
 DropCallback = Callable[[Sequence[bytes]], None]
+#: ``on_miss(keys, reason, detail)``: a read found ``keys`` unusable (``corrupt``, dropped) or
+#: could not ask where they live (``unavailable``), so the store can say why they missed.
+MissCallback = Callable[[Sequence[bytes], MissReason, str], None]
 log = logging.getLogger("kvtier.tiers")
 #: Operations the default batch implementations run at once.
 BATCH_CONCURRENCY = 16
@@ -167,6 +171,7 @@ class Tier(abc.ABC):
         self.name = name or self.scheme
         self.on_evict: EvictionCallback | None = None
         self.on_drop: DropCallback | None = None
+        self.on_miss: MissCallback | None = None
         self.evictions = 0
         self.eviction_errors = 0
         self._closed = False
@@ -381,6 +386,13 @@ class Tier(abc.ABC):
         """Tell ``on_drop`` that ``keys`` left the tier on its own (not by a delete)."""
         if self.on_drop is not None:
             self.on_drop(keys)
+
+    def _report_miss(self, keys: Sequence[bytes], reason: MissReason, detail: str) -> None:
+        """Tell ``on_miss`` why reads of ``keys`` here miss although they were stored
+        (``corrupt``: dropped after a failed checksum; ``unavailable``: whoever holds them
+        did not answer)."""
+        if self.on_miss is not None:
+            self.on_miss(keys, reason, detail)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} used={self.used} capacity={self.capacity}>"

@@ -33,6 +33,7 @@ from kvtier.codec import (
     parse_compress,
 )
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
+from kvtier.misses import MissReason
 from kvtier.policy import Clock
 from kvtier.tiers.base import Block, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
@@ -270,6 +271,7 @@ class FsspecTier(BudgetedTier):
         except CorruptBlockError as exc:
             self.corrupt += 1
             log.warning("%s tier: corrupt block %s deleted: %s", self.name, path, exc)
+            self._report_miss((key,), MissReason.CORRUPT, str(exc))
             try:
                 await self._io(lambda b: b.delete(path), changes=True)
             except _IO_ERRORS as del_exc:  # a read-only mount cannot delete it: still a miss

@@ -43,6 +43,7 @@ from kvtier.errors import (
     TierError,
     TierFullError,
 )
+from kvtier.misses import MissReason
 from kvtier.policy import Clock, RecencyPolicy
 from kvtier.tiers.base import Block, copy_into, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
@@ -340,6 +341,7 @@ class LMDBTier(BudgetedTier):
                     self.corrupt += 1
                     log.warning("lmdb tier %s: corrupt block %s dropped: %s", self.name,
                                 key.hex(), res)
+                    self._report_miss((key,), MissReason.CORRUPT, str(res))
                     bad.append(key)
                 elif res is not None:
                     found[key] = res
@@ -372,6 +374,7 @@ class LMDBTier(BudgetedTier):
         if isinstance(res, CorruptBlockError):
             self.corrupt += 1
             log.warning("lmdb tier %s: corrupt block %s dropped: %s", self.name, key.hex(), res)
+            self._report_miss((key,), MissReason.CORRUPT, str(res))
             await self._locked(self._delete_locked([key]))
             res = False
         if not res:
