@@ -159,3 +159,29 @@ async def test_peer_server_write_turns_run_in_arrival_order() -> None:
     release.set()
     await asyncio.gather(first, *later, return_exceptions=True)
     assert ran == ["d", "a", "c"] and len(order) == 0
+
+
+async def test_a_write_turn_cancelled_while_waiting_still_orders_the_next() -> None:
+    order = WriteOrder()
+    ran: list[str] = []
+    release = asyncio.Event()
+
+    async def write(name: str, hold: bool = False) -> None:
+        async with order.turn([b"k"]):
+            if hold:
+                await release.wait()
+            ran.append(name)
+
+    first = asyncio.create_task(write("a", hold=True))
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(write("b"))  # its client goes away while it waits
+    await asyncio.sleep(0)
+    last = asyncio.create_task(write("c"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert ran == []  # "c" still waits for "a"
+    release.set()
+    await asyncio.gather(first, last)
+    assert ran == ["a", "c"] and len(order) == 0

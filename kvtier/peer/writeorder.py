@@ -22,6 +22,7 @@ class WriteOrder:
 
     def __init__(self) -> None:
         self._last: dict[bytes, asyncio.Future[None]] = {}
+        self._releasing: set[asyncio.Future[None]] = set()
 
     def __len__(self) -> int:
         """Keys with a write in flight."""
@@ -42,7 +43,21 @@ class WriteOrder:
                 await asyncio.shield(before)
             yield
         finally:
-            mine.set_result(None)
-            for key in unique:
-                if self._last.get(key) is mine:
-                    del self._last[key]
+            waiting = [f for f in earlier.values() if not f.done()]
+            if waiting:  # cancelled while waiting: later turns still wait for the earlier
+                task = asyncio.ensure_future(self._end_after(waiting, mine, unique))
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
+            else:
+                self._end(mine, unique)
+
+    async def _end_after(self, waiting: list[asyncio.Future[None]], turn: asyncio.Future[None],
+                         keys: list[bytes]) -> None:
+        await asyncio.wait(waiting)
+        self._end(turn, keys)
+
+    def _end(self, turn: asyncio.Future[None], keys: list[bytes]) -> None:
+        turn.set_result(None)
+        for key in keys:
+            if self._last.get(key) is turn:
+                del self._last[key]
