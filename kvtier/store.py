@@ -44,6 +44,8 @@ from kvtier.writethrough import WritesDone, WriteThrough
 if TYPE_CHECKING:
     from kvtier.peer.locate import PrefixLocation
 
+T = TypeVar("T")
+
 __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 
 #: Default seconds :meth:`TieredStore.locate_prefix` waits for the pool's members.
@@ -384,7 +386,8 @@ class TieredStore:
 
     # ------------------------------------------------------------------ writes
     @_in_flight
-    async def put(self, key: bytes, value: object) -> None:
+    async def put(self, key: bytes, value: object, *, timeout: float | None = None  # noqa: ASYNC109
+                  ) -> None:
         """Store ``value`` under ``key`` in the top tier that can hold it.
 
         The block goes into the first tier (top-down) whose capacity fits it; if that tier
@@ -400,6 +403,10 @@ class TieredStore:
             ``bytes`` of 1..128 bytes.
         value
             A C-contiguous numpy array of a fixed-size dtype, or a bytes-like object.
+        timeout
+            Deadline in seconds for the whole call (``None``, the default, or ``math.inf``:
+            none). The store's ``timeout`` bounds reads only: it is sized for reads a
+            scheduler waits on, where a miss is cheap, while a write past it is lost work.
 
         Raises
         ------
@@ -409,16 +416,22 @@ class TieredStore:
             If the block exceeds every tier's capacity (nothing is written).
         TierError
             If every tier that could hold the block failed, or the pool copy failed.
+        TimeoutError
+            If ``timeout`` passed first. The block may or may not be stored, but nothing the
+            put started acts after this is raised: a write a tier had begun has ended (it
+            no longer reads ``value``), and none lands over a later put of ``key``.
         """
         self._enter()
+        seconds = check_timeout(timeout)
         validate_key(key)
         block = as_block(value)
         first = self._placement.first_fitting(block.nbytes, "value")
-        await self._placement.put(key, block, first)
+        await self._within(seconds, "put", self._placement.put(key, block, first))
 
     @_in_flight
     async def put_many(self, items: Iterable[tuple[bytes, object]], *,
-                       parent: bytes | None = None) -> WritesDone:
+                       parent: bytes | None = None,
+                       timeout: float | None = None) -> WritesDone:  # noqa: ASYNC109
         """Store ``(key, value)`` pairs; all are validated before anything is written.
 
         Blocks that fit the top tier go there in one batch call, and the chain's recency is
@@ -432,6 +445,8 @@ class TieredStore:
         parent
             The key chained before the first item's (for KV events' ``parent``; ``None``:
             unknown or the prompt's start).
+        timeout
+            Deadline in seconds for the whole call, as for :meth:`put`.
 
         Returns
         -------
@@ -447,8 +462,12 @@ class TieredStore:
             For a bad item (nothing is written); the message names it (``items[i]``).
         TierError
             If every tier that could hold one of the blocks failed, or the pool copy failed.
+        TimeoutError
+            If ``timeout`` passed first (as for :meth:`put`: some blocks may be stored,
+            nothing acts later).
         """
         self._enter()
+        seconds = check_timeout(timeout)
         if parent is not None:
             validate_key(parent, "parent")
         if isinstance(items, bytes | str | Mapping) or not isinstance(items, Iterable):
@@ -469,7 +488,8 @@ class TieredStore:
             count += 1
         if not last:
             return WritesDone()
-        return await self._placement.put_many(last, count, parent)
+        return await self._within(seconds, "put_many",
+                                  self._placement.put_many(last, count, parent))
 
     @_in_flight
     async def flush(self) -> None:
@@ -482,21 +502,46 @@ class TieredStore:
         await self._writes.flush()
 
     @_in_flight
-    async def delete(self, key: bytes) -> bool:
+    async def delete(self, key: bytes, *, timeout: float | None = None  # noqa: ASYNC109
+                     ) -> bool:
         """Remove ``key`` from every tier; returns whether any tier held it.
 
         Once started, a delete completes even if the caller is cancelled (the cancellation
         is raised afterwards), so no older value is ever exposed.
+
+        Parameters
+        ----------
+        key
+            ``bytes`` of 1..128 bytes.
+        timeout
+            Deadline in seconds, as for :meth:`put`. A delete is never left half done:
+            past the deadline it still finishes in every tier, then raises
+            ``TimeoutError`` (the key is gone), so it never removes a later put's block.
         """
         self._enter()
+        seconds = check_timeout(timeout)
         validate_key(key)
-        return (await self._placement.delete([key]))[0]
+        return (await self._within(seconds, "delete", self._placement.delete([key])))[0]
 
     @_in_flight
-    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Batch :meth:`delete`; one batch call per tier."""
+    async def delete_many(self, keys: Sequence[bytes], *,
+                          timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
+        """Batch :meth:`delete`; one batch call per tier (``timeout`` as for :meth:`delete`)."""
         self._enter()
-        return await self._placement.delete(keys_list(keys))
+        seconds = check_timeout(timeout)
+        return await self._within(seconds, "delete_many",
+                                  self._placement.delete(keys_list(keys)))
+
+    @staticmethod
+    async def _within(seconds: float | None, op: str, call: Awaitable[T]) -> T:
+        """``call`` under a write's deadline (checked seconds; ``None``: none)."""
+        if seconds is None:
+            return await call
+        try:
+            async with asyncio.timeout(seconds):
+                return await call
+        except TimeoutError:
+            raise TimeoutError(f"{op}: did not finish within {seconds} s") from None
 
     # ------------------------------------------------------------------ routers
     def events(self, *, buffer: int | None = None) -> Subscription:
@@ -573,11 +618,19 @@ class TieredStore:
         tier
             Index of the one tier to pin in; ``None`` (default) pins in every tier, so a
             block stays in whichever tier holds it and is kept when promoted.
+
+        Notes
+        -----
+        A tier that fails to pin is counted in its ``errors`` and logged, not raised (the
+        other tiers still pin): a pin only protects from eviction, so a failed one can cost
+        a recompute, never a wrong block, and raising would make an engine give up a request
+        whose blocks are still readable. Bad ``keys`` or ``tier`` raise.
         """
         await self._pin_op("pin", keys, tier)
 
     async def unpin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:
-        """Release one pin of each key (in the same tier(s) :meth:`pin` used)."""
+        """Release one pin of each key (in the same tier(s) :meth:`pin` used); tier failures
+        are counted, not raised, as for :meth:`pin`."""
         await self._pin_op("unpin", keys, tier)
 
     @_in_flight

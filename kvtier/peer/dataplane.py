@@ -348,9 +348,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     async def _put(self, request: _Request) -> int:
         server = self._server
         body = self._take_body(request)
-        block = await server.decode(request.key, body)
-        del body
-        await server.segment.put(request.key, block)
+        async with server.write_order.turn((request.key,)):
+            block = await server.decode(request.key, body)
+            del body
+            await server.segment.put(request.key, block)
         server.stored((request.key,))
         transport = self._transport
         if transport is None or transport.is_closing():

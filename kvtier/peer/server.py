@@ -43,6 +43,7 @@ from kvtier.peer.guards import (
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
 from kvtier.peer.metrics import Family, miss_families, render, store_families
+from kvtier.peer.writeorder import WriteOrder
 
 __all__ = ["PeerServer", "Segment"]
 
@@ -170,6 +171,7 @@ class PeerServer:
         self._track_keys = False
         self._accept_filter: AcceptErrorFilter | None = None
         self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
+        self.write_order = WriteOrder()  # a PUT its client gave up on never lands late
         self.app = self._build_app()
 
     # ----------------------------------------------------------------- lifecycle
@@ -439,11 +441,12 @@ class PeerServer:
     async def _put_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
         body = await self._read_body(request, self.limits.max_frame_bytes)
-        block = await self.decode(key, body)
-        del body
-        if _fills(request) and (await self.segment.contains_many([key]))[0]:
-            return web.Response(status=204)  # fills holes only: the value held here stays
-        await self.segment.put(key, block)
+        async with self.write_order.turn((key,)):
+            block = await self.decode(key, body)
+            del body
+            if _fills(request) and (await self.segment.contains_many([key]))[0]:
+                return web.Response(status=204)  # fills holes only: the value held here stays
+            await self.segment.put(key, block)
         self.stored((key,))
         self._note_abandoned(request)
         return web.Response(status=204)
@@ -458,7 +461,9 @@ class PeerServer:
         key = key_from_hex(request.match_info["key"])
         self.stored_keys.pop(key, None)
         self.frames.forget(key)
-        if await self.segment.delete(key):
+        async with self.write_order.turn((key,)):
+            found = await self.segment.delete(key)
+        if found:
             return web.Response(status=204)
         raise web.HTTPNotFound(text="no such block")
 
@@ -510,18 +515,21 @@ class PeerServer:
     async def _batch_put(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request, self.limits.max_body_bytes)
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
-        # Every frame is verified before anything is stored: a bad batch changes nothing.
-        decoded: list[tuple[bytes, object]] = []
-        for key, frame in entries:
-            if frame is None:
-                raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
-            decoded.append((key, await self.decode(key, frame)))
-        del body, entries
-        if decoded and _fills(request):  # fills holes only: the values held here stay
-            present = await self.segment.contains_many([k for k, _ in decoded])
-            decoded = [item for item, here in zip(decoded, present, strict=True) if not here]
+        async with self.write_order.turn(k for k, _ in entries):
+            # Every frame is verified before anything is stored: a bad batch changes nothing.
+            decoded: list[tuple[bytes, object]] = []
+            for key, frame in entries:
+                if frame is None:
+                    raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
+                decoded.append((key, await self.decode(key, frame)))
+            del body, entries
+            if decoded and _fills(request):  # fills holes only: the values held here stay
+                present = await self.segment.contains_many([k for k, _ in decoded])
+                decoded = [item for item, here in zip(decoded, present, strict=True)
+                           if not here]
+            if decoded:
+                await self.segment.put_many(decoded)
         if decoded:
-            await self.segment.put_many(decoded)
             self.stored(k for k, _ in decoded)
             self._note_abandoned(request)
         return web.Response(status=204)
@@ -536,7 +544,8 @@ class PeerServer:
         for key in keys:
             self.stored_keys.pop(key, None)
             self.frames.forget(key)
-        flags = [await self.segment.delete(k) for k in keys]
+        async with self.write_order.turn(keys):
+            flags = [await self.segment.delete(k) for k in keys]
         return await self._send(request, [proto.encode_flags(flags)])
 
     def health(self) -> dict[str, Any]:
