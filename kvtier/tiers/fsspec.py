@@ -8,7 +8,9 @@
   several nodes may share one URL (same key, same content: concurrent writers are safe).
   Every frame is checksummed; a partial or corrupt object is a miss, deleted and counted.
 - Optional ``capacity=``: LRU trimming of *this* node's writes (evicted blocks go to the
-  demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc``.
+  demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc`` or,
+  with ``fleet_capacity=``, by a background gc of the nodes, one at a time; ``file://``
+  tiers log their reads so that gc keeps the blocks in use (:mod:`kvtier.tiers.fleet`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvtier.misses import MissReason
 from kvtier.policy import Clock
 from kvtier.tiers.base import Block, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
+from kvtier.tiers.fleet import FLEET_OPTIONS, FleetMember, check_fleet_options, fleet_options
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.mounts import check_local, read_mountinfo
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
@@ -48,7 +51,7 @@ T = TypeVar("T")
 
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
-                "storage_options", "clock", "policy", "nowait"}
+                "storage_options", "clock", "policy", "nowait", *FLEET_OPTIONS}
 
 
 def _io_error_types() -> tuple[type[BaseException], ...]:
@@ -118,6 +121,16 @@ class FsspecTier(BudgetedTier):
         other synchronous filesystems) are never abandoned: a thread cannot be stopped, and
         one left running would land after a newer value or uncounted. On a hung mount
         they wait with it, and so do their callers, even cancelled ones.
+    use_log
+        ``file://`` only: log this tier's reads under ``ROOT/.kvtier-uses`` (default on), so
+        a gc of the shared directory keeps the blocks nodes read
+        (:mod:`kvtier.tiers.fleet_uses`).
+    fleet_capacity
+        ``file://`` only: byte budget of the whole shared directory, kept by a background
+        gc that starts with the tier's first operation and runs every ``gc_interval``
+        seconds on one node at a time (:mod:`kvtier.tiers.fleet_gc`).
+    gc_interval
+        Seconds between the background gc's passes (default 60).
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -133,7 +146,8 @@ class FsspecTier(BudgetedTier):
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
                  nowait: bool | str = "auto", timeout: float = 30.0, policy: str = "lru",
-                 clock: Clock = time.monotonic,
+                 clock: Clock = time.monotonic, use_log: bool = True,
+                 fleet_capacity: int | None = None, gc_interval: float = 60.0,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
@@ -143,6 +157,9 @@ class FsspecTier(BudgetedTier):
         nowait_mode = _parse_nowait(nowait)
         if nowait_mode and self.protocol not in ("file", "local"):
             raise ConfigError(f"nowait: only for file:// tiers, not {self.protocol}://")
+        check_fleet_options(self.protocol, fleet_capacity, gc_interval)
+        self._fleet_settings = (use_log, fleet_capacity, gc_interval)
+        self.fleet: FleetMember | None = None  # file:// only, made with the back end
         super().__init__(name=name or self.protocol)
         self.url = url
         self.storage_options = dict(storage_options or {})
@@ -166,7 +183,7 @@ class FsspecTier(BudgetedTier):
         if not self._async:
             # Sync filesystems are cheap to build; failing here reports bad options early.
             self._backend, self._root = self._make_sync_backend()
-        self.hits = self.misses = self.io_errors = self.corrupt = 0
+        self.hits = self.misses = self.io_errors = self.corrupt = self.vanished = 0
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -197,7 +214,8 @@ class FsspecTier(BudgetedTier):
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
             nowait=merged.get("nowait", "auto"),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
-            name=str(merged["name"]) if "name" in merged else None, **kwargs)
+            name=str(merged["name"]) if "name" in merged else None,
+            **fleet_options(merged), **kwargs)
 
     def _make_sync_backend(self) -> tuple[Backend, str]:
         try:
@@ -211,6 +229,9 @@ class FsspecTier(BudgetedTier):
                 raise ConfigError(f"url: unknown option(s) {unknown} for file:// (kvtier "
                                   f"options: {', '.join(sorted(_OWN_OPTIONS))})")
             self._decide_nowait(root)
+            use_log, fleet_capacity, gc_interval = self._fleet_settings
+            self.fleet = FleetMember(root, use_log=use_log, fleet_capacity=fleet_capacity,
+                                     gc_interval=gc_interval, forget=self._forget)
             return LocalBackend(fsync=self.fsync, nowait=self.nowait), root
         return SyncFsBackend(fs), root
 
@@ -225,6 +246,8 @@ class FsspecTier(BudgetedTier):
 
     async def _ready(self) -> Backend:
         if self._backend is not None:
+            if self.fleet is not None:
+                self.fleet.start()
             return self._backend
         async with self._opening:
             if self._backend is None:
@@ -286,10 +309,27 @@ class FsspecTier(BudgetedTier):
         block = await self._read(key)
         if block is None:
             self.misses += 1
+            if key in self._policy and key not in self._writing:
+                # Counted here but gone from storage: deleted by the fleet gc, another
+                # node or an operator. A miss; the budget stops counting it.
+                self.vanished += 1
+                self._forget([key])
+                self._report_miss((key,), MissReason.EVICTED, "file removed from the "
+                                  "shared directory (fleet gc or another node)")
         else:
             self.hits += 1
             self._policy.touch(key)
+            if self.fleet is not None:
+                self.fleet.note_read(self.path_of(key))
         return block
+
+    def _forget(self, keys: list[bytes]) -> None:
+        """Stop counting ``keys`` whose files were deleted behind this tier's back (by a
+        gc pass of this node, or found missing on a read); keys in flight are left to
+        their put or eviction."""
+        for key in keys:
+            if key not in self._leaving and key not in self._writing:
+                self._policy.remove(key)
 
     async def _contains(self, key: bytes) -> bool:
         if self._held(key):
@@ -368,6 +408,8 @@ class FsspecTier(BudgetedTier):
         return await self._remove(key)
 
     async def _aclose(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.aclose()
         await self._commits_done()
         if self._backend is not None:
             await self._backend.close()
@@ -380,7 +422,8 @@ class FsspecTier(BudgetedTier):
             if isinstance(backend, LocalBackend) else {}
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,
                 "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
-                "url": self.url, **nowait}
+                "vanished": self.vanished, "url": self.url, **nowait,
+                **(self.fleet.stats() if self.fleet is not None else {})}
 
 
 def _parse_nowait(value: object) -> bool | None:
