@@ -2,7 +2,7 @@
 nodes whose counted blocks the gc deleted. Real tmp dirs; tier objects share one directory as
 nodes on one mount would."""
 # These tests set file times and inspect the directory from inside async tests on purpose.
-# ruff: noqa: ASYNC230, ASYNC240
+# ruff: noqa: ASYNC240
 
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ async def test_gc_node_forgets_what_it_deleted(tmp_path: Path) -> None:
     "file:///tmp/kv?use_log=maybe", "memory://kv?fleet_capacity=1GiB",
 ])
 def test_bad_fleet_options(url: str) -> None:
-    with pytest.raises(ConfigError, match="fleet_capacity|gc_interval|use_log"):
+    with pytest.raises(ConfigError, match=r"fleet_capacity|gc_interval|use_log"):
         tier_from_url(url)
 
 

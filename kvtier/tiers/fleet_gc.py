@@ -8,7 +8,8 @@ it and most mounts use ``relatime``/``noatime``). The least recently used blocks
 until the total fits, and writers' temp files older than ``tmp_age``.
 
 One gc per directory at a time: a pass holds :class:`~kvtier.tiers.fleet_lease.GcLease`,
-refreshes it as it deletes, and stops at once if it lost it. A block rewritten since the scan
+refreshes it as it scans and deletes (every ``ttl / 20`` seconds), and stops when it finds
+it lost. A block rewritten since the scan
 (its mtime changed) is kept.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import threading
@@ -37,8 +39,12 @@ log = logging.getLogger("kvtier.tiers.fsspec")
 _SUFFIX = ".kvb"  # kvtier.tiers.fsspec.BLOCK_SUFFIX (that module imports this one)
 BLOCK_RE = re.compile(r"^(?:[0-9a-f]{2,200}|h[0-9a-f]{64})" + re.escape(_SUFFIX) + "$")
 TMP_RE = re.compile(r"^\..+" + re.escape(_SUFFIX) + r"\.[0-9a-f]{32}\.tmp$")
-# A pass refreshes its lease (and checks it still holds it) every this many deletes.
-_REFRESH_EVERY = 256
+# A pass asks whether to go on (stopped? lease lost?) before each directory, every this
+# many files scanned and every this many deletes; it refreshes its lease at most every
+# ttl / _REFRESHES_PER_TTL seconds (a scan of millions of files on NFS takes minutes).
+_CHECK_SCANNED = 8192
+_CHECK_DELETED = 256
+_REFRESHES_PER_TTL = 20
 
 
 @dataclass(frozen=True)
@@ -66,11 +72,13 @@ class GcResult:
 
 
 def scan_local(root: str, uses: dict[str, float], *, use_atime: bool = False,
-               stop: threading.Event | None = None) -> Iterator[Entry]:
+               going: Callable[[], bool] = lambda: True) -> Iterator[Entry]:
     """Every block and temp file under ``root``, with its last use: the later of its mtime
-    (and atime with ``use_atime``) and its last logged read in ``uses``."""
+    (and atime with ``use_atime``) and its last logged read in ``uses``. ``going`` is asked
+    before each directory and every few thousand files; the scan ends when it says no."""
     stack = [root]
-    while stack and not (stop is not None and stop.is_set()):
+    seen = 0
+    while stack and going():
         try:
             with os.scandir(stack.pop()) as it:
                 for item in it:
@@ -81,6 +89,9 @@ def scan_local(root: str, uses: dict[str, float], *, use_atime: bool = False,
                     temp = bool(TMP_RE.match(item.name))
                     if not (temp or BLOCK_RE.match(item.name)):
                         continue
+                    seen += 1
+                    if seen % _CHECK_SCANNED == 0 and not going():
+                        return
                     with contextlib.suppress(FileNotFoundError):
                         st = item.stat(follow_symlinks=False)
                         last = max(st.st_mtime, st.st_atime if use_atime else 0.0,
@@ -119,18 +130,29 @@ def collect_local(root: str, capacity: int, lease: GcLease | None, *,
     """Trim ``root`` to ``capacity`` bytes. Blocking: run it in a worker thread. ``lease``
     (held) is refreshed as the deletes go, and the pass stops if it was lost; ``stop`` ends
     it early (a closing tier). Folds the use logs into their summary at the end."""
+    result = GcResult()
+    refreshed = -math.inf
+
+    def going() -> bool:
+        nonlocal refreshed
+        if stop is not None and stop.is_set():
+            return False
+        if lease is not None and not result.lease_lost and \
+                time.monotonic() - refreshed >= lease.ttl / _REFRESHES_PER_TTL:
+            refreshed = time.monotonic()
+            result.lease_lost = not lease.refresh()
+        return not result.lease_lost
+
     uses, segments = read_uses(root)
-    entries = list(scan_local(root, uses, use_atime=use_atime, stop=stop))
+    entries = list(scan_local(root, uses, use_atime=use_atime, going=going))
+    if not going():
+        return result  # stopped or lost the lease mid-scan: a partial scan decides nothing
     now = time.time()
-    doomed, remaining = plan(entries, capacity, now=now, tmp_age=tmp_age)
-    result = GcResult(files=len(entries), total=sum(e.size for e in entries),
-                      remaining=remaining)
+    doomed, _ = plan(entries, capacity, now=now, tmp_age=tmp_age)
+    result.files, result.total = len(entries), sum(e.size for e in entries)
     gone: set[str] = set()
     for n, entry in enumerate(doomed):
-        if stop is not None and stop.is_set():
-            break
-        if lease is not None and n % _REFRESH_EVERY == 0 and not lease.refresh():
-            result.lease_lost = True
+        if n % _CHECK_DELETED == 0 and not going():
             break
         if not dry_run:
             if not _unchanged(entry):
@@ -146,7 +168,7 @@ def collect_local(root: str, capacity: int, lease: GcLease | None, *,
         result.deleted.append(entry.path)
         gone.add(os.path.basename(entry.path)[:-len(_SUFFIX)])
     result.remaining = result.total - result.freed
-    if not dry_run and not result.lease_lost and not (stop is not None and stop.is_set()):
+    if not dry_run and going():
         kept = {os.path.basename(e.path)[:-len(_SUFFIX)] for e in entries if not e.temp}
         kept -= gone
         fold_segments(root, {k: v for k, v in uses.items() if k in kept}, segments, now=now)
