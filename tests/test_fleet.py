@@ -10,7 +10,9 @@ import asyncio
 import logging
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from kvtier.cli import main
 from kvtier.errors import ConfigError
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.fleet_gc import FleetCollector, collect_local
-from kvtier.tiers.fleet_lease import LEASE_NAME, GcLease
+from kvtier.tiers.fleet_lease import LEASE_DIR, GcLease
 from kvtier.tiers.fleet_uses import SUMMARY_NAME, USE_DIR, UseRecorder, read_uses
 from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.registry import tier_from_url
@@ -158,24 +160,41 @@ def test_lease_one_holder_release_and_expiry(tmp_path: Path) -> None:
     assert a.refresh()
     a.release()
     assert b.acquire() and not a.acquire()
+    assert a.takeovers == 0  # b's was released, not abandoned
     # b crashes: its lease is never refreshed again
-    os.utime(tmp_path / LEASE_NAME, (OLD, OLD))
+    os.utime(b.path, (OLD, OLD))
     assert a.acquire() and a.takeovers == 1
     assert not b.refresh() and not b.held  # b, back, finds it lost
     b.release()  # not b's any more: a keeps it
     assert a.refresh()
     a.release()
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temp files left
+    assert [p.name for p in (tmp_path / LEASE_DIR).iterdir()] == ["lease.3"]  # no temp files
 
 
-def test_lease_refreshed_during_takeover_is_given_back(tmp_path: Path) -> None:
-    a, b = GcLease(str(tmp_path), "node-a", ttl=60), GcLease(str(tmp_path), "node-b", ttl=60)
-    assert a.acquire()
-    path = tmp_path / LEASE_NAME
-    text = path.read_text()
-    stale = path.stat().st_mtime - 3600  # what b read just before a refreshed it
-    assert not b._take_over(text, stale)
-    assert path.read_text() == text and a.refresh()  # a still holds it
+@pytest.mark.parametrize("expired", [False, True])
+def test_lease_contenders_racing_get_one_holder(tmp_path: Path, expired: bool) -> None:
+    if expired:  # a crashed holder's lease, which all of them try to take over at once
+        crashed = GcLease(str(tmp_path), "crashed", ttl=60)
+        assert crashed.acquire()
+        os.utime(crashed.path, (OLD, OLD))
+    for _ in range(20):
+        leases = [GcLease(str(tmp_path), f"node-{i}", ttl=60) for i in range(8)]
+        start = threading.Barrier(len(leases))
+
+        def contend(lease: GcLease, start: threading.Barrier = start) -> bool:
+            start.wait()
+            return lease.acquire()
+
+        with ThreadPoolExecutor(len(leases)) as pool:
+            won = [lease for lease, got in zip(leases, pool.map(contend, leases), strict=True)
+                   if got]
+        assert len(won) == 1 and won[0].refresh()
+        assert Path(won[0].path).read_text().split()[1] == won[0].holder
+        assert not any(lease.held for lease in leases if lease is not won[0])
+        if expired:
+            os.utime(won[0].path, (OLD, OLD))  # the winner crashes too
+        else:
+            won[0].release()
 
 
 async def test_two_gcs_never_run_at_once(tmp_path: Path,
@@ -194,7 +213,7 @@ async def test_two_gcs_never_run_at_once(tmp_path: Path,
     other.release()
     result = await collector.collect()
     assert result is not None and len(_blocks(tmp_path / "shared")) == 1
-    assert not (tmp_path / "shared" / LEASE_NAME).exists()  # released after the pass
+    assert GcLease(str(tmp_path / "shared"), "next").acquire()  # released after the pass
     await _close(*nodes)
 
 
@@ -204,7 +223,7 @@ async def test_gc_that_lost_its_lease_stops(tmp_path: Path) -> None:
     root = str(tmp_path / "shared")
     slow = GcLease(root, "slow", ttl=60)
     assert slow.acquire()
-    os.utime(Path(root) / LEASE_NAME, (OLD, OLD))  # it stalled past its ttl...
+    os.utime(slow.path, (OLD, OLD))  # it stalled past its ttl...
     assert GcLease(root, "fresh", ttl=60).acquire()  # ...and was taken over
     result = collect_local(root, 0, slow)
     assert result.lease_lost and result.deleted == []

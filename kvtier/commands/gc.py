@@ -34,7 +34,9 @@ from kvtier.urls import parse_size
 
 NAME = "gc"
 HELP = ("trim a shared file:// / s3:// tier directory to --capacity by least recent use "
-        "(reads logged by the nodes, else modification time)")
+        "(reads logged by the nodes, else modification time); file://: one gc per directory "
+        "at a time (a lease), which nodes also run themselves with "
+        "file://DIR?fleet_capacity=SIZE&gc_interval=SECONDS")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tiers.base import run_to_end
-from kvtier.tiers.fleet_lease import GcLease
+from kvtier.tiers.fleet_lease import LEASE_DIR, GcLease
 from kvtier.tiers.fleet_uses import USE_DIR, fold_segments, read_uses
 
 __all__ = ["BLOCK_RE", "TMP_RE", "Entry", "FleetCollector", "GcResult", "collect_local",
@@ -83,7 +83,7 @@ def scan_local(root: str, uses: dict[str, float], *, use_atime: bool = False,
             with os.scandir(stack.pop()) as it:
                 for item in it:
                     if item.is_dir(follow_symlinks=False):
-                        if item.name != USE_DIR:
+                        if item.name not in (USE_DIR, LEASE_DIR):
                             stack.append(item.path)
                         continue
                     temp = bool(TMP_RE.match(item.name))
