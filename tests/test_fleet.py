@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -107,6 +108,19 @@ async def test_use_log_coalesces_rotates_and_folds(tmp_path: Path) -> None:
     result = collect_local(str(tmp_path), 1 << 20, None)
     assert result.deleted == [] and not any(s.exists() for s in segments)
     assert (tmp_path / USE_DIR / SUMMARY_NAME).read_text() == "5090 aa\n"  # bb is gone
+
+
+async def test_use_log_recovers_when_its_folder_is_removed(tmp_path: Path) -> None:
+    uses = UseRecorder(str(tmp_path), interval=3600)
+    uses.note("aa")
+    await uses.flush()
+    shutil.rmtree(tmp_path / USE_DIR)  # an operator cleaned up
+    uses.note("bb")
+    await uses.flush()
+    assert uses.errors == 1 and uses.enabled  # not read-only: it keeps logging
+    uses.note("cc")
+    await uses.aclose()
+    assert set(read_uses(str(tmp_path))[0]) == {"cc"}
 
 
 async def test_use_log_background_write_and_torn_line(tmp_path: Path) -> None:

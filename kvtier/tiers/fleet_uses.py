@@ -46,6 +46,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from kvtier.tiers.base import run_to_end
+
 __all__ = ["MAX_PENDING", "SUMMARY_NAME", "USE_DIR", "UseRecorder", "fold_segments",
            "read_uses"]
 
@@ -108,6 +110,7 @@ class UseRecorder:
         self._segment: tuple[str, float] | None = None  # path, start time
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self._writing = asyncio.Lock()  # one append at a time (the loop's and a gc's)
         self._closed = False
 
     def note(self, name: str) -> None:
@@ -140,9 +143,14 @@ class UseRecorder:
         if not names:
             return
         try:
-            await asyncio.to_thread(self._append, names, now)
+            async with self._writing:
+                # Waited for to its end, even by a cancelled caller: an append in a worker
+                # thread cannot be stopped, and must not land after aclose returned.
+                await run_to_end(asyncio.ensure_future(
+                    asyncio.to_thread(self._append, names, now)))
         except OSError as exc:
             self.errors += 1
+            self._segment = None  # start afresh (its folder may have been removed)
             if exc.errno in _READ_ONLY:
                 self.enabled = False
                 log.warning("cannot write the use log in %s (%s): this node's reads will not "
