@@ -351,3 +351,15 @@ async def test_read_only_reader_among_three_nodes(
         assert reader.stats()["io_errors"] == 0
         await reader.aclose()
     await _close(*nodes)
+
+
+def test_every_fleet_option_is_documented() -> None:
+    from kvtier.tiers.fleet import FLEET_OPTIONS
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    urls, persistent = (docs / "tier-urls.md").read_text(), \
+        (docs / "tiers-persistent.md").read_text()
+    for option in FLEET_OPTIONS:
+        assert f"`{option}`" in urls and option in persistent, option
+    for flag in ("--use-atime", "--lease-ttl", "--tmp-age", "--dry-run"):
+        assert flag in persistent, flag

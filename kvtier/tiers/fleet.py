@@ -20,10 +20,14 @@ from kvtier.tiers.fleet_gc import FleetCollector
 from kvtier.tiers.fleet_uses import UseRecorder
 from kvtier.urls import parse_bool, parse_number, parse_size
 
-__all__ = ["FLEET_OPTIONS", "FleetMember", "check_fleet_options", "fleet_options"]
+__all__ = ["FLEET_OPTIONS", "LEASE_TTL", "FleetMember", "check_fleet_options",
+           "fleet_options"]
 
 #: URL options of a ``file://`` tier handled here.
 FLEET_OPTIONS = frozenset({"use_log", "fleet_capacity", "gc_interval"})
+#: Seconds after which the background gc's lease, not refreshed, is taken over (a pass
+#: refreshes it every ttl / 20 seconds; well above any NFS attribute cache time).
+LEASE_TTL = 300.0
 
 
 def fleet_options(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,7 +89,7 @@ class FleetMember:
                 holder=self.uses.writer if self.uses is not None else f"gc-{id(self):x}",
                 forget=lambda paths: forget(_keys_of(paths)),
                 before=self.uses.flush if self.uses is not None else None,
-                lease_ttl=max(300.0, 5 * gc_interval))
+                lease_ttl=LEASE_TTL)
 
     def note_read(self, path: str) -> None:
         """A hit on the block file at ``path`` (on the loop; a set insertion)."""

@@ -130,7 +130,7 @@ class FsspecTier(BudgetedTier):
         gc that starts with the tier's first operation and runs every ``gc_interval``
         seconds on one node at a time (:mod:`kvtier.tiers.fleet_gc`).
     gc_interval
-        Seconds between the background gc's passes (default 60).
+        Seconds between the background gc's passes (default 300).
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -147,7 +147,7 @@ class FsspecTier(BudgetedTier):
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
                  nowait: bool | str = "auto", timeout: float = 30.0, policy: str = "lru",
                  clock: Clock = time.monotonic, use_log: bool = True,
-                 fleet_capacity: int | None = None, gc_interval: float = 60.0,
+                 fleet_capacity: int | None = None, gc_interval: float = 300.0,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
