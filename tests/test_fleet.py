@@ -21,6 +21,8 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.errors import ConfigError
+from kvtier.misses import MissReason
+from kvtier.store import TieredStore
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.fleet_gc import FleetCollector, collect_local
 from kvtier.tiers.fleet_lease import LEASE_DIR, GcLease
@@ -164,6 +166,23 @@ async def test_block_deleted_behind_a_node_is_a_miss_and_uncounted(
     await owner.put(key_of(0), sample_block(0, nbytes=BLOCK))  # written again: counted again
     assert owner.used == before
     await _close(*nodes)
+
+
+async def test_store_over_a_node_explains_a_block_the_gc_deleted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"file://{tmp_path}/shared"
+    node = FsspecTier(url)
+    async with TieredStore([node]) as store:
+        for i in range(4):
+            await store.put(key_of(i), sample_block(i, nbytes=BLOCK))
+        _age(node, range(4))
+        frame = Path(node.path_of(key_of(0))).stat().st_size
+        assert main(["gc", url, "--capacity", str(3 * frame)]) == 0
+        capsys.readouterr()
+        assert await store.get(key_of(0)) is None
+        [gone] = await store.explain([key_of(0)])
+        assert gone.reason is MissReason.EVICTED and "fleet gc" in str(gone)
+        assert store.stats()["tiers"][0]["used"] == 3 * frame
 
 
 # ------------------------------------------------------------------------------ the lease
