@@ -21,6 +21,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.errors import ConfigError
+from kvtier.events import BlockRemoved
 from kvtier.misses import MissReason
 from kvtier.store import TieredStore
 from kvtier.testing.conformance import key_of, sample_block
@@ -171,18 +172,29 @@ async def test_block_deleted_behind_a_node_is_a_miss_and_uncounted(
 async def test_store_over_a_node_explains_a_block_the_gc_deleted(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"file://{tmp_path}/shared"
-    node = FsspecTier(url)
-    async with TieredStore([node]) as store:
-        for i in range(4):
-            await store.put(key_of(i), sample_block(i, nbytes=BLOCK))
-        _age(node, range(4))
+    node = FsspecTier(url, name="weka")
+    gc_node = FsspecTier.from_url(f"{url}?fleet_capacity=1GiB&gc_interval=3600")
+    async with TieredStore([node], node="n1") as store, \
+            TieredStore([gc_node], node="n2") as gc_store:
+        for i in range(6):
+            await (gc_store if i < 2 else store).put(key_of(i), sample_block(i, nbytes=BLOCK))
+        _age(node, range(6))
         frame = Path(node.path_of(key_of(0))).stat().st_size
-        assert main(["gc", url, "--capacity", str(3 * frame)]) == 0
-        capsys.readouterr()
-        assert await store.get(key_of(0)) is None
-        [gone] = await store.explain([key_of(0)])
+        seen, gc_seen = store.events(), gc_store.events()
+        assert gc_node.fleet is not None and gc_node.fleet.collector is not None
+        gc_node.fleet.collector.capacity = 3 * frame
+        assert await gc_node.fleet.collector.collect() is not None  # deletes blocks 0, 1, 2
+        removed = [e for e in gc_seen.drain_nowait() if isinstance(e, BlockRemoved)]
+        assert [e.keys for e in removed] == [(key_of(0), key_of(1))]  # known at once
+        assert gc_node.used == 0
+        [gone] = await gc_store.explain([key_of(1)])
+        assert "deleted by this node's fleet gc" in str(gone)
+        assert await store.get(key_of(2)) is None  # the other node notices when it reads
+        [gone] = await store.explain([key_of(2)])
         assert gone.reason is MissReason.EVICTED and "fleet gc" in str(gone)
         assert store.stats()["tiers"][0]["used"] == 3 * frame
+        assert [(e.tier, e.keys) for e in seen.drain_nowait()
+                if isinstance(e, BlockRemoved)] == [("weka", (key_of(2),))]
 
 
 # ------------------------------------------------------------------------------ the lease

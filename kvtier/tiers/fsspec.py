@@ -230,8 +230,9 @@ class FsspecTier(BudgetedTier):
                                   f"options: {', '.join(sorted(_OWN_OPTIONS))})")
             self._decide_nowait(root)
             use_log, fleet_capacity, gc_interval = self._fleet_settings
-            self.fleet = FleetMember(root, use_log=use_log, fleet_capacity=fleet_capacity,
-                                     gc_interval=gc_interval, forget=self._forget)
+            self.fleet = FleetMember(
+                root, use_log=use_log, fleet_capacity=fleet_capacity, gc_interval=gc_interval,
+                forget=lambda keys: self._forget(keys, "deleted by this node's fleet gc"))
             return LocalBackend(fsync=self.fsync, nowait=self.nowait), root
         return SyncFsBackend(fs), root
 
@@ -313,9 +314,8 @@ class FsspecTier(BudgetedTier):
                 # Counted here but gone from storage: deleted by the fleet gc, another
                 # node or an operator. A miss; the budget stops counting it.
                 self.vanished += 1
-                self._forget([key])
-                self._report_miss((key,), MissReason.EVICTED, "file removed from the "
-                                  "shared directory (fleet gc or another node)")
+                self._forget([key], "file removed from the shared directory (fleet gc or "
+                             "another node)")
         else:
             self.hits += 1
             self._policy.touch(key)
@@ -323,13 +323,16 @@ class FsspecTier(BudgetedTier):
                 self.fleet.note_read(self.path_of(key))
         return block
 
-    def _forget(self, keys: list[bytes]) -> None:
+    def _forget(self, keys: list[bytes], why: str) -> None:
         """Stop counting ``keys`` whose files were deleted behind this tier's back (by a
-        gc pass of this node, or found missing on a read); keys in flight are left to
-        their put or eviction."""
-        for key in keys:
-            if key not in self._leaving and key not in self._writing:
-                self._policy.remove(key)
+        gc pass of this node, or found missing on a read), and report them dropped (a
+        ``BlockRemoved`` event; ``explain`` says ``evicted`` and ``why``). Keys in flight
+        are left to their put or eviction."""
+        gone = [key for key in keys if key not in self._leaving and key not in self._writing
+                and self._policy.remove(key) is not None]
+        if gone:
+            self._report_dropped(gone)
+            self._report_miss(gone, MissReason.EVICTED, why)
 
     async def _contains(self, key: bytes) -> bool:
         if self._held(key):
