@@ -108,8 +108,12 @@ async def test_use_log_coalesces_rotates_and_folds(tmp_path: Path) -> None:
     for seg in segments:  # closed long ago: the gc folds them into the summary
         os.utime(seg, (OLD, OLD))
     (tmp_path / "aa.kvb").write_bytes(b"x")
+    dead_tmp = tmp_path / USE_DIR / f".{SUMMARY_NAME}.{'0' * 32}.tmp"  # a gc died here
+    dead_tmp.write_text("1 aa\n")
+    os.utime(dead_tmp, (OLD, OLD))
     result = collect_local(str(tmp_path), 1 << 20, None)
     assert result.deleted == [] and not any(s.exists() for s in segments)
+    assert not dead_tmp.exists()
     assert (tmp_path / USE_DIR / SUMMARY_NAME).read_text() == "5090 aa\n"  # bb is gone
 
 
@@ -206,9 +210,12 @@ def test_lease_one_holder_release_and_expiry(tmp_path: Path) -> None:
     a.release()
     assert b.acquire() and not a.acquire()
     assert a.takeovers == 0  # b's was released, not abandoned
-    # b crashes: its lease is never refreshed again
+    # b crashes: its lease is never refreshed again (nor a contender's temp file removed)
     os.utime(b.path, (OLD, OLD))
-    assert a.acquire() and a.takeovers == 1
+    dead_tmp = tmp_path / LEASE_DIR / f".{'0' * 32}.tmp"
+    dead_tmp.write_text("x")
+    os.utime(dead_tmp, (OLD, OLD))
+    assert a.acquire() and a.takeovers == 1 and not dead_tmp.exists()
     assert not b.refresh() and not b.held  # b, back, finds it lost
     b.release()  # not b's any more: a keeps it
     assert a.refresh()

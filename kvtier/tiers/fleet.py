@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.fleet_gc import FleetCollector
-from kvtier.tiers.fleet_uses import UseRecorder
+from kvtier.tiers.fleet_uses import UseRecorder, writer_name
 from kvtier.urls import parse_bool, parse_number, parse_size
 
 __all__ = ["FLEET_OPTIONS", "LEASE_TTL", "FleetMember", "check_fleet_options",
@@ -86,7 +86,7 @@ class FleetMember:
         if fleet_capacity is not None:
             self.collector = FleetCollector(
                 root, fleet_capacity, gc_interval,
-                holder=self.uses.writer if self.uses is not None else f"gc-{id(self):x}",
+                holder=self.uses.writer if self.uses is not None else writer_name(),
                 forget=lambda paths: forget(_keys_of(paths)),
                 before=self.uses.flush if self.uses is not None else None,
                 lease_ttl=LEASE_TTL)

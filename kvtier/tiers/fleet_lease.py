@@ -155,6 +155,7 @@ class GcLease:
             self.last_seen = None
             for older in generations:
                 self._drop(older)
+            self._drop_leftovers(now)
             return True
         return False
 
@@ -173,6 +174,15 @@ class GcLease:
     def _drop(self, generation: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(generation))
+
+    def _drop_leftovers(self, now: float) -> None:
+        """Remove temp files of contenders that died between creating and removing them."""
+        with os.scandir(self.directory) as it:
+            temps = [e.path for e in it if e.name.startswith(".") and e.name.endswith(".tmp")]
+        for path in temps:
+            with contextlib.suppress(FileNotFoundError):
+                if now - os.stat(path).st_mtime > 2 * self.ttl:
+                    os.unlink(path)
 
     def _highest(self) -> bool:
         """Whether no later generation than this holder's exists."""

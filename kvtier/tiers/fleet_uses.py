@@ -49,7 +49,7 @@ from typing import Any
 from kvtier.tiers.base import run_to_end
 
 __all__ = ["MAX_PENDING", "SUMMARY_NAME", "USE_DIR", "UseRecorder", "fold_segments",
-           "read_uses"]
+           "read_uses", "writer_name"]
 
 log = logging.getLogger("kvtier.tiers.fsspec")
 
@@ -64,7 +64,8 @@ _RECENT_NAMES = 1 << 18
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def _writer_name() -> str:
+def writer_name() -> str:
+    """``<host>-<pid>-<random>``: names this process's writer (and lease holder)."""
     host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64] or "node"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -96,7 +97,7 @@ class UseRecorder:
                  segment_age: float = 3600.0, segment_bytes: int = 64 << 20,
                  retention: float = 7 * 86400.0, clock: Callable[[], float] = time.time) -> None:
         self.directory = os.path.join(root, USE_DIR)
-        self.writer = _writer_name()
+        self.writer = writer_name()
         self.interval = interval
         self.resolution = resolution
         self.segment_age = segment_age
@@ -270,9 +271,12 @@ def fold_segments(root: str, uses: dict[str, float], segments: list[str], *,
             os.unlink(tmp)
         raise
     deleted = 0
-    for path in segments:
+    # The temp files of a gc that died while writing the summary go too.
+    leftovers = [e.path for e in os.scandir(directory)
+                 if e.name.startswith(f".{SUMMARY_NAME}.") and e.name.endswith(".tmp")]
+    for path in [*segments, *leftovers]:
         with contextlib.suppress(FileNotFoundError):
             if now - os.stat(path).st_mtime > 2 * segment_age:
                 os.unlink(path)
-                deleted += 1
+                deleted += path in segments
     return deleted
