@@ -105,9 +105,11 @@ async def test_use_log_coalesces_rotates_and_folds(tmp_path: Path) -> None:
     uses.note("cc")  # after aclose: nothing more is written
     await asyncio.sleep(0)
     assert uses.lines == 3
+    (tmp_path / "aa.kvb").write_bytes(b"x")
+    collect_local(str(tmp_path), 1 << 20, None)  # segments still open: nothing to fold
+    assert not (tmp_path / USE_DIR / SUMMARY_NAME).exists()
     for seg in segments:  # closed long ago: the gc folds them into the summary
         os.utime(seg, (OLD, OLD))
-    (tmp_path / "aa.kvb").write_bytes(b"x")
     dead_tmp = tmp_path / USE_DIR / f".{SUMMARY_NAME}.{'0' * 32}.tmp"  # a gc died here
     dead_tmp.write_text("1 aa\n")
     os.utime(dead_tmp, (OLD, OLD))

@@ -252,31 +252,41 @@ def read_uses(root: str) -> tuple[dict[str, float], list[str]]:
     return last, read
 
 
+def _older_than(paths: Iterable[str], now: float, age: float) -> list[str]:
+    found = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            if now - os.stat(path).st_mtime > age:
+                found.append(path)
+    return found
+
+
 def fold_segments(root: str, uses: dict[str, float], segments: list[str], *,
                   now: float, segment_age: float = 3600.0) -> int:
-    """Write ``uses`` (the last use of every block still present) as the summary, then
-    delete those of ``segments`` closed for more than ``2 * segment_age`` (their writer has
-    moved on: it never appends to a segment older than ``segment_age``). Blocking; run
-    under the gc lease. Returns the segments deleted."""
+    """Fold the ``segments`` closed for more than ``2 * segment_age`` (their writer has moved
+    on: it never appends to a segment older than ``segment_age``) into the summary: write
+    ``uses`` (the last use of every block still present) as the summary, then delete them.
+    Nothing is written while no segment is closed, so the summary is rewritten about once
+    per ``segment_age`` and writer, not at every gc pass. Blocking; run under the gc lease.
+    Returns the segments deleted."""
     directory = os.path.join(root, USE_DIR)
+    closed = _older_than(segments, now, 2 * segment_age)
+    if not closed:
+        return 0
     tmp = os.path.join(directory, f".{SUMMARY_NAME}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "w", encoding="ascii") as fh:
             fh.writelines(f"{when:.0f} {name}\n" for name, when in uses.items())
         os.replace(tmp, os.path.join(directory, SUMMARY_NAME))
-    except FileNotFoundError:
-        return 0  # no use log here yet
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    deleted = 0
     # The temp files of a gc that died while writing the summary go too.
     leftovers = [e.path for e in os.scandir(directory)
-                 if e.name.startswith(f".{SUMMARY_NAME}.") and e.name.endswith(".tmp")]
-    for path in [*segments, *leftovers]:
+                 if e.name.startswith(f".{SUMMARY_NAME}.") and e.name.endswith(".tmp")
+                 and e.path != tmp]
+    for path in [*closed, *_older_than(leftovers, now, 2 * segment_age)]:
         with contextlib.suppress(FileNotFoundError):
-            if now - os.stat(path).st_mtime > 2 * segment_age:
-                os.unlink(path)
-                deleted += path in segments
-    return deleted
+            os.unlink(path)
+    return len(closed)
