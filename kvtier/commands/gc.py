@@ -115,6 +115,26 @@ def _scan_fs(fs: Any, root: str) -> Iterator[Entry]:
             yield Entry(path, int(info.get("size") or 0), _info_time(info), temp)
 
 
+def _scan(fs: Any, root: str, local: bool, url: str) -> list[Entry]:
+    """Every block and temp file under ``root``.
+
+    Raises
+    ------
+    ConfigError
+        When ``root`` is not a directory (a typo must not read as "nothing to delete") or
+        the store cannot be listed.
+    """
+    if local:
+        if not os.path.isdir(root):
+            raise ConfigError(f"URL: {mask_secrets(url)!r}: no directory {root!r} (a typo? "
+                              "give the directory the tier writes to)")
+        return list(_scan_local(root))
+    try:
+        return list(_scan_fs(fs, root))
+    except (OSError, ValueError) as exc:  # a missing bucket, refused credentials
+        raise ConfigError(f"URL: cannot list {mask_secrets(url)!r}: {exc}") from None
+
+
 def plan(entries: list[Entry], capacity: int, *, now: float,
          tmp_age: float) -> tuple[list[Entry], int]:
     """Entries to delete (stale temp files, then least recently used blocks) and the bytes
@@ -135,10 +155,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         capacity = parse_size(args.capacity, "--capacity")
         fs, root, local = _open(args.url)
+        entries = _scan(fs, root, local, args.url)
     except ConfigError as exc:
         print(f"kvtier gc: {exc}")
         return 2
-    entries = list(_scan_local(root) if local else _scan_fs(fs, root))
     total = sum(e.size for e in entries)
     doomed, remaining = plan(entries, capacity, now=time.time(), tmp_age=args.tmp_age)
     freed = deleted = failed = 0

@@ -158,7 +158,11 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
                             body_timeout=args.body_timeout,
                             max_connections=args.max_connections,
                             data_plane=not args.no_data_plane)
-        bound_host, bound_port = await server.start()
+        try:
+            bound_host, bound_port = await server.start()
+        except OSError as exc:  # address in use, not ours to bind, unknown host
+            raise ConfigError(f"--listen: cannot listen on {args.listen}: "
+                              f"{exc.strerror or exc}") from None
     except BaseException:
         await store.aclose()
         raise

@@ -54,6 +54,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _INLINE_DECODE_BYTES = 1 << 20
 # Answer payloads go out in writes of at most this size (see PeerServer._send).
 _WRITE_SLICE = 1 << 20
+# The setting a block PUT body is bounded by (a frame: the block plus its header).
+_MAX_FRAME_NAME = "max_block_bytes plus the frame header, kvtier serve --max-block-bytes"
 # Request metrics are keyed by method: any other method a client invents counts as OTHER
 # (the key is taken before auth, so it must not grow with what strangers send).
 _METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
@@ -335,10 +337,14 @@ class PeerServer:
                          f"body bytes taken; retry", headers={"Retry-After": "1"})
         self._reserved[id(request)] = self._reserved.get(id(request), 0) + nbytes
 
-    async def _read_body(self, request: web.Request, limit: int) -> bytes | memoryview:
+    async def _read_body(self, request: web.Request, limit: int,
+                         limit_name: str) -> bytes | memoryview:
+        """The request body, at most ``limit`` bytes (``limit_name``: the setting behind it,
+        named in the 413 so the client's error says which limit to change)."""
         length = request.content_length
         if length is not None and length > limit:
-            raise _error(web.HTTPRequestEntityTooLarge, f"body of {length} bytes exceeds {limit}",
+            raise _error(web.HTTPRequestEntityTooLarge,
+                         f"body of {length} bytes exceeds {limit} ({limit_name})",
                          max_size=limit, actual_size=length)
         # Reserve before a byte is allocated; a chunked body may grow to the limit.
         self._reserve(request, limit if length is None else length)
@@ -347,7 +353,8 @@ class PeerServer:
         async with asyncio.timeout(self.body_timeout):
             body = await request.read()
         if len(body) > limit:
-            raise _error(web.HTTPRequestEntityTooLarge, f"body exceeds {limit} bytes",
+            raise _error(web.HTTPRequestEntityTooLarge,
+                         f"body exceeds {limit} bytes ({limit_name})",
                          max_size=limit, actual_size=len(body))
         self.bytes_in += len(body)
         return body
@@ -438,7 +445,8 @@ class PeerServer:
 
     async def _put_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
-        body = await self._read_body(request, self.limits.max_frame_bytes)
+        body = await self._read_body(request, self.limits.max_frame_bytes,
+                                     _MAX_FRAME_NAME)
         block = await self.decode(key, body)
         del body
         await self.segment.put(key, block)
@@ -465,7 +473,8 @@ class PeerServer:
         return min(4 + self.limits.max_batch * (2 + 128), self.limits.max_body_bytes)
 
     async def _read_keys(self, request: web.Request) -> list[bytes]:
-        body = await self._read_body(request, self.key_list_limit())
+        body = await self._read_body(request, self.key_list_limit(),
+                                     "max_batch keys (--max-batch), within --max-body")
         return proto.decode_keys(body, self.limits.max_batch)
 
     async def _batch_get(self, request: web.Request) -> web.StreamResponse:
@@ -506,7 +515,8 @@ class PeerServer:
         return proto.encode_blocks(items), reserved
 
     async def _batch_put(self, request: web.Request) -> web.StreamResponse:
-        body = await self._read_body(request, self.limits.max_body_bytes)
+        body = await self._read_body(request, self.limits.max_body_bytes,
+                                     "max_body_bytes, kvtier serve --max-body")
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
         # Every frame is verified before anything is stored: a bad batch changes nothing.
         decoded: list[tuple[bytes, object]] = []

@@ -350,7 +350,9 @@ class PeerTier(Tier):
             frame = EncodedFrame(frame.header, memoryview(frame.payload.tobytes()))
             block = decode_frame(frame.to_bytes(), key=key)
         used = set(targets)
-        tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used))
+        refusals: list[str] = []  # why copies failed, for the error below
+        tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used,
+                                                     refusals))
                  for first in targets]
         for task in tasks:
             self._track(task)
@@ -370,26 +372,40 @@ class PeerTier(Tier):
         if copies < want:
             self.counts["puts_under_replicated"] += 1
         if copies < need:
+            why = f": {'; '.join(dict.fromkeys(refusals))}" if refusals else ""
             raise PeerError(f"{self.name}: {copies} of {want} copies of {key.hex()} stored, "
-                            f"{need} required (ack={self.ack})")
+                            f"{need} required (ack={self.ack}){why}")
 
     def _count_copy(self, task: asyncio.Task[bool]) -> None:
         if not task.cancelled() and task.exception() is None and task.result():
             self.counts["copies_made"] += 1
 
     async def _put_to(self, target: str, op: str, key: bytes, block: Block,
-                      frame: EncodedFrame) -> object:
+                      frame: EncodedFrame, refusals: list[str] | None = None) -> object:
         """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
-        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it."""
+        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it, the reason then
+        appended to ``refusals`` (the server's answer names the limit it hit)."""
         if self._is_local(target):
-            return await self._call(target, op, lambda: self.local.put(key, block))  # type: ignore[union-attr]
-        return await self._call(target, op, partial(self.members.client(target).put, key, frame))
+            put: Callable[[], Awaitable[None]] = lambda: self.local.put(key, block)  # type: ignore[union-attr]  # noqa: E731
+        else:
+            put = partial(self.members.client(target).put, key, frame)
+        if refusals is None:
+            return await self._call(target, op, put)
+
+        async def noted() -> None:
+            try:
+                await put()
+            except Exception as exc:
+                refusals.append(f"{target}: {type(exc).__name__}: {exc}")
+                raise
+
+        return await self._call(target, op, noted)
 
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
-                         order: list[str], used: set[str]) -> bool:
+                         order: list[str], used: set[str], refusals: list[str]) -> bool:
         current: str | None = member
         while current is not None:
-            if await self._put_to(current, "put", key, block, frame) is not _FAILED:
+            if await self._put_to(current, "put", key, block, frame, refusals) is not _FAILED:
                 return True
             current = self._next(order, used)
             if current is not None:

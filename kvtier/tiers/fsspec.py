@@ -9,6 +9,12 @@
   Every frame is checksummed; a partial or corrupt object is a miss, deleted and counted.
 - Optional ``capacity=``: LRU trimming of *this* node's writes (evicted blocks go to the
   demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc``.
+- A write probe at open (:meth:`FsspecTier.open`, which ``open_store`` calls): a location
+  that cannot take a block fails there with :class:`~kvtier.errors.ConfigError`, not with
+  one dropped block after another. ``probe=0`` skips it (a read-only reader).
+- ``http://`` and ``https://`` are refused as tier URLs (almost always a typo for
+  ``peers://``); ``fsspec+https://...`` asks for fsspec's HTTP filesystem explicitly, and
+  ``fsspec+PROTO://`` works for any fsspec protocol.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ import hashlib
 import importlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from kvtier.codec import (
@@ -40,14 +48,17 @@ from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFs
 from kvtier.tiers.mounts import check_local, read_mountinfo
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
 
-__all__ = ["BLOCK_SUFFIX", "FsspecTier", "key_path"]
+__all__ = ["BLOCK_SUFFIX", "EXPLICIT_PREFIX", "FsspecTier", "key_path"]
 
 log = logging.getLogger("kvtier.tiers.fsspec")
 T = TypeVar("T")
 
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
-                "storage_options", "clock", "policy", "nowait"}
+                "storage_options", "clock", "policy", "nowait", "probe"}
+#: Prefix that asks for the fsspec tier explicitly (``fsspec+https://host/kv``).
+EXPLICIT_PREFIX = "fsspec+"
+_PROBE_BLOCK = np.zeros(16, np.uint8)
 
 
 def _io_error_types() -> tuple[type[BaseException], ...]:
@@ -113,6 +124,9 @@ class FsspecTier(BudgetedTier):
         protocols. ``True``/``False`` (or ``1``/``0``) force it.
     timeout
         Seconds after which one storage operation is abandoned (a miss or a put error).
+    probe
+        Write, rename and delete a probe object in :meth:`open` (default), so a location
+        that cannot take a block fails at open. ``False``: a read-only reader.
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -127,13 +141,15 @@ class FsspecTier(BudgetedTier):
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
-                 nowait: bool | str = "auto", timeout: float = 30.0, policy: str = "lru",
-                 clock: Clock = time.monotonic,
+                 nowait: bool | str = "auto", timeout: float = 30.0, probe: bool = True,
+                 policy: str = "lru", clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
         if timeout <= 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout}")
+        if url[:len(EXPLICIT_PREFIX)].lower() == EXPLICIT_PREFIX:
+            url = url[len(EXPLICIT_PREFIX):]
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
         nowait_mode = _parse_nowait(nowait)
         if nowait_mode and self.protocol not in ("file", "local"):
@@ -149,6 +165,7 @@ class FsspecTier(BudgetedTier):
         self.nowait = False  # decided with the back end
         self.fstype: str | None = None
         self.timeout = timeout
+        self.probe = probe
         self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
         self._root = ""
@@ -166,8 +183,9 @@ class FsspecTier(BudgetedTier):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
         """``PROTO://LOCATION?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&fanout=2
-        &fsync=0&nowait=auto&timeout=30&name=LABEL&<storage options>``; other query options and the
-        ``storage_options`` keyword go to the fsspec filesystem."""
+        &fsync=0&nowait=auto&timeout=30&probe=1&name=LABEL&<storage options>``; other query
+        options and the ``storage_options`` keyword go to the fsspec filesystem. A
+        ``fsspec+`` prefix (``fsspec+https://...``) names the fsspec protocol explicitly."""
         parsed = parse_tier_url(url)
         merged: dict[str, Any] = {**parsed.params, **options}
         storage = {k: _storage_value(v) for k, v in merged.items() if k not in _OWN_OPTIONS}
@@ -191,6 +209,7 @@ class FsspecTier(BudgetedTier):
             shuffle=parse_bool(merged.get("shuffle", False), "shuffle"),
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
             nowait=merged.get("nowait", "auto"),
+            probe=parse_bool(merged.get("probe", True), "probe"),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
             name=str(merged["name"]) if "name" in merged else None, **kwargs)
 
@@ -231,6 +250,34 @@ class FsspecTier(BudgetedTier):
                 self._root = root
                 self._backend = AsyncFsBackend(fs)
         return self._backend
+
+    async def open(self) -> None:
+        """Check that the location takes a block: write a probe object (a temp file renamed
+        into place, for ``file://``), then delete it. ``open_store`` calls this.
+
+        Raises
+        ------
+        ConfigError
+            Naming the URL and the error, when the probe cannot be written or deleted
+            (read-only or missing mount, no permission, a bucket that does not exist,
+            wrong credentials, a filesystem that cannot write).
+        """
+        if not self.probe:
+            return
+        try:
+            backend = await self._ready()
+            path = f"{self._root.rstrip('/')}/.kvtier-probe-{uuid.uuid4().hex}"
+            frame = encode_frame(_PROBE_BLOCK)
+            async with asyncio.timeout(self.timeout):
+                await backend.write(path, lambda: frame)
+                await backend.delete(path)
+        except Exception as exc:  # whatever the back end raises, the tier cannot be used
+            where = "the path in the URL" if self.protocol in ("file", "local") else \
+                "the URL or its storage options (bucket, endpoint_url, credentials)"
+            raise ConfigError(
+                f"{self.name} tier: {self.url!r} cannot take a block: the write probe failed "
+                f"({type(exc).__name__}: {exc}); change {where}, or add probe=0 for a "
+                "read-only reader") from exc
 
     @property
     def root(self) -> str:
@@ -384,4 +431,4 @@ def _parse_nowait(value: object) -> bool | None:
 
 def _base_url(parsed: TierURL) -> str:
     """The URL without its query string (kvtier and storage options are passed apart)."""
-    return f"{parsed.scheme}://{parsed.netloc}{parsed.path}"
+    return f"{parsed.scheme.removeprefix(EXPLICIT_PREFIX)}://{parsed.netloc}{parsed.path}"
