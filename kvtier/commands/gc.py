@@ -131,8 +131,9 @@ def _scan(fs: Any, root: str, local: bool, url: str) -> list[Entry]:
         return list(_scan_local(root))
     try:
         return list(_scan_fs(fs, root))
-    except (OSError, ValueError) as exc:  # a missing bucket, refused credentials
-        raise ConfigError(f"URL: cannot list {mask_secrets(url)!r}: {exc}") from None
+    except Exception as exc:  # a missing bucket, no or refused credentials (botocore's own)
+        raise ConfigError(f"URL: cannot list {mask_secrets(url)!r}: {type(exc).__name__}: "
+                          f"{exc}") from None
 
 
 def plan(entries: list[Entry], capacity: int, *, now: float,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from kvtier.commands import check_output_file
 from kvtier.errors import ConfigError
 
 NAME = "replay"
@@ -92,6 +94,10 @@ def _check(args: argparse.Namespace) -> None:
         except OSError as exc:
             raise ConfigError(f"TRACE: cannot read {args.trace!r}: {exc.strerror or exc} "
                               f"(a .jsonl or .jsonl.gz file, or {BUILTIN})") from None
+    check_output_file(args.json, "--json")
+    check_output_file(args.plot, "--plot")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot: matplotlib is not installed; pip install 'kvtier[plot]'")
     if args.nodes < 1:
         raise ConfigError(f"--nodes: expected >= 1, got {args.nodes}")
     for cap in args.capacity_blocks:
