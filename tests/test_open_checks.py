@@ -114,7 +114,7 @@ async def test_demotion_failures_are_one_line_and_a_summary(
 # ------------------------------------------------------- item 6: bad lmdb paths
 def test_lmdb_path_that_is_a_regular_file(tmp_path: Path) -> None:
     (tmp_path / "plain").write_bytes(b"x")
-    with pytest.raises(ConfigError, match="FileExistsError.*change the path"):
+    with pytest.raises(ConfigError, match=r"FileExistsError.*change the path"):
         tier_from_url(f"lmdb://{tmp_path}/plain")
 
 

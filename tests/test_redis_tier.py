@@ -134,7 +134,7 @@ async def test_wrong_password_fails_at_open(server: redis_servers.RedisServer,
         admin.acl_setuser("kvt-reader", enabled=True, passwords=["+read-pw"],
                           keys=["*"], commands=["+get", "+mget", "+exists", "+info"])
     base = f"redis://{server.address}?prefix={_prefix()}"
-    with pytest.raises(ConfigError, match="refused a probe write.*token=") as info:
+    with pytest.raises(ConfigError, match=r"refused a probe write.*token=") as info:
         await open_store([f"{base}&username=kvt-open&token=wrong-pw"])
     assert "wrong-pw" not in str(info.value)
     with pytest.raises(ConfigError, match="NoPermissionError"):  # may read, may not write

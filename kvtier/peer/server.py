@@ -56,6 +56,8 @@ _INLINE_DECODE_BYTES = 1 << 20
 _WRITE_SLICE = 1 << 20
 # The setting a block PUT body is bounded by (a frame: the block plus its header).
 _MAX_FRAME_NAME = "max_block_bytes plus the frame header, kvtier serve --max-block-bytes"
+# ... and a key-list body (batch get, exists, delete, locate).
+_KEY_LIST_NAME = "max_batch keys, kvtier serve --max-batch, within --max-body"
 # Request metrics are keyed by method: any other method a client invents counts as OTHER
 # (the key is taken before auth, so it must not grow with what strangers send).
 _METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
@@ -338,7 +340,7 @@ class PeerServer:
         self._reserved[id(request)] = self._reserved.get(id(request), 0) + nbytes
 
     async def _read_body(self, request: web.Request, limit: int,
-                         limit_name: str) -> bytes | memoryview:
+                         limit_name: str = _KEY_LIST_NAME) -> bytes | memoryview:
         """The request body, at most ``limit`` bytes (``limit_name``: the setting behind it,
         named in the 413 so the client's error says which limit to change)."""
         length = request.content_length
@@ -473,8 +475,7 @@ class PeerServer:
         return min(4 + self.limits.max_batch * (2 + 128), self.limits.max_body_bytes)
 
     async def _read_keys(self, request: web.Request) -> list[bytes]:
-        body = await self._read_body(request, self.key_list_limit(),
-                                     "max_batch keys (--max-batch), within --max-body")
+        body = await self._read_body(request, self.key_list_limit(), _KEY_LIST_NAME)
         return proto.decode_keys(body, self.limits.max_batch)
 
     async def _batch_get(self, request: web.Request) -> web.StreamResponse:

@@ -69,7 +69,7 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
     madvise = libc.madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     madvise.restype = ctypes.c_int
-    return madvise  # type: ignore[no-any-return]
+    return madvise
 
 
 _MADVISE = _libc_madvise()

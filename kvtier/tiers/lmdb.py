@@ -669,8 +669,9 @@ class LMDBTier(BudgetedTier):
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
         disk = self._env.disk_bytes() if self._env is not None else 0
-        return {**super().stats(), "opened": self._env is not None, "hits": self.hits, "misses": self.misses,
-                "io_errors": self.io_errors, "corrupt": self.corrupt, "map_full": self.map_full,
+        return {**super().stats(), "opened": self._env is not None, "hits": self.hits,
+                "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
+                "map_full": self.map_full,
                 "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
                 "sync": self.sync, "compress_level": self.compress_level,
                 "discarded_after_os_crash": self.discarded_after_os_crash,

@@ -43,9 +43,8 @@ try:
     from redis.asyncio.connection import BlockingConnectionPool, Connection, SSLConnection
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import AuthenticationError
+    from redis.exceptions import AuthenticationError, RedisError
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import RedisError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("redis:// needs redis-py: pip install 'kvtier[redis]'") from exc
