@@ -75,6 +75,23 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
 _MADVISE = _libc_madvise()
 
 
+def _populate(ref: weakref.ref[HostArena], limit: int) -> None:
+    """Fault ``[0, limit)`` of the arena in, chunk by chunk, until done, stopped, refused,
+    or the arena is gone."""
+    while True:
+        arena = ref()
+        if arena is None:
+            return
+        try:
+            if not arena._populate_chunk(limit):
+                arena._prefault_done = True
+                return
+        except BaseException:
+            arena._prefault_done = True
+            raise
+        del arena  # not held between chunks
+
+
 def available_memory() -> int | None:
     """``MemAvailable`` from ``/proc/meminfo`` in bytes (``None`` where unknown)."""
     try:
@@ -170,28 +187,29 @@ class HostArena:
         memory = available_memory()
         limit = self.nbytes if memory is None else min(self.nbytes, memory // 2 // _PAGE * _PAGE)
         if limit <= PREFAULT_INLINE_MAX:
-            self._populate(limit)
+            _populate(weakref.ref(self), limit)
             return
-        threading.Thread(target=self._populate, args=(limit,), name="kvtier-arena-prefault",
-                         daemon=True).start()
+        # The thread holds the arena only while one chunk is faulted in: an arena dropped
+        # without a close (its tier garbage) is freed, and the prefault stops.
+        threading.Thread(target=_populate, args=(weakref.ref(self), limit),
+                         name="kvtier-arena-prefault", daemon=True).start()
 
-    def _populate(self, limit: int) -> None:
-        """Fault ``[0, limit)`` in, chunk by chunk, until done, stopped or refused."""
-        try:
-            if _MADVISE is None:
-                self.prefault_error = "no libc madvise"
-                return
-            base = self.buffer.__array_interface__["data"][0]
-            while self.prefaulted_bytes < limit and not self._stop_prefault.is_set():
-                size = min(PREFAULT_CHUNK, limit - self.prefaulted_bytes)
-                if _MADVISE(base + self.prefaulted_bytes, size, _MADV_POPULATE_WRITE) != 0:
-                    err = ctypes.get_errno()
-                    self.prefault_error = "MADV_POPULATE_WRITE unsupported (Linux < 5.14)" \
-                        if err == errno.EINVAL else f"madvise: {errno.errorcode.get(err, err)}"
-                    return
-                self.prefaulted_bytes += size
-        finally:
-            self._prefault_done = True
+    def _populate_chunk(self, limit: int) -> bool:
+        """Fault in the next chunk below ``limit``; whether to go on."""
+        if self.prefaulted_bytes >= limit or self._stop_prefault.is_set():
+            return False
+        if _MADVISE is None:
+            self.prefault_error = "no libc madvise"
+            return False
+        size = min(PREFAULT_CHUNK, limit - self.prefaulted_bytes)
+        base = self.buffer.__array_interface__["data"][0]
+        if _MADVISE(base + self.prefaulted_bytes, size, _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            self.prefault_error = "MADV_POPULATE_WRITE unsupported (Linux < 5.14)" \
+                if err == errno.EINVAL else f"madvise: {errno.errorcode.get(err, err)}"
+            return False
+        self.prefaulted_bytes += size
+        return True
 
     def stop_prefault(self) -> None:
         """Stop a background prefault after its current chunk (at the tier's close)."""
