@@ -47,6 +47,7 @@ from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.mounts import check_local, read_mountinfo
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
+from kvtier.warnsummary import WarningSummary
 
 __all__ = ["BLOCK_SUFFIX", "EXPLICIT_PREFIX", "FsspecTier", "key_path"]
 
@@ -179,6 +180,7 @@ class FsspecTier(BudgetedTier):
             # Sync filesystems are cheap to build; failing here reports bad options early.
             self._backend, self._root = self._make_sync_backend()
         self.hits = self.misses = self.io_errors = self.corrupt = 0
+        self._warnings = WarningSummary(log)  # one line per interval, not one per victim
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -374,7 +376,8 @@ class FsspecTier(BudgetedTier):
             try:
                 blocks.append(await self._read(key))
             except TierError as exc:  # counted; the victim is dropped undemoted
-                log.warning("%s tier: victim %s unreadable: %s", self.name, key.hex(), exc)
+                self._warnings.warn(f"{self.name} tier", "victim read",
+                                    f"{key.hex()}: {exc}")
                 blocks.append(None)
         return blocks
 
@@ -383,7 +386,7 @@ class FsspecTier(BudgetedTier):
             try:
                 await self._remove(key)
             except TierError as exc:  # counted; the file stays until a delete or gc
-                log.warning("%s tier: %s", self.name, exc)
+                self._warnings.warn(f"{self.name} tier", "victim delete", str(exc))
 
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
@@ -404,6 +407,7 @@ class FsspecTier(BudgetedTier):
 
     async def _aclose(self) -> None:
         await self._commits_done()
+        self._warnings.flush()
         if self._backend is not None:
             await self._backend.close()
             self._backend = None
