@@ -3,10 +3,12 @@
 Several nodes may write one directory (``file:///mnt/weka/kvtier``, ``s3://bucket/kv``); each
 node's ``capacity=`` only trims its own writes. This command is the operator's tool for the
 whole directory: it lists every block file of the tier layout (``ab/cd/<hex>.kvb``), orders
-them by last use (the later of access and modification time; reads never write metadata,
-so access times are the kernel's: relatime refreshes them at most daily, noatime never, and
-then a block ages from when it was written) and deletes the least recently used until the
-total fits. It also
+them by last use and deletes the least recently used until the total fits. A block's last
+use is the latest of its modification time, its access time and the reads ``file://`` tiers
+logged under ``ROOT/.kvtier-use`` (:mod:`kvtier.tiers.uselog`): reads never write file
+metadata, and relatime or noatime mounts would otherwise make a block age from when it was
+written, so gc would evict hot blocks. Use logs older than ``--use-horizon`` are deleted.
+It also
 removes temp files that writers left behind (a writer killed between create and rename)
 once they are older than ``--tmp-age``. Nothing outside the layout is touched.
 """
@@ -14,6 +16,7 @@ once they are older than ``--tmp-age``. Nothing outside the layout is touched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import time
@@ -24,6 +27,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.redact import mask_secrets
 from kvtier.tiers.fsspec import BLOCK_SUFFIX
+from kvtier.tiers.uselog import read_uses, stale_logs
 from kvtier.urls import parse_size
 
 NAME = "gc"
@@ -55,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only report what would be deleted")
     parser.add_argument("--tmp-age", type=float, default=3600.0, metavar="SECONDS",
                         help="delete writers' leftover temp files older than this (default 3600)")
+    parser.add_argument("--use-horizon", type=float, default=7 * 86400.0, metavar="SECONDS",
+                        help="file://: delete nodes' read logs older than this (default 7 days)")
 
 
 def _open(url: str) -> tuple[Any, str, bool]:
@@ -73,6 +79,7 @@ def _open(url: str) -> tuple[Any, str, bool]:
 
 
 def _scan_local(root: str) -> Iterator[Entry]:
+    uses = read_uses(root)
     stack = [root]
     while stack:
         try:
@@ -85,8 +92,8 @@ def _scan_local(root: str) -> Iterator[Entry]:
                         temp = bool(_TMP_RE.match(item.name))
                         if block or temp:
                             st = item.stat(follow_symlinks=False)
-                            yield Entry(item.path, st.st_size, max(st.st_atime, st.st_mtime),
-                                        temp)
+                            last = max(st.st_atime, st.st_mtime, uses.get(item.name, 0.0))
+                            yield Entry(item.path, st.st_size, last, temp)
         except FileNotFoundError:
             continue  # removed concurrently
 
@@ -163,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
     total = sum(e.size for e in entries)
     doomed, remaining = plan(entries, capacity, now=time.time(), tmp_age=args.tmp_age)
     freed = deleted = failed = 0
+    if local and not args.dry_run:
+        for path in stale_logs(root, time.time(), args.use_horizon):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     for entry in doomed:
         if args.dry_run:
             freed += entry.size

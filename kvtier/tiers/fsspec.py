@@ -46,6 +46,7 @@ from kvtier.tiers.base import Block
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.mounts import check_local, read_mountinfo
+from kvtier.tiers.uselog import UseLog
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
 from kvtier.warnsummary import WarningSummary
 
@@ -56,7 +57,7 @@ T = TypeVar("T")
 
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
-                "storage_options", "clock", "policy", "nowait", "probe"}
+                "storage_options", "clock", "policy", "nowait", "probe", "use_log"}
 #: Prefix that asks for the fsspec tier explicitly (``fsspec+https://host/kv``).
 EXPLICIT_PREFIX = "fsspec+"
 _PROBE_BLOCK = np.zeros(16, np.uint8)
@@ -128,6 +129,10 @@ class FsspecTier(BudgetedTier):
     probe
         Write, rename and delete a probe object in :meth:`open` (default), so a location
         that cannot take a block fails at open. ``False``: a read-only reader.
+    use_log
+        ``file://`` only: log this tier's reads under ``ROOT/.kvtier-use`` (default), so
+        ``kvtier gc`` keeps the blocks nodes read although reads leave atime alone
+        (:mod:`kvtier.tiers.uselog`).
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -143,7 +148,7 @@ class FsspecTier(BudgetedTier):
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
                  nowait: bool | str = "auto", timeout: float = 30.0, probe: bool = True,
-                 policy: str = "lru", clock: Clock = time.monotonic,
+                 use_log: bool = True, policy: str = "lru", clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
@@ -167,6 +172,8 @@ class FsspecTier(BudgetedTier):
         self.fstype: str | None = None
         self.timeout = timeout
         self.probe = probe
+        self._use_log = use_log
+        self.uses: UseLog | None = None  # file:// only, made with the back end
         self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
         self._root = ""
@@ -212,6 +219,7 @@ class FsspecTier(BudgetedTier):
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
             nowait=merged.get("nowait", "auto"),
             probe=parse_bool(merged.get("probe", True), "probe"),
+            use_log=parse_bool(merged.get("use_log", True), "use_log"),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
             name=str(merged["name"]) if "name" in merged else None, **kwargs)
 
@@ -227,6 +235,8 @@ class FsspecTier(BudgetedTier):
                 raise ConfigError(f"url: unknown option(s) {unknown} for file:// (kvtier "
                                   f"options: {', '.join(sorted(_OWN_OPTIONS))})")
             self._decide_nowait(root)
+            if self._use_log:
+                self.uses = UseLog(root)
             return LocalBackend(fsync=self.fsync, nowait=self.nowait), root
         return SyncFsBackend(fs), root
 
@@ -325,6 +335,8 @@ class FsspecTier(BudgetedTier):
             self.misses += 1
         else:
             self.hits += 1
+            if self.uses is not None:
+                self.uses.note(self.path_of(key).rpartition("/")[2])
             self._policy.touch(key)
         return block
 
@@ -408,6 +420,8 @@ class FsspecTier(BudgetedTier):
     async def _aclose(self) -> None:
         await self._commits_done()
         self._warnings.flush()
+        if self.uses is not None:
+            await self.uses.aclose()
         if self._backend is not None:
             await self._backend.close()
             self._backend = None

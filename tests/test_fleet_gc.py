@@ -1,0 +1,77 @@
+"""A shared ``file://`` directory bounded as a fleet (issue 22 item 9): nodes log their reads
+(reads leave atime alone), and ``kvtier gc`` keeps the blocks they read even when their
+files are the oldest. Three tier objects write one directory; a reader that cannot write
+the log still reads. Real files, the real CLI in-process."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.cli import main
+from kvtier.testing.conformance import key_of
+from kvtier.tiers.fsspec import FsspecTier
+from kvtier.tiers.uselog import USE_DIR, read_uses
+
+BLOCK = 16 << 10
+
+
+def _block(i: int) -> np.ndarray:
+    return np.full(BLOCK, i % 251, np.uint8)
+
+
+async def test_gc_keeps_blocks_nodes_read(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"file://{tmp_path}/shared"
+    writers = [FsspecTier.from_url(url) for _ in range(3)]
+    for n, tier in enumerate(writers):
+        for i in range(n * 10, n * 10 + 10):
+            await tier.put(key_of(i), _block(i))
+    hot = [i for i in range(30) if i % 3 == 0]
+    for i in hot:  # node 1 reads these
+        got = await writers[1].get(key_of(i))
+        assert got is not None and np.array_equal(got, _block(i))
+    # Then the files age as on a noatime mount (relatime: within a day of the last atime
+    # update): the blocks node 1 read are the oldest by mtime and atime.
+    now = time.time()
+    for i in range(30):
+        age = 10_000 if i % 3 == 0 else 1_000
+        os.utime(writers[0].path_of(key_of(i)), (now - age, now - age))
+    for tier in writers:
+        await tier.aclose()  # writes the pending use log
+    logged = read_uses(str(tmp_path / "shared"))
+    assert {writers[0].path_of(key_of(i)).rpartition("/")[2] for i in hot} <= set(logged)
+
+    frame = os.path.getsize(writers[0].path_of(key_of(0)))
+    assert main(["gc", url, "--capacity", str(12 * frame)]) == 0
+    assert "deleted 18 files" in capsys.readouterr().out
+    left = {i for i in range(30) if os.path.exists(writers[0].path_of(key_of(i)))}
+    assert left >= set(hot), sorted(left)  # the read blocks survive although oldest
+
+
+async def test_reader_that_cannot_log_still_reads(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    url = f"file://{tmp_path}/shared"
+    writer = FsspecTier.from_url(url)
+    await writer.put(key_of(1), _block(1))
+    await writer.aclose()
+    (tmp_path / "shared" / USE_DIR).write_bytes(b"")  # the log folder cannot be made
+    reader = FsspecTier.from_url(url + "?probe=0")
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.fsspec"):
+        for _ in range(3):
+            got = await reader.get(key_of(1))
+            assert got is not None and np.array_equal(got, _block(1))
+        await reader.aclose()
+    assert sum("cannot write the use log" in r.getMessage() for r in caplog.records) == 1
+    assert reader.uses is not None and not reader.uses.enabled
+
+
+def test_use_log_option(tmp_path: Path) -> None:
+    assert FsspecTier.from_url(f"file://{tmp_path}/a?use_log=0").uses is None
+    assert FsspecTier.from_url(f"file://{tmp_path}/b").uses is not None
+    assert FsspecTier.from_url("memory://kvtier-uselog").uses is None  # file:// only
