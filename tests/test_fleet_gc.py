@@ -47,11 +47,15 @@ async def test_gc_keeps_blocks_nodes_read(tmp_path: Path,
     logged = read_uses(str(tmp_path / "shared"))
     assert {writers[0].path_of(key_of(i)).rpartition("/")[2] for i in hot} <= set(logged)
 
-    frame = os.path.getsize(writers[0].path_of(key_of(0)))
-    assert main(["gc", url, "--capacity", str(12 * frame)]) == 0
+    left = _gc_keeping(url, [writers[0].path_of(key_of(i)) for i in range(30)], 12)
     assert "deleted 18 files" in capsys.readouterr().out
-    left = {i for i in range(30) if os.path.exists(writers[0].path_of(key_of(i)))}
     assert left >= set(hot), sorted(left)  # the read blocks survive although oldest
+
+
+def _gc_keeping(url: str, paths: list[str], blocks: int) -> set[int]:
+    """Run ``kvtier gc`` with room for ``blocks`` blocks; the indexes of surviving paths."""
+    assert main(["gc", url, "--capacity", str(blocks * os.path.getsize(paths[0]))]) == 0
+    return {i for i, path in enumerate(paths) if os.path.exists(path)}
 
 
 async def test_reader_that_cannot_log_still_reads(tmp_path: Path,
