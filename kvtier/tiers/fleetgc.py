@@ -15,18 +15,24 @@ taking over one expired lease together) delete idempotently.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.tiers.fsspec import BLOCK_SUFFIX
 from kvtier.tiers.uselog import read_uses, stale_logs
 
-__all__ = ["LEASE_NAME", "Entry", "GcLease", "GcResult", "collect_local", "plan", "scan_local"]
+__all__ = ["LEASE_NAME", "Entry", "FleetCollector", "GcLease", "GcResult", "collect_local",
+           "plan", "scan_local"]
+
+log = logging.getLogger("kvtier.tiers.fsspec")
 
 LEASE_NAME = ".kvtier-gc.lease"
 BLOCK_RE = re.compile(r"^(?:[0-9a-f]{2,200}|h[0-9a-f]{64})" + re.escape(BLOCK_SUFFIX) + "$")
@@ -180,3 +186,97 @@ class GcLease:
         if mine:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+class FleetCollector:
+    """A tier's background gc of its shared directory (``fleet_capacity=``): a pass every
+    ``interval`` seconds when this node gets the lease.
+
+    Parameters
+    ----------
+    root
+        The shared directory.
+    capacity
+        Byte budget of the whole directory.
+    interval
+        Seconds between passes (the first runs at :meth:`start`).
+    holder
+        This node's name on the lease.
+    forget
+        Called on the loop with the paths a pass deleted (the tier drops its own keys).
+    before
+        Awaited before each pass (the tier writes its pending use log, so its own recent
+        reads count).
+    """
+
+    def __init__(self, root: str, capacity: int, interval: float, holder: str,
+                 forget: Callable[[list[str]], None],
+                 before: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.root = root
+        self.capacity = capacity
+        self.interval = interval
+        self.lease = GcLease(root, holder, ttl=max(600.0, 10 * interval))
+        self._forget = forget
+        self._before = before
+        self._stop = threading.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.runs = self.skipped = self.deleted = self.freed = self.errors = 0
+
+    def start(self) -> None:
+        """Start the passes on the running loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.collect()
+            except OSError as exc:  # the mount went away for a while: try again later
+                self.errors += 1
+                log.warning("fleet gc of %s failed: %s", self.root, exc)
+            await asyncio.sleep(self.interval)
+
+    async def collect(self) -> GcResult | None:
+        """One pass now; ``None`` when another node holds the lease."""
+        if self._before is not None:
+            await self._before()
+        done = asyncio.get_running_loop().run_in_executor(None, self._once)
+        try:
+            result = await asyncio.shield(done)
+        except asyncio.CancelledError:
+            self._stop.set()  # the pass stops at its next delete; wait for it to let go
+            with contextlib.suppress(Exception):
+                await done
+            raise
+        if result is None:
+            self.skipped += 1
+            return None
+        self.runs += 1
+        self.deleted += len(result.deleted)
+        self.freed += result.freed
+        self.errors += len(result.failed)
+        self._forget(result.deleted)
+        return result
+
+    def _once(self) -> GcResult | None:
+        if not self.lease.acquire():
+            return None
+        try:
+            return collect_local(self.root, self.capacity, stop=self._stop, lease=self.lease)
+        finally:
+            self.lease.release()
+
+    async def aclose(self) -> None:
+        """Stop the passes (a pass in progress stops at its next delete)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def stats(self) -> dict[str, Any]:
+        """``fleet_capacity``, ``gc_runs``, ``gc_skipped`` (another node held the lease),
+        ``gc_deleted``, ``gc_freed_bytes``, ``gc_errors``."""
+        return {"fleet_capacity": self.capacity, "gc_runs": self.runs,
+                "gc_skipped": self.skipped, "gc_deleted": self.deleted,
+                "gc_freed_bytes": self.freed, "gc_errors": self.errors}

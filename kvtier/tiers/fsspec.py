@@ -8,7 +8,10 @@
   several nodes may share one URL (same key, same content: concurrent writers are safe).
   Every frame is checksummed; a partial or corrupt object is a miss, deleted and counted.
 - Optional ``capacity=``: LRU trimming of *this* node's writes (evicted blocks go to the
-  demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc``.
+  demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc``, or
+  (``file://``, ``fleet_capacity=``) by the tiers themselves in the background, one node
+  at a time (:mod:`kvtier.tiers.fleetgc`); reads are logged so that gc keeps hot blocks
+  (:mod:`kvtier.tiers.uselog`).
 - A write probe at open (:meth:`FsspecTier.open`, which ``open_store`` calls): a location
   that cannot take a block fails there with :class:`~kvtier.errors.ConfigError`, not with
   one dropped block after another. ``probe=0`` skips it (a read-only reader).
@@ -27,7 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import fsspec
 import numpy as np
@@ -47,7 +50,10 @@ from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.mounts import check_local, read_mountinfo
 from kvtier.tiers.uselog import UseLog
-from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
+
+if TYPE_CHECKING:
+    from kvtier.tiers.fleetgc import FleetCollector
+from kvtier.urls import TierURL, parse_bool, parse_number, parse_size, parse_tier_url
 from kvtier.warnsummary import WarningSummary
 
 __all__ = ["BLOCK_SUFFIX", "EXPLICIT_PREFIX", "FsspecTier", "key_path"]
@@ -57,7 +63,8 @@ T = TypeVar("T")
 
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
-                "storage_options", "clock", "policy", "nowait", "probe", "use_log"}
+                "storage_options", "clock", "policy", "nowait", "probe", "use_log",
+                "fleet_capacity", "gc_interval"}
 #: Prefix that asks for the fsspec tier explicitly (``fsspec+https://host/kv``).
 EXPLICIT_PREFIX = "fsspec+"
 _PROBE_BLOCK = np.zeros(16, np.uint8)
@@ -133,6 +140,12 @@ class FsspecTier(BudgetedTier):
         ``file://`` only: log this tier's reads under ``ROOT/.kvtier-use`` (default), so
         ``kvtier gc`` keeps the blocks nodes read although reads leave atime alone
         (:mod:`kvtier.tiers.uselog`).
+    fleet_capacity
+        ``file://`` only: byte budget of the whole shared directory, kept by a background
+        gc from :meth:`open` on, every ``gc_interval`` seconds, on one node at a time
+        (:class:`~kvtier.tiers.fleetgc.FleetCollector`).
+    gc_interval
+        Seconds between the background gc's passes.
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -148,7 +161,8 @@ class FsspecTier(BudgetedTier):
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
                  nowait: bool | str = "auto", timeout: float = 30.0, probe: bool = True,
-                 use_log: bool = True, policy: str = "lru", clock: Clock = time.monotonic,
+                 use_log: bool = True, fleet_capacity: int | None = None,
+                 gc_interval: float = 60.0, policy: str = "lru", clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
@@ -173,6 +187,15 @@ class FsspecTier(BudgetedTier):
         self.timeout = timeout
         self.probe = probe
         self._use_log = use_log
+        if fleet_capacity is not None and (fleet_capacity <= 0 or
+                                           self.protocol not in ("file", "local")):
+            raise ConfigError(f"fleet_capacity: a positive size, for file:// tiers only; got "
+                              f"{fleet_capacity!r} for {self.protocol}://")
+        if not gc_interval > 0:
+            raise ConfigError(f"gc_interval: expected > 0 seconds, got {gc_interval!r}")
+        self.fleet_capacity = fleet_capacity
+        self.gc_interval = gc_interval
+        self.fleet_gc: FleetCollector | None = None  # started by open()
         self.uses: UseLog | None = None  # file:// only, made with the back end
         self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
@@ -220,6 +243,10 @@ class FsspecTier(BudgetedTier):
             nowait=merged.get("nowait", "auto"),
             probe=parse_bool(merged.get("probe", True), "probe"),
             use_log=parse_bool(merged.get("use_log", True), "use_log"),
+            fleet_capacity=None if merged.get("fleet_capacity") in (None, "")
+            else parse_size(merged["fleet_capacity"], "fleet_capacity"),
+            gc_interval=parse_number(merged.get("gc_interval", 60.0), "gc_interval", float,
+                                     0.001),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
             name=str(merged["name"]) if "name" in merged else None, **kwargs)
 
@@ -265,7 +292,8 @@ class FsspecTier(BudgetedTier):
 
     async def open(self) -> None:
         """Check that the location takes a block: write a probe object (a temp file renamed
-        into place, for ``file://``), then delete it. ``open_store`` calls this.
+        into place, for ``file://``), then delete it; with ``fleet_capacity``, start the
+        background gc of the shared directory. ``open_store`` calls this.
 
         Raises
         ------
@@ -274,8 +302,20 @@ class FsspecTier(BudgetedTier):
             (read-only or missing mount, no permission, a bucket that does not exist,
             wrong credentials, a filesystem that cannot write).
         """
-        if not self.probe:
-            return
+        if self.probe:
+            await self._probe()
+        if self.fleet_capacity is not None and self.fleet_gc is None:
+            from kvtier.tiers.fleetgc import FleetCollector  # it imports this module
+
+            await self._ready()
+            self.fleet_gc = FleetCollector(
+                self._root, self.fleet_capacity, self.gc_interval,
+                holder=self.uses.writer if self.uses is not None else uuid.uuid4().hex,
+                forget=self._forget_paths,
+                before=self.uses.flush if self.uses is not None else None)
+            self.fleet_gc.start()
+
+    async def _probe(self) -> None:
         try:
             backend = await self._ready()
             path = f"{self._root.rstrip('/')}/.kvtier-probe-{uuid.uuid4().hex}"
@@ -290,6 +330,16 @@ class FsspecTier(BudgetedTier):
                 f"{self.name} tier: {self.url!r} cannot take a block: the write probe failed "
                 f"({type(exc).__name__}: {exc}); change {where}, or add probe=0 for a "
                 "read-only reader") from exc
+
+    def _forget_paths(self, paths: list[str]) -> None:
+        """Drop from this node's budget the blocks a fleet gc deleted (keys named by their
+        hex; digest-named ones stay until their next write or delete)."""
+        for path in paths:
+            stem = path.rpartition("/")[2].removesuffix(BLOCK_SUFFIX)
+            with contextlib.suppress(ValueError):
+                key = bytes.fromhex(stem)
+                if key in self._policy and key not in self._leaving:
+                    self._policy.remove(key)
 
     @property
     def root(self) -> str:
@@ -418,6 +468,8 @@ class FsspecTier(BudgetedTier):
         return await self._remove(key)
 
     async def _aclose(self) -> None:
+        if self.fleet_gc is not None:
+            await self.fleet_gc.aclose()
         await self._commits_done()
         self._warnings.flush()
         if self.uses is not None:
@@ -433,7 +485,10 @@ class FsspecTier(BudgetedTier):
             if isinstance(backend, LocalBackend) else {}
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,
                 "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
-                "url": self.url, **nowait}
+                "url": self.url, **nowait,
+                **(self.fleet_gc.stats() if self.fleet_gc is not None else {}),
+                **({"use_log_lines": self.uses.lines_written} if self.uses is not None
+                   else {})}
 
 
 def _parse_nowait(value: object) -> bool | None:
