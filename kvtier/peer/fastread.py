@@ -18,68 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import sys
 from collections.abc import Sequence
 from typing import NoReturn, cast
 
 import httptools
-import numpy as np
-import numpy.typing as npt
 
 from kvtier.errors import PeerError
+from kvtier.peer.buffers import BodyBuffers
 
-__all__ = ["BodyBuffers", "RawPool"]
+__all__ = ["RawPool"]
 
 _HEAD_MAX = 64 << 10
-# Bodies at least this large go into reusable buffers; smaller ones are cheap to allocate.
-_REUSE_MIN = 256 << 10
-Buffer = npt.NDArray[np.uint8]
-
-
-def _refs(held: list[Buffer], i: int) -> int:
-    return sys.getrefcount(held[i])
-
-
-# What _refs() reports for a buffer only ``held`` references, measured rather than assumed
-# (interpreters differ in the temporary references they count).
-_ALONE = _refs([np.empty(1, dtype=np.uint8)], 0)
-
-
-class BodyBuffers:
-    """Response body buffers, reused once nothing references them any more.
-
-    A fresh multi-MiB buffer costs a page fault per 4 KiB page when the socket first writes
-    it, which at 16-64 MiB batch answers is a large part of the read. Every body (and every
-    array decoded from it) is a view of its buffer, and any live view keeps a reference to
-    it, so a buffer whose only reference is this list is provably unused: a caller's array
-    never changes under it. At most ``budget`` bytes are held; the oldest go first.
-    """
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.reused = 0
-        self._held: list[Buffer] = []
-
-    def take(self, length: int) -> memoryview:
-        """A writable buffer of exactly ``length`` bytes (contents undefined)."""
-        if length < _REUSE_MIN:
-            # np.empty: no zero-fill of a buffer the socket overwrites anyway.
-            return np.empty(length, dtype=np.uint8).data.cast("B")
-        best = -1
-        for i in range(len(self._held)):
-            size = self._held[i].nbytes
-            if size >= length and _refs(self._held, i) == _ALONE \
-                    and (best < 0 or size < self._held[best].nbytes):
-                best = i
-        if best >= 0:
-            self.reused += 1
-            buf = self._held.pop(best)
-        else:
-            buf = np.empty(length, dtype=np.uint8)
-        self._held.append(buf)
-        while sum(b.nbytes for b in self._held) > self.budget:
-            self._held.pop(0)
-        return buf.data.cast("B")[:length]
 
 
 class _Refused(Exception):
