@@ -19,16 +19,27 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Sequence
-from typing import NoReturn, cast
+from typing import NamedTuple, NoReturn, cast
 
 import httptools
 
 from kvtier.errors import PeerError
+from kvtier.peer import protocol as proto
 from kvtier.peer.buffers import BodyBuffers
 
-__all__ = ["RawPool"]
+__all__ = ["Answer", "RawPool"]
 
 _HEAD_MAX = 64 << 10
+_VERSION_HEADER = proto.VERSION_HEADER.lower().encode()
+
+
+class Answer(NamedTuple):
+    """One answer: its status, its body, and the protocol version the server announced
+    (:func:`kvtier.peer.protocol.version_of`)."""
+
+    status: int
+    body: memoryview
+    version: int
 
 
 class _Refused(Exception):
@@ -60,6 +71,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._have = 0
         self._status = 0
         self._keep_alive = True
+        self._version: bytes | None = None
         self._fut: asyncio.Future[tuple[int, memoryview]] | None = None
 
     # ------------------------------------------------------------- protocol
@@ -107,6 +119,8 @@ class _Conn(asyncio.BufferedProtocol):
         if lower == b"content-length":
             # llhttp already refuses repeated or non-numeric values.
             self._length = int(value)
+        elif lower == _VERSION_HEADER:
+            self._version = value
         elif lower == b"transfer-encoding":
             self._refuse("Transfer-Encoding is not supported (a Content-Length is required)")
 
@@ -170,13 +184,14 @@ class _Conn(asyncio.BufferedProtocol):
 
     # -------------------------------------------------------------- request
     async def request(self, head: bytes, body: Sequence[bytes | memoryview],
-                      max_body: int) -> tuple[int, memoryview]:
+                      max_body: int) -> Answer:
         if self.transport is None or self.closed:
             raise PeerError("connection is closed")
         self._parser = httptools.HttpResponseParser(self)
         self._head_bytes, self._max_body, self._length = 0, max_body, -1
         self._framing_error, self._message_done = "", False
         self._body, self._have, self._status, self._keep_alive = None, 0, 0, True
+        self._version = None
         self._fut = asyncio.get_running_loop().create_future()
         self.transport.write(head)
         for buf in body:
@@ -188,7 +203,7 @@ class _Conn(asyncio.BufferedProtocol):
             raise
         if not self._keep_alive:
             self.close()
-        return result
+        return Answer(*result, proto.version_of(self._version))
 
 
 class RawPool:
@@ -233,8 +248,8 @@ class RawPool:
         return conn
 
     async def request(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
-                      *, max_body: int) -> tuple[int, memoryview]:
-        """Send one request; returns ``(status, body)``. The caller bounds it with a timeout.
+                      *, max_body: int) -> Answer:
+        """Send one request; returns its answer. The caller bounds it with a timeout.
 
         Raises
         ------
