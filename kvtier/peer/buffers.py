@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["REUSE_MIN", "BodyBuffers", "mapped_buffer"]
+__all__ = ["REUSE_MIN", "BodyBuffers", "new_buffer"]
 
 # Bodies at least this large go into reusable, separately mapped buffers; smaller ones are
 # cheap to allocate (and too small for a mapping of their own to pay).
@@ -25,11 +25,14 @@ REUSE_MIN = 256 << 10
 Buffer = npt.NDArray[np.uint8]
 
 
-def mapped_buffer(length: int) -> Buffer:
-    """``length`` writable bytes in an anonymous mapping of their own, unmapped (returned
-    to the operating system) as soon as nothing references them. No zero-fill pass: the
-    kernel maps zero pages on first write."""
-    return np.frombuffer(mmap.mmap(-1, max(length, 1)), dtype=np.uint8, count=length)
+def new_buffer(length: int) -> Buffer:
+    """``length`` writable bytes (contents undefined, no zero-fill pass). From
+    :data:`REUSE_MIN` on, an anonymous mapping of their own, unmapped (returned to the
+    operating system) as soon as nothing references them; a heap block of that size could
+    stay with the process after a burst."""
+    if length < REUSE_MIN:
+        return np.empty(length, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, length), dtype=np.uint8)
 
 
 def _refs(held: list[Buffer], i: int) -> int:
@@ -73,8 +76,7 @@ class BodyBuffers:
     def take(self, length: int) -> memoryview:
         """A writable buffer of exactly ``length`` bytes (contents undefined)."""
         if length < REUSE_MIN:
-            # np.empty: no zero-fill of a buffer the socket overwrites anyway.
-            return np.empty(length, dtype=np.uint8).data.cast("B")
+            return new_buffer(length).data.cast("B")
         best = -1
         for i in range(len(self._held)):
             size = self._held[i].nbytes
@@ -85,7 +87,7 @@ class BodyBuffers:
             self.reused += 1
             buf = self._held.pop(best)
         else:
-            buf = mapped_buffer(length)
+            buf = new_buffer(length)
         self._held.append(buf)
         while self.held_bytes > self.budget:
             self._held.pop(0)

@@ -282,7 +282,8 @@ class RawPool:
             self._idle.append(conn)
 
     def close(self) -> None:
-        """Close every idle connection."""
+        """Close every idle connection and drop the held buffers."""
         idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+        self.buffers.clear()

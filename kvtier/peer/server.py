@@ -27,7 +27,7 @@ from kvtier.errors import BlockTooLargeError, ConfigError, CorruptBlockError
 from kvtier.keys import key_from_hex
 from kvtier.peer import protocol as proto
 from kvtier.peer.answers import BatchAnswer, batch_get_answer, failure_of
-from kvtier.peer.buffers import BodyBuffers, mapped_buffer
+from kvtier.peer.buffers import BodyBuffers, new_buffer
 from kvtier.peer.dataplane import RECV_SCRATCH, DataPlaneProtocol
 from kvtier.peer.guards import (
     AcceptErrorFilter,
@@ -271,6 +271,7 @@ class PeerServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        self._bodies.clear()
         if self._close_segment:
             await self.segment.aclose()
 
@@ -363,9 +364,9 @@ class PeerServer:
         """The body of a request with a ``Content-Length`` (already checked against the limit),
         copied chunk by chunk into one buffer of that size: ``request.read()`` would copy it
         into a growing bytearray and then once more into ``bytes``."""
-        # A mapping of its own (no zero-fill pass): unmapped as soon as the request is done,
-        # where a heap allocation of this size could stay with the process after a burst.
-        body = mapped_buffer(length).data.cast("B")
+        # No zero-fill of memory the body overwrites anyway; a large body in a mapping of its
+        # own, returned to the operating system as soon as the request is done.
+        body = new_buffer(length).data.cast("B")
         have = 0
         loop = asyncio.get_running_loop()
         started = loop.time()
