@@ -12,7 +12,9 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 import numpy as np
+import pytest
 from aiohttp import web
 from peer_helpers import TOKEN
 
@@ -92,6 +94,22 @@ async def test_a_protocol_2_server_gets_no_downgrade_to_unbound_frames() -> None
         assert await read_all(member) == ([False] * 8, [False] * 8)
     async with old_server(announce=2, bound=True) as member:
         assert await read_all(member) == ([True] * 8, [True] * 8)
+
+
+@pytest.mark.parametrize("data_plane", [True, False])
+async def test_block_answers_announce_the_version_on_both_request_paths(
+        data_plane: bool) -> None:
+    async with PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
+                          data_plane=data_plane) as srv, aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        await srv.segment.put(KEYS[0], BLOCKS[KEYS[0]])
+        base = f"http://{srv.member_id}"
+        for method, path, body in (("GET", proto.block_path(KEYS[0]), None),
+                                   ("HEAD", proto.block_path(KEYS[0]), None),
+                                   ("POST", proto.BATCH_GET_PATH, proto.encode_keys(KEYS))):
+            async with http.request(method, base + path, data=body) as resp:
+                assert resp.status == 200
+                assert resp.headers[proto.VERSION_HEADER] == str(proto.VERSION)
 
 
 async def test_a_previous_clients_requests_are_served() -> None:
