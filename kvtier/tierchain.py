@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.events import EventHub, medium_of
 from kvtier.keys import validate_key
+from kvtier.misses import MissLedger, MissReason
 from kvtier.stats import StoreCounters, TierCounters
 from kvtier.tiers.base import Block, Tier
 from kvtier.warnsummary import WarningSummary
@@ -96,6 +97,9 @@ class TierChain:
         default: a hub of its own (node ``"local"``).
     block_tokens
         Tokens per block, stamped on ``BlockStored`` (``None``: unknown).
+    misses
+        Where evictions and the tiers' miss reports are noted (default: a ledger of its
+        own, :data:`~kvtier.misses.DEFAULT_MISS_RECORD_SIZE` keys per tier).
 
     Notes
     -----
@@ -106,18 +110,21 @@ class TierChain:
     """
 
     def __init__(self, tiers: list[Tier], counters: StoreCounters,
-                 events: EventHub | None = None, block_tokens: int | None = None) -> None:
+                 events: EventHub | None = None, block_tokens: int | None = None,
+                 misses: MissLedger | None = None) -> None:
         self.tiers = tiers
         self.counters = counters
         self.tier_counters = [TierCounters() for _ in tiers]
         self.events = events if events is not None else EventHub(node="local")
         self.block_tokens = block_tokens
         self.mediums = [medium_of(t) for t in tiers]
+        self.misses = misses if misses is not None else MissLedger(len(tiers))
         # One line per tier and operation per interval: a tier failing every block (an
         # unwritable directory) must not log a line per block.
         self.warnings = WarningSummary(log)
         for index, tier in enumerate(tiers):
-            tier.on_drop = self._dropper(index)
+            tier.on_drop = self._dropper(index, str(getattr(tier, "policy_name", "") or ""))
+            tier.on_miss = self._misser(index)
 
     # ------------------------------------------------------------------ events
     def stored(self, index: int, keys: Sequence[bytes], parent: bytes | None = None) -> None:
@@ -145,10 +152,16 @@ class TierChain:
         """``BlockRemoved``: ``keys`` left tier ``index``."""
         self.events.removed(keys, tier=self.tiers[index].name, medium=self.mediums[index])
 
-    def _dropper(self, index: int) -> Callable[[Sequence[bytes]], None]:
+    def _dropper(self, index: int, policy: str) -> Callable[[Sequence[bytes]], None]:
         def dropped(keys: Sequence[bytes]) -> None:
+            self.misses.note_many(index, keys, MissReason.EVICTED, policy)
             self.removed(index, keys)
         return dropped
+
+    def _misser(self, index: int) -> Callable[[Sequence[bytes], MissReason, str], None]:
+        def missed(keys: Sequence[bytes], reason: MissReason, detail: str) -> None:
+            self.misses.note_many(index, keys, reason, detail)
+        return missed
 
     def __len__(self) -> int:
         return len(self.tiers)

@@ -44,8 +44,9 @@ from kvtier.codec import (
     parse_compress,
 )
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
+from kvtier.misses import MissReason
 from kvtier.policy import Clock
-from kvtier.tiers.base import Block
+from kvtier.tiers.base import Block, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.mounts import check_local, read_mountinfo
@@ -133,6 +134,10 @@ class FsspecTier(BudgetedTier):
         protocols. ``True``/``False`` (or ``1``/``0``) force it.
     timeout
         Seconds after which one storage operation is abandoned (a miss or a put error).
+        Writes and deletes that run in a worker thread (``file://``, ``memory://`` and
+        other synchronous filesystems) are never abandoned: a thread cannot be stopped, and
+        one left running would land after a newer value or uncounted. On a hung mount
+        they wait with it, and so do their callers, even cancelled ones.
     probe
         Write, rename and delete a probe object in :meth:`open` (default), so a location
         that cannot take a block fails at open. ``False``: a read-only reader.
@@ -355,8 +360,14 @@ class FsspecTier(BudgetedTier):
         return self.path_of(key)
 
     # ---------------------------------------------------------------- contract
-    async def _io(self, op: Callable[[Backend], Awaitable[T]]) -> T:
+    async def _io(self, op: Callable[[Backend], Awaitable[T]], *, changes: bool = False) -> T:
+        """``op`` within :attr:`timeout`. Except an ``op`` that ``changes`` storage in a
+        worker thread: no timeout stops a thread, so one that gave up would see its write
+        land later (after a newer one, uncounted) or its delete remove a newer block. It is
+        waited for to its end, even by a cancelled caller."""
         backend = await self._ready()
+        if changes and not backend.cancellable:
+            return await run_to_end(asyncio.ensure_future(op(backend)))
         async with asyncio.timeout(self.timeout):
             return await op(backend)
 
@@ -369,8 +380,9 @@ class FsspecTier(BudgetedTier):
         except CorruptBlockError as exc:
             self.corrupt += 1
             log.warning("%s tier: corrupt block %s deleted: %s", self.name, path, exc)
+            self._report_miss((key,), MissReason.CORRUPT, str(exc))
             try:
-                await self._io(lambda b: b.delete(path))
+                await self._io(lambda b: b.delete(path), changes=True)
             except _IO_ERRORS as del_exc:  # a read-only mount cannot delete it: still a miss
                 log.warning("%s tier: cannot delete corrupt %s: %s", self.name, path, del_exc)
             self._policy.remove(key)
@@ -426,7 +438,7 @@ class FsspecTier(BudgetedTier):
             return frames[-1]
 
         try:
-            await self._io(lambda b: b.write(path, encode))
+            await self._io(lambda b: b.write(path, encode), changes=True)
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
@@ -453,7 +465,7 @@ class FsspecTier(BudgetedTier):
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
         try:
-            found = await self._io(lambda b: b.delete(path))
+            found = await self._io(lambda b: b.delete(path), changes=True)
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: delete of {path} failed: {exc!r}") from exc

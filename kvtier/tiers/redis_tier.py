@@ -27,6 +27,7 @@ from typing import Any, Self, TypeVar, cast
 
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
+from kvtier.misses import MissReason
 from kvtier.tiers.base import BatchTier, Block
 from kvtier.urls import (
     merge_options,
@@ -289,6 +290,7 @@ class RedisTier(BatchTier):
         except CorruptBlockError as exc:
             self.counts["corrupt"] += 1
             log.warning("%s: dropping corrupt value of %s: %s", self.name, key.hex(), exc)
+            self._report_miss((key,), MissReason.CORRUPT, str(exc))
             return None
 
     async def _drop_corrupt(self, keys: Sequence[bytes]) -> None:
