@@ -106,14 +106,14 @@ async def test_use_log_coalesces_rotates_and_folds(tmp_path: Path) -> None:
     await asyncio.sleep(0)
     assert uses.lines == 3
     (tmp_path / "aa.kvb").write_bytes(b"x")
-    collect_local(str(tmp_path), 1 << 20, None)  # segments still open: nothing to fold
+    collect_local(str(tmp_path), 1 << 20, None, use_horizon=1e10)  # still open: no fold
     assert not (tmp_path / USE_DIR / SUMMARY_NAME).exists()
     for seg in segments:  # closed long ago: the gc folds them into the summary
         os.utime(seg, (OLD, OLD))
     dead_tmp = tmp_path / USE_DIR / f".{SUMMARY_NAME}.{'0' * 32}.tmp"  # a gc died here
     dead_tmp.write_text("1 aa\n")
     os.utime(dead_tmp, (OLD, OLD))
-    result = collect_local(str(tmp_path), 1 << 20, None)
+    result = collect_local(str(tmp_path), 1 << 20, None, use_horizon=1e10)
     assert result.deleted == [] and not any(s.exists() for s in segments)
     assert not dead_tmp.exists()
     assert (tmp_path / USE_DIR / SUMMARY_NAME).read_text() == "5090 aa\n"  # bb is gone
@@ -296,8 +296,9 @@ async def test_fleet_capacity_runs_in_background_and_bounds_the_directory(
     await nodes[1].aclose()  # writes its use log: block 1 stays
     gc_node = tier_from_url(f"{url}?fleet_capacity={5 * frame}&gc_interval=0.05")
     assert isinstance(gc_node, FsspecTier)
-    for i in range(12, 15):  # the gc starts with the first operation
+    for i in range(12, 15):
         await gc_node.put(key_of(i), sample_block(i, nbytes=BLOCK))
+    await gc_node.open()  # the write probe, then the gc starts
     for _ in range(400):
         if gc_node.stats()["gc_runs"] >= 2:
             break
@@ -344,9 +345,11 @@ def test_bad_fleet_options(url: str) -> None:
 
 def test_gc_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["gc", f"file://{tmp_path}/typo", "--capacity", "1GiB"]) == 2
-    assert "no such directory" in capsys.readouterr().out
+    assert "no directory" in capsys.readouterr().out
     assert main(["gc", f"file://{tmp_path}", "--capacity", "1GiB", "--lease-ttl", "0"]) == 2
     assert "--lease-ttl" in capsys.readouterr().out
+    assert main(["gc", f"file://{tmp_path}", "--capacity", "1GiB", "--use-horizon", "-1"]) == 2
+    assert "--use-horizon" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------- a read-only reader

@@ -9,8 +9,9 @@ temp files that writers left behind (a writer killed between create and rename) 
 are older than ``--tmp-age``. Nothing outside the layout is touched.
 
 Last use, for ``file://``: the latest read any node logged under ``ROOT/.kvtier-uses``
-(:mod:`kvtier.tiers.fleet_uses`), else the modification time; access times only with
-``--use-atime`` (reads do not write them, and ``relatime``/``noatime`` mounts barely do).
+(:mod:`kvtier.tiers.fleet_uses`) within ``--use-horizon``, else the modification time;
+access times only with ``--use-atime`` (reads do not write them, and
+``relatime``/``noatime`` mounts barely do).
 The gc holds the directory's lease (:mod:`kvtier.tiers.fleet_lease`) while it runs, so two
 gcs never trim one directory at once; a gc that finds the lease held says by whom and exits
 0. Object stores (``s3://``...) have no use logs and no lease: blocks are ranked by their
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only report what would be deleted (takes no lease)")
     parser.add_argument("--tmp-age", type=float, default=3600.0, metavar="SECONDS",
                         help="delete writers' leftover temp files older than this (default 3600)")
+    parser.add_argument("--use-horizon", type=float, default=7 * 86400.0, metavar="SECONDS",
+                        help="file://: forget nodes' logged reads older than this (their "
+                             "blocks rank by modification time; default 7 days)")
     parser.add_argument("--use-atime", action="store_true",
                         help="also count access times as use (only meaningful on strictatime "
                              "mounts; reads by kvtier are logged instead)")
@@ -97,6 +101,28 @@ def _scan_fs(fs: Any, root: str) -> Iterator[Entry]:
             yield Entry(path, int(info.get("size") or 0), _info_time(info), temp)
 
 
+def _check_listable(fs: Any, root: str, local: bool, url: str) -> None:
+    """Refuse a root that is not there: a typo must not read as "nothing to delete".
+
+    Raises
+    ------
+    ConfigError
+        When ``root`` is not a directory, or the store cannot be listed.
+    """
+    if local:
+        if not os.path.isdir(root):
+            raise ConfigError(f"URL: {mask_secrets(url)!r}: no directory {root!r} (a typo? "
+                              "give the directory the tier writes to)")
+        return
+    try:
+        fs.ls(root, detail=False)
+    except FileNotFoundError:
+        pass  # an empty prefix of an object store: nothing there yet
+    except Exception as exc:  # a missing bucket, no or refused credentials (botocore's own)
+        raise ConfigError(f"URL: cannot list {mask_secrets(url)!r}: {type(exc).__name__}: "
+                          f"{exc}") from None
+
+
 def _collect_fs(fs: Any, root: str, capacity: int, *, tmp_age: float,
                 dry_run: bool) -> GcResult:
     entries = list(_scan_fs(fs, root))
@@ -121,7 +147,8 @@ def _collect_local(root: str, capacity: int, args: argparse.Namespace) -> GcResu
     """The gc of a directory under its lease; the lease holder's description if taken."""
     if args.dry_run:
         return collect_local(root, capacity, None, tmp_age=args.tmp_age,
-                             use_atime=args.use_atime, dry_run=True)
+                             use_atime=args.use_atime, use_horizon=args.use_horizon,
+                             dry_run=True)
     lease = GcLease(root, f"kvtier-gc@{socket.gethostname()}:{os.getpid()}",
                     ttl=args.lease_ttl)
     if not lease.acquire():
@@ -129,7 +156,7 @@ def _collect_local(root: str, capacity: int, args: argparse.Namespace) -> GcResu
         return f"{seen.holder} (refreshed {seen.age:.0f} s ago)" if seen else "another gc"
     try:
         return collect_local(root, capacity, lease, tmp_age=args.tmp_age,
-                             use_atime=args.use_atime)
+                             use_atime=args.use_atime, use_horizon=args.use_horizon)
     finally:
         lease.release()
 
@@ -140,9 +167,10 @@ def run(args: argparse.Namespace) -> int:
         capacity = parse_size(args.capacity, "--capacity")
         if not args.lease_ttl > 0:
             raise ConfigError(f"--lease-ttl: expected > 0 seconds, got {args.lease_ttl}")
+        if not args.use_horizon > 0:
+            raise ConfigError(f"--use-horizon: expected > 0 seconds, got {args.use_horizon}")
         fs, root, local = _open(args.url)
-        if local and not os.path.isdir(root):
-            raise ConfigError(f"{mask_secrets(args.url)}: no such directory {root}")
+        _check_listable(fs, root, local, args.url)
     except ConfigError as exc:
         print(f"kvtier gc: {exc}")
         return 2

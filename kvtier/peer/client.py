@@ -108,6 +108,9 @@ class PeerClient:
         self.timeout = timeout
         self.limits = limits or proto.Limits()
         self.max_answer_bytes = max_answer_bytes
+        # The protocol version the member's last block answer announced: a member of the
+        # previous version may answer frames not bound to their key (see frames.py).
+        self.protocol = proto.VERSION
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._server_hostname = tls_server_name if ssl_context is not None else None
         host, _, port = member.rpartition(":")
@@ -134,7 +137,8 @@ class PeerClient:
         """A hot-path request through :class:`RawPool`: the body, or ``None`` if missing."""
         try:
             async with asyncio.timeout(self.timeout):
-                status, data = await self._raw.request(method, path, body, max_body=max_body)
+                status, data, version = await self._raw.request(method, path, body,
+                                                                max_body=max_body)
         except TimeoutError:
             raise PeerError(f"peer {self.member}: {method} timed out after "
                             f"{self.timeout}s") from None
@@ -144,6 +148,8 @@ class PeerClient:
             raise PeerError(f"peer {self.member}: {method} failed: {exc}") from None
         if status == missing:
             return None
+        if status == 200:  # an answer of frames (block or batch get) announces the version
+            self.protocol = version
         if status != ok:
             text = bytes(data[:200]).decode("utf-8", "replace").strip()
             raise PeerStatusError(f"peer {self.member}: {method} {path[:60]} -> {status} {text}",

@@ -24,7 +24,7 @@ from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError
 from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
 from kvtier.peer.client import PeerClient
-from kvtier.peer.frames import decode_from_peer
+from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
@@ -46,7 +46,7 @@ T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
-            "change_window", "repair_bytes"}
+            "change_window", "repair_bytes", "block_bytes"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 
 
@@ -100,6 +100,10 @@ class PeerTier(Tier):
         Connections per peer.
     limits
         The servers' limits, used to split batches.
+    block_bytes
+        The size every block of this pool has, when it has one (KV blocks of one model and
+        block size do): a frame from a peer that declares another size is a miss, refused
+        before it is decompressed (``None``: any size up to ``limits.max_block_bytes``).
 
     Examples
     --------
@@ -120,7 +124,8 @@ class PeerTier(Tier):
                  limits: proto.Limits | None = None, name: str | None = None,
                  tls_server_name: str | None = None,
                  min_copies: int | None = None, read_walk: int = 1,
-                 change_window: float = 300.0, repair_bytes: int = 256 << 20) -> None:
+                 change_window: float = 300.0, repair_bytes: int = 256 << 20,
+                 block_bytes: int | None = None) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -148,6 +153,10 @@ class PeerTier(Tier):
         self.compress_level = compress_level
         self.local = local
         self.limits = limits or proto.Limits()
+        if block_bytes is not None and not 0 < block_bytes <= self.limits.max_block_bytes:
+            raise ConfigError(f"block_bytes: expected 1..max_block_bytes "
+                              f"({self.limits.max_block_bytes}), got {block_bytes!r}")
+        self.block_bytes = block_bytes
         self.members = Membership(
             members, dns=dns, vnodes=vnodes, replicas=replicas, self_id=self_id,
             health_interval=health_interval, dns_interval=dns_interval,
@@ -214,6 +223,8 @@ class PeerTier(Tier):
             if opts.get("min_copies") not in (None, "") else None,
             read_walk=parse_number(opts.get("read_walk", 1), "read_walk", int, 0),
             change_window=parse_number(opts.get("change_window", 300.0), "change_window", float, 0),
+            block_bytes=parse_size(str(opts["block_bytes"]), "block_bytes")
+            if opts.get("block_bytes") not in (None, "") else None,
             repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
         )
 
@@ -299,16 +310,24 @@ class PeerTier(Tier):
             log.debug("peer %s: %s failed: %s", member, op, exc)
             return _FAILED
 
+    def _accept(self, member: str) -> Accept:
+        """What this tier accepts as a block from ``member`` (frames.py)."""
+        return Accept(self.limits.max_block_bytes, self.block_bytes,
+                      unbound=self.members.client(member).protocol < proto.VERSION)
+
+    def _refused(self, member: str, key: bytes, exc: Exception) -> None:
+        self.counts["corrupt"] += 1
+        log.warning("peer %s sent a bad frame: %s", member, exc)
+        self._report_miss((key,), MissReason.CORRUPT, f"from {member}: {exc}")
+
     async def _decode(self, member: str, key: bytes,
                       frame: bytes | memoryview | None) -> Block | None:
         if frame is None:
             return None
         try:
-            return await decode_from_peer(frame, key, self.limits.max_block_bytes)
+            return await decode_from_peer(frame, key, self._accept(member))
         except (CorruptBlockError, MemoryError) as exc:  # corrupt, foreign or a bomb: a miss
-            self.counts["corrupt"] += 1
-            log.warning("peer %s sent a bad frame: %s", member, exc)
-            self._report_miss((key,), MissReason.CORRUPT, f"from {member}: {exc}")
+            self._refused(member, key, exc)
             return None
 
     def _next(self, order: list[str], tried: set[str]) -> str | None:
@@ -352,7 +371,9 @@ class PeerTier(Tier):
             frame = EncodedFrame(frame.header, memoryview(frame.payload.tobytes()))
             block = decode_frame(frame.to_bytes(), key=key)
         used = set(targets)
-        tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used))
+        refusals: list[str] = []  # why copies failed, for the error below
+        tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used,
+                                                     refusals))
                  for first in targets]
         for task in tasks:
             self._track(task)
@@ -372,22 +393,37 @@ class PeerTier(Tier):
         if copies < want:
             self.counts["puts_under_replicated"] += 1
         if copies < need:
+            why = f": {'; '.join(dict.fromkeys(refusals))}" if refusals else ""
             raise PeerError(f"{self.name}: {copies} of {want} copies of {key.hex()} stored, "
-                            f"{need} required (ack={self.ack})")
+                            f"{need} required (ack={self.ack}){why}")
 
     def _count_copy(self, task: asyncio.Task[bool]) -> None:
         if not task.cancelled() and task.exception() is None and task.result():
             self.counts["copies_made"] += 1
 
     async def _put_to(self, target: str, op: str, key: bytes, block: Block,
-                      frame: EncodedFrame, *, fill: bool = False) -> object:
+                      frame: EncodedFrame, *, fill: bool = False,
+                      refusals: list[str] | None = None) -> object:
         """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
-        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it. ``fill``: only if
-        ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
+        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it, the reason then
+        appended to ``refusals`` (the server's answer names the limit it hit). ``fill``:
+        only if ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
+        put: Callable[[], Awaitable[None]]
         if self._is_local(target):
-            return await self._call(target, op, partial(self._put_local, key, block, fill))
-        return await self._call(target, op, partial(self.members.client(target).put, key, frame,
-                                                    fill=fill))
+            put = partial(self._put_local, key, block, fill)
+        else:
+            put = partial(self.members.client(target).put, key, frame, fill=fill)
+        if refusals is None:
+            return await self._call(target, op, put)
+
+        async def noted() -> None:
+            try:
+                await put()
+            except Exception as exc:
+                refusals.append(f"{target}: {type(exc).__name__}: {exc}")
+                raise
+
+        return await self._call(target, op, noted)
 
     async def _put_local(self, key: bytes, block: Block, fill: bool) -> None:
         local = cast(Segment, self.local)
@@ -395,10 +431,11 @@ class PeerTier(Tier):
             await local.put(key, block)
 
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
-                         order: list[str], used: set[str]) -> bool:
+                         order: list[str], used: set[str], refusals: list[str]) -> bool:
         current: str | None = member
         while current is not None:
-            if await self._put_to(current, "put", key, block, frame) is not _FAILED:
+            if await self._put_to(current, "put", key, block, frame,
+                                  refusals=refusals) is not _FAILED:
                 return True
             current = self._next(order, used)
             if current is not None:
@@ -491,8 +528,12 @@ class PeerTier(Tier):
         blocks: dict[bytes, Block | None] = {}
         while ask:
             frames = await client.get_many(ask)
-            for key, frame in zip(ask, frames, strict=True):
-                blocks[key] = await self._decode(member, key, frame)
+            decoded = await decode_batch_from_peer(frames, ask, self._accept(member))
+            for key, block in zip(ask, decoded, strict=True):
+                if isinstance(block, CorruptBlockError):  # corrupt, foreign or a bomb: a miss
+                    self._refused(member, key, block)
+                    block = None
+                blocks[key] = block
             # A server ends a batch answer at its body limit and answers the remaining keys
             # as missing: while answers come back that full, ask again for the missing ones.
             sent = sum(len(f) for f in frames if f is not None)

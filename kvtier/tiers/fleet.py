@@ -5,8 +5,8 @@ mounted directory: the use log of its reads (:mod:`kvtier.tiers.fleet_uses`, ``u
 and, with ``fleet_capacity=``, the background gc of the whole directory
 (:mod:`kvtier.tiers.fleet_gc`, one node at a time under the lease of
 :mod:`kvtier.tiers.fleet_lease`). The tier calls it at four points: a hit
-(:meth:`FleetMember.note_read`), its first operation on the loop (:meth:`FleetMember.start`),
-``stats`` and ``aclose``.
+(:meth:`FleetMember.note_read`), its ``open`` (:meth:`FleetMember.start`), ``stats`` and
+``aclose``.
 """
 
 from __future__ import annotations

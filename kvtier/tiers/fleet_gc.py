@@ -125,11 +125,13 @@ def _unchanged(entry: Entry) -> bool:
 
 
 def collect_local(root: str, capacity: int, lease: GcLease | None, *,
-                  tmp_age: float = 3600.0, use_atime: bool = False, dry_run: bool = False,
+                  tmp_age: float = 3600.0, use_atime: bool = False,
+                  use_horizon: float = 7 * 86400.0, dry_run: bool = False,
                   stop: threading.Event | None = None) -> GcResult:
     """Trim ``root`` to ``capacity`` bytes. Blocking: run it in a worker thread. ``lease``
     (held) is refreshed as the deletes go, and the pass stops if it was lost; ``stop`` ends
-    it early (a closing tier). Folds the use logs into their summary at the end."""
+    it early (a closing tier). Logged reads older than ``use_horizon`` seconds are
+    forgotten. Folds the use logs into their summary at the end."""
     result = GcResult()
     refreshed = -math.inf
 
@@ -144,6 +146,8 @@ def collect_local(root: str, capacity: int, lease: GcLease | None, *,
         return not result.lease_lost
 
     uses, segments = read_uses(root)
+    horizon = time.time() - use_horizon
+    uses = {name: when for name, when in uses.items() if when >= horizon}
     entries = list(scan_local(root, uses, use_atime=use_atime, going=going))
     if not going():
         return result  # stopped or lost the lease mid-scan: a partial scan decides nothing

@@ -24,8 +24,9 @@ Bounded
 - A writer starts a new segment every ``segment_age`` seconds or ``segment_bytes`` bytes,
   and deletes its own segments older than ``retention``. The gc folds segments closed for
   more than two ``segment_age`` into the summary and deletes them.
-- A writer that cannot write the log (a read-only reader: ``EROFS``, ``EACCES``, ``EPERM``)
-  says so once and stops logging; its reads work as before.
+- A writer that cannot write the log (a read-only reader: ``EROFS``, ``EACCES``, ``EPERM``;
+  a file where the log folder should be) says so once and stops logging; its reads work as
+  before. Other errors (a full or flaky mount) are logged and the next write tries again.
 
 Clocks: times in the logs are the writers' wall clocks; nodes are assumed to be NTP-synced
 to well under ``segment_age`` (an hour by default).
@@ -61,7 +62,9 @@ _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_.-]+\.(\d+)\.log$")
 MAX_PENDING = 65536
 # Names remembered as recently logged (for ``resolution``); older ones may be logged twice.
 _RECENT_NAMES = 1 << 18
-_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+# Errors that will not go away by themselves (a read-only mount, permissions, a file where
+# the log folder should be): the writer stops; others (a full or flaky mount) it retries.
+_PERMANENT = (errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR)
 
 
 def writer_name() -> str:
@@ -152,7 +155,7 @@ class UseRecorder:
         except OSError as exc:
             self.errors += 1
             self._segment = None  # start afresh (its folder may have been removed)
-            if exc.errno in _READ_ONLY:
+            if exc.errno in _PERMANENT:
                 self.enabled = False
                 log.warning("cannot write the use log in %s (%s): this node's reads will not "
                             "keep blocks from the gc (a read-only reader?)", self.directory, exc)
