@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -411,3 +412,20 @@ def test_every_fleet_option_is_documented() -> None:
         assert f"`{option}`" in urls and option in persistent, option
     for flag in ("--use-atime", "--lease-ttl", "--tmp-age", "--dry-run"):
         assert flag in persistent, flag
+
+
+@pytest.mark.parametrize(("horizon_days", "kept"), [(7, "b"), (10, "a")])
+def test_use_horizon_forgets_old_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       horizon_days: int, kept: str) -> None:
+    now = time.time()
+    day = 86400
+    for name, written in (("aa", now - 30 * day), ("bb", now - 20 * day)):
+        path = tmp_path / f"{name}.kvb"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (written, written))
+    (tmp_path / USE_DIR).mkdir()
+    (tmp_path / USE_DIR / "node.1.log").write_text(f"{now - 8 * day:.0f} aa\n")  # read 8 d ago
+    assert main(["gc", f"file://{tmp_path}", "--capacity", "100",
+                 "--use-horizon", str(horizon_days * day)]) == 0
+    assert "deleted 1 files" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.glob("*.kvb")] == [f"{kept * 2}.kvb"]
