@@ -7,6 +7,7 @@ nodes on one mount would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from tmpfs import mounted_tmpfs
 
 from kvtier.cli import main
 from kvtier.errors import ConfigError
@@ -429,3 +431,24 @@ def test_use_horizon_forgets_old_reads(tmp_path: Path, capsys: pytest.CaptureFix
                  "--use-horizon", str(horizon_days * day)]) == 0
     assert "deleted 1 files" in capsys.readouterr().out
     assert [p.name for p in tmp_path.glob("*.kvb")] == [f"{kept * 2}.kvb"]
+
+
+async def test_use_log_on_a_full_mount_keeps_trying_and_warns_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with mounted_tmpfs(tmp_path / "mnt", "1m") as mnt:
+        uses = UseRecorder(str(mnt), interval=3600, resolution=0, segment_bytes=1)
+        uses.note("aa")
+        await uses.flush()  # each write starts a segment (a new page); the mount fills up
+        with contextlib.suppress(OSError), (mnt / "filler").open("wb", buffering=0) as fh:
+            while True:
+                fh.write(b"\0" * 65536)
+        with caplog.at_level(logging.WARNING, "kvtier.tiers.fsspec"):
+            for name in ("bb", "cc", "dd"):
+                uses.note(name)
+                await uses.flush()
+        assert uses.errors == 3 and uses.enabled  # not permanent: it keeps trying
+        assert len([r for r in caplog.records if "use log" in r.getMessage()]) == 1
+        (mnt / "filler").unlink()
+        uses.note("ee")
+        await uses.aclose()
+        assert set(read_uses(str(mnt))[0]) == {"aa", "ee"}

@@ -26,7 +26,8 @@ Bounded
   more than two ``segment_age`` into the summary and deletes them.
 - A writer that cannot write the log (a read-only reader: ``EROFS``, ``EACCES``, ``EPERM``;
   a file where the log folder should be) says so once and stops logging; its reads work as
-  before. Other errors (a full or flaky mount) are logged and the next write tries again.
+  before. Other errors (a full or flaky mount) are logged (one line a minute at most) and
+  the next write tries again.
 
 Clocks: times in the logs are the writers' wall clocks; nodes are assumed to be NTP-synced
 to well under ``segment_age`` (an hour by default).
@@ -48,6 +49,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvtier.tiers.base import run_to_end
+from kvtier.warnsummary import WarningSummary
 
 __all__ = ["MAX_PENDING", "SUMMARY_NAME", "USE_DIR", "UseRecorder", "fold_segments",
            "read_uses", "writer_name"]
@@ -112,9 +114,11 @@ class UseRecorder:
         self._pending: set[str] = set()
         self._recent: OrderedDict[str, float] = OrderedDict()
         self._segment: tuple[str, float] | None = None  # path, start time
+        self._last_start = -1  # segment names stay unique within one second
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._writing = asyncio.Lock()  # one append at a time (the loop's and a gc's)
+        self._warnings = WarningSummary(log, interval=60.0)  # a flaky mount: a line a minute
         self._closed = False
 
     def note(self, name: str) -> None:
@@ -160,7 +164,7 @@ class UseRecorder:
                 log.warning("cannot write the use log in %s (%s): this node's reads will not "
                             "keep blocks from the gc (a read-only reader?)", self.directory, exc)
             else:
-                log.warning("use log write in %s failed: %s", self.directory, exc)
+                self._warnings.warn(f"use log {self.directory}", "write", str(exc))
             return
         for name in names:
             self._recent[name] = now
@@ -187,7 +191,7 @@ class UseRecorder:
         if self._segment is None or now - self._segment[1] >= self.segment_age:
             os.makedirs(self.directory, exist_ok=True)
             self._drop_old_segments(now)
-            start = int(now)
+            start = self._last_start = max(int(now), self._last_start + 1)
             path = os.path.join(self.directory, f"{self.writer}.{start}.log")
             self._segment = (path, float(start))
         return self._segment[0]
@@ -210,6 +214,7 @@ class UseRecorder:
                 await task
         await self.flush()
         self._closed = True
+        self._warnings.flush()
 
     def stats(self) -> dict[str, Any]:
         """``use_log`` (whether it writes), ``use_log_lines`` and ``use_log_errors``."""
