@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn, cast
 
 import httptools
@@ -112,6 +112,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._status = 0
         self._keep_alive = True
         self._fut: asyncio.Future[tuple[int, memoryview]] | None = None
+        self._on_length: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------- protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -176,6 +177,8 @@ class _Conn(asyncio.BufferedProtocol):
             self._refuse(f"Content-Length {self._length} exceeds this client's limit of "
                          f"{self._max_body} bytes")
         self._status = status
+        if self._on_length is not None:
+            self._on_length(self._length)
         self._keep_alive = parser.should_keep_alive()  # HTTP/1.0: close by default
         self._body = self.buffers.take(self._length)
         self._have = 0
@@ -221,9 +224,11 @@ class _Conn(asyncio.BufferedProtocol):
 
     # -------------------------------------------------------------- request
     async def request(self, head: bytes, body: Sequence[bytes | memoryview],
-                      max_body: int) -> tuple[int, memoryview]:
+                      max_body: int, on_length: Callable[[int], None] | None = None
+                      ) -> tuple[int, memoryview]:
         if self.transport is None or self.closed:
             raise PeerError("connection is closed")
+        self._on_length = on_length
         self._parser = httptools.HttpResponseParser(self)
         self._head_bytes, self._max_body, self._length = 0, max_body, -1
         self._framing_error, self._message_done = "", False
@@ -284,8 +289,10 @@ class RawPool:
         return conn
 
     async def request(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
-                      *, max_body: int) -> tuple[int, memoryview]:
-        """Send one request; returns ``(status, body)``. The caller bounds it with a timeout.
+                      *, max_body: int, on_length: Callable[[int], None] | None = None
+                      ) -> tuple[int, memoryview]:
+        """Send one request; returns ``(status, body)``. The caller bounds it with a timeout;
+        ``on_length`` is called with the answer's ``Content-Length`` once its head is read.
 
         Raises
         ------
@@ -301,7 +308,7 @@ class RawPool:
                 if conn.closed:
                     continue
                 try:
-                    result = await conn.request(head, body, max_body)
+                    result = await conn.request(head, body, max_body, on_length)
                 except PeerError:
                     # A reused connection the server had just closed (idle timeout): retry
                     # once on a fresh one instead of declaring the peer dead.
@@ -309,7 +316,7 @@ class RawPool:
                 self._release(conn)
                 return result
             conn = await self._connect()
-            result = await conn.request(head, body, max_body)
+            result = await conn.request(head, body, max_body, on_length)
             self._release(conn)
             return result
 

@@ -1,9 +1,10 @@
 """``peers://`` and ``peers+dns://``: the pool of other hosts' segments as one tier.
 
-A key's owners are its first ``replicas`` live members in ring order. ``get`` asks them in
-that order and the first verified hit wins; a dead, slow or erroring peer is a miss (and is
-taken out of the path until a health probe succeeds), never an exception or a hang. ``put``
-writes every owner concurrently, falling to the next live member when one fails. Batch forms
+A key's owners are its first ``replicas`` live members in ring order. ``get`` asks them
+(suspected and slow ones last) and the first verified hit wins; a dead, slow or erroring peer
+is a miss, never an exception or a hang, and counts toward taking it out of the path (see
+:mod:`kvtier.peer.health`). ``put`` writes every owner concurrently, falling to the next live
+member when one fails. Batch forms
 send one request per owner, in parallel. When an owner is this node (``self=``) its segment
 (``local=``) is used directly, without HTTP.
 """
@@ -13,16 +14,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections import defaultdict
+import time
+from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Self, TypeVar, cast
 
 from kvtier.codec import EncodedFrame, decode_frame, encode_frame
 from kvtier.codec import parse_compress as _compress_level
-from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError, PeerStatusError
+from kvtier.errors import (
+    ConfigError,
+    CorruptBlockError,
+    KVTierError,
+    PeerError,
+    PeerStatusError,
+    PeerUnreachableError,
+)
 from kvtier.peer import protocol as proto
-from kvtier.peer.client import PeerClient
+from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, TimeBudget
 from kvtier.peer.frames import decode_from_peer
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
@@ -45,8 +54,9 @@ T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
-            "change_window", "repair_bytes"}
+            "change_window", "repair_bytes", "min_rate", "fail_after", "rejoin_after"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
+_VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
 
 
 class PeerTier(Tier):
@@ -67,7 +77,15 @@ class PeerTier(Tier):
     local
         This node's segment (the store or tier its ``PeerServer`` exposes).
     timeout
-        Seconds allowed for one request to one peer; a slower peer is a miss.
+        Seconds allowed for one request to one peer that moves no bytes; a slower peer is a
+        miss. A request's budget is ``timeout + bytes / min_rate``
+        (:class:`~kvtier.peer.client.TimeBudget`).
+    min_rate
+        Bytes per second a member is assumed to move at least (default 64 MiB/s).
+    fail_after, rejoin_after
+        Failures in a row (a burst of concurrent ones counting once) that take a member out
+        of the path, and health probes in a row that bring it back
+        (:class:`~kvtier.peer.health.FailureDetector`).
     ack
         ``"all"``: ``put`` returns when every copy finished and raises unless ``min_copies``
         of them were stored; ``"one"``: it returns after ``min_copies`` acknowledgements and
@@ -119,7 +137,9 @@ class PeerTier(Tier):
                  limits: proto.Limits | None = None, name: str | None = None,
                  tls_server_name: str | None = None,
                  min_copies: int | None = None, read_walk: int = 1,
-                 change_window: float = 300.0, repair_bytes: int = 256 << 20) -> None:
+                 change_window: float = 300.0, repair_bytes: int = 256 << 20,
+                 min_rate: float = DEFAULT_MIN_RATE, fail_after: int = 3,
+                 rejoin_after: int = 2) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -129,6 +149,9 @@ class PeerTier(Tier):
             raise ConfigError("read_walk, change_window, repair_bytes: expected >= 0")
         if not timeout > 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout!r}")
+        if not min_rate > 0 or fail_after < 1 or rejoin_after < 1:
+            raise ConfigError(f"min_rate, fail_after, rejoin_after: expected > 0, got "
+                              f"{min_rate!r}, {fail_after!r}, {rejoin_after!r}")
         if local is not None and self_id is None:
             raise ConfigError("local: requires self (this node's member id)")
         if members is not None and self_id is not None and self_id not in members:
@@ -147,18 +170,23 @@ class PeerTier(Tier):
         self.compress_level = compress_level
         self.local = local
         self.limits = limits or proto.Limits()
+        self.budget = TimeBudget(timeout, min_rate)
         self.members = Membership(
             members, dns=dns, vnodes=vnodes, replicas=replicas, self_id=self_id,
             health_interval=health_interval, dns_interval=dns_interval,
+            fail_after=fail_after, rejoin_after=rejoin_after,
             client_factory=lambda m: PeerClient(m, token=token, timeout=timeout,
                                                 ssl_context=ssl_context,
                                                 pool_limit=pool_limit, limits=self.limits,
-                                                tls_server_name=tls_server_name))
+                                                tls_server_name=tls_server_name,
+                                                budget=self.budget))
         self._start_lock = asyncio.Lock()
         self._started = False
         self._background: set[asyncio.Task[bool]] = set()
         self._repairs: set[asyncio.Task[None]] = set()
         self.counts: dict[str, int] = defaultdict(int)
+        # Keys already checked on every current owner, with the change count then.
+        self._verified: OrderedDict[bytes, int] = OrderedDict()
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -214,6 +242,9 @@ class PeerTier(Tier):
             read_walk=parse_number(opts.get("read_walk", 1), "read_walk", int, 0),
             change_window=parse_number(opts.get("change_window", 300.0), "change_window", float, 0),
             repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
+            min_rate=parse_size(str(opts.get("min_rate", DEFAULT_MIN_RATE)), "min_rate"),
+            fail_after=parse_number(opts.get("fail_after", 3), "fail_after", int, 1),
+            rejoin_after=parse_number(opts.get("rejoin_after", 2), "rejoin_after", int, 1),
         )
 
     @property
@@ -247,9 +278,9 @@ class PeerTier(Tier):
             order); they join the path when a health probe reaches them.
         """
         await self._start()
-        members = [m for m in self.members.members if m != self.members.self_id]
-        answers = await asyncio.gather(*(self._probe(m) for m in members))
-        refused = [m for m, a in zip(members, answers, strict=True) if a == "refused"]
+        probed = await self.members.check_health()
+        members, answers = list(probed), list(probed.values())
+        refused = [m for m, a in probed.items() if a == "refused"]
         if refused and "ok" not in answers:
             raise ConfigError(
                 f"{self.name}: every reachable member refused the bearer token "
@@ -261,32 +292,22 @@ class PeerTier(Tier):
                         "answer a health probe", self.name, len(down), len(members),
                         ", ".join(down))
 
-    async def _probe(self, member: str) -> str:
-        client = self.members.client(member)
-        try:
-            self.members.health[member] = await client.health(limit_s=max(self.timeout, 1.0))
-        except PeerStatusError as exc:
-            if exc.status in (401, 403):
-                return "refused"
-            self.members.mark_dead(member, exc)
-            return "down"
-        except KVTierError as exc:
-            self.members.mark_dead(member, exc)
-            return "down"
-        return "ok"
-
     def _is_local(self, member: str) -> bool:
         return self.local is not None and member == self.members.self_id
 
-    async def _call(self, member: str, op: str, fn: Callable[[], Awaitable[T]]) -> T | object:
-        """Run one peer call; a failure is a miss for that peer only and returns ``_FAILED``.
+    async def _call(self, member: str, op: str, fn: Callable[[], Awaitable[T]],
+                    keys: int = 1) -> T | object:
+        """Run one peer call of ``keys`` keys; a failure is a miss for that peer only and
+        returns ``_FAILED``.
 
-        Only transport errors, timeouts and 5xx answers take the member out of the path: a
-        4xx says the peer is up and refused this one request (oversized, full, bad token).
+        Only transport errors, timeouts and 5xx answers count toward taking the member out of
+        the path (a refused connection at once): a 4xx says the peer is up and refused this
+        one request (oversized, full, bad token). Answers feed the member's latency.
         """
         self.counts[f"{op}_requests"] += 1
+        started = time.monotonic()
         try:
-            return await fn()
+            result = await fn()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of one peer (even MemoryError) is its miss
@@ -294,9 +315,14 @@ class PeerTier(Tier):
             refused = isinstance(exc, PeerStatusError) and exc.status < 500
             if not self._is_local(member) and isinstance(exc, KVTierError | OSError) \
                     and not refused:
-                self.members.mark_dead(member, exc)
+                self.members.report_failure(
+                    member, exc, started, time.monotonic() - started,
+                    hard=isinstance(exc, PeerUnreachableError | ConnectionRefusedError))
             log.debug("peer %s: %s failed: %s", member, op, exc)
             return _FAILED
+        if not self._is_local(member):
+            self.members.report_success(member, time.monotonic() - started, keys)
+        return result
 
     async def _decode(self, member: str, key: bytes,
                       frame: bytes | memoryview | None) -> Block | None:
@@ -309,9 +335,15 @@ class PeerTier(Tier):
             log.warning("peer %s sent a bad frame: %s", member, exc)
             return None
 
-    def _next(self, order: list[str], tried: set[str]) -> str | None:
+    def _next(self, key: bytes, order: list[str], tried: set[str]) -> str | None:
+        """The first untried live member of ``order``; when none is left, the first untried
+        owner out of the path that still answers health probes (the last resort, so a
+        member under suspicion is asked when it is the only owner left)."""
         for member in order:
             if member not in tried and self.members.alive(member):
+                return member
+        for member in self.members.ring.owners(key, self.replicas):
+            if member not in tried and self.members.reachable(member):
                 return member
         return None
 
@@ -341,7 +373,7 @@ class PeerTier(Tier):
         frame = await self._encode(key, block)
         order = self.members.order(key)
         want, need = self._copies()
-        targets = self.members.live_owners(key, want)
+        targets = self.members.write_owners(key, want)
         if not targets:
             self.counts["puts_under_replicated"] += 1
             raise PeerError(f"{self.name}: no live peer to store {key.hex()}")
@@ -391,7 +423,7 @@ class PeerTier(Tier):
         while current is not None:
             if await self._put_to(current, "put", key, block, frame) is not _FAILED:
                 return True
-            current = self._next(order, used)
+            current = self._next(key, order, used)
             if current is not None:
                 used.add(current)
         return False
@@ -420,10 +452,12 @@ class PeerTier(Tier):
 
     async def _rounds(self, keys: Sequence[bytes], op: str,
                       fetch: Callable[[str, list[bytes]], Awaitable[list[Any]]],
-                      found: Callable[[Any], bool]) -> tuple[list[Any], list[list[str]]]:
-        """Ask members in ring order, one request per member per round, until each key is
+                      found: Callable[[Any], bool]
+                      ) -> tuple[list[Any], list[list[str]], list[str | None]]:
+        """Ask members in read order, one request per member per round, until each key is
         found or :meth:`walk_limit` members answered without it. Failed members do not count
-        as answers. Returns the results and, per key, the members that answered "not here"."""
+        as answers. Returns the results, per key the members that answered "not here", and
+        per key the member that had it (``None``: nobody)."""
         await self._start()
         limit = self.walk_limit()
         results: list[Any] = [None] * len(keys)
@@ -431,17 +465,19 @@ class PeerTier(Tier):
         orders = [self._read_order(k, changed) for k in keys]
         tried: list[set[str]] = [set() for _ in keys]
         missed: list[list[str]] = [[] for _ in keys]
+        holder: list[str | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         while pending:
             groups: dict[str, list[int]] = defaultdict(list)
             for i in pending:
-                member = self._next(orders[i], tried[i]) if len(missed[i]) < limit else None
+                member = self._next(keys[i], orders[i], tried[i]) \
+                    if len(missed[i]) < limit else None
                 if member is not None:
                     tried[i].add(member)
                     groups[member].append(i)
             if not groups:
                 break
-            calls = [self._call(m, op, partial(fetch, m, [keys[i] for i in idx]))
+            calls = [self._call(m, op, partial(fetch, m, [keys[i] for i in idx]), len(idx))
                      for m, idx in groups.items()]
             # One owner (every single-key call): await it directly, no task per request.
             replies = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
@@ -455,21 +491,23 @@ class PeerTier(Tier):
                     if not found(value):
                         missed[i].append(member)
                         pending.append(i)
-                    elif len(missed[i]) > self.replicas:
+                        continue
+                    holder[i] = member
+                    if len(missed[i]) > self.replicas:
                         self.counts["walk_hits"] += 1  # found past the owners' answers
-        return results, missed
+        return results, missed, holder
 
     def _read_order(self, key: bytes, changed: set[str]) -> list[str]:
-        """Ring order, except that owners which recently failed, restarted or joined are
-        asked first: if they came back without the key, the read finds the hole and read
-        repair fills it (else a hit on another owner would hide it until a second failure).
-        """
+        """The live owners, then the rest in ring order. Owners which recently failed,
+        restarted or joined are asked first: if they came back without the key, the read
+        finds the hole and read repair fills it (else a hit on another owner would hide it
+        until a second failure). Owners under suspicion, and slow ones next to their
+        co-owners, are asked last."""
         order = self.members.order(key)
-        if not changed:
-            return order
-        owners = self.members.live_owners(key, self.replicas)
-        first = [m for m in owners if m in changed]
-        return first + [m for m in order if m not in first] if first else order
+        owners = self.members.detector.prefer(
+            [m for m in order if self.members.alive(m)][:self.replicas])
+        first = [m for m in owners if m in changed] + [m for m in owners if m not in changed]
+        return first + [m for m in order if m not in first]
 
     async def _fetch_blocks(self, member: str, keys: list[bytes]) -> list[Block | None]:
         if self._is_local(member):
@@ -493,12 +531,46 @@ class PeerTier(Tier):
         return [blocks[k] for k in keys]
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
-        blocks, missed = await self._rounds(keys, "get", self._fetch_blocks,
-                                            lambda b: b is not None)
-        for key, block, not_here in zip(keys, blocks, missed, strict=True):
-            if block is not None and not_here:
+        blocks, missed, holders = await self._rounds(keys, "get", self._fetch_blocks,
+                                                     lambda b: b is not None)
+        for key, block, not_here, holder in zip(keys, blocks, missed, holders, strict=True):
+            if block is None:
+                continue
+            if not_here:
                 self._read_repair(key, block, not_here)
+            elif self.members.unsettled(key, self.replicas, self.change_window):
+                self._verify_owners(key, block, holder)
         return cast(list[Block | None], blocks)
+
+    def _verify_owners(self, key: bytes, block: Block, holder: str | None) -> None:
+        """A key whose owners changed recently was found on the first owner asked: check
+        its other current owners (one that is new for this key although unchanged itself
+        never saw the put) and copy the block to those that lack it, in the background,
+        within ``repair_bytes``. Each key is checked once per membership change."""
+        if self._verified.get(key) == self.members.change_count:
+            return
+        targets = [m for m in self.members.live_owners(key, self.replicas) if m != holder]
+        if not targets or self._repair_held + block.nbytes > self.repair_bytes:
+            return
+        self._verified[key] = self.members.change_count
+        self._verified.move_to_end(key)
+        if len(self._verified) > _VERIFIED_KEYS:
+            self._verified.popitem(last=False)
+        self._repair_held += block.nbytes
+        task = asyncio.create_task(self._verify(key, block, targets))
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
+
+    async def _verify(self, key: bytes, block: Block, targets: list[str]) -> None:
+        try:
+            held = await asyncio.gather(*(self._call(m, "verify", partial(self._exists, m, [key]))
+                                          for m in targets))
+            lacking = [m for m, h in zip(targets, held, strict=True) if h == [False]]
+            self.counts["owners_verified"] += 1
+            if lacking:
+                await self._repair_copies(key, block, lacking)
+        finally:
+            self._repair_held -= block.nbytes
 
     def _read_repair(self, key: bytes, block: Block, not_here: list[str]) -> None:
         """Write a block found away from its first live owners back to those that lacked it,
@@ -534,7 +606,7 @@ class PeerTier(Tier):
         return await self.members.client(member).exists_many(keys)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        got, _ = await self._rounds(keys, "exists", self._exists, bool)
+        got, _, _ = await self._rounds(keys, "exists", self._exists, bool)
         return [bool(g) for g in got]
 
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
@@ -542,7 +614,7 @@ class PeerTier(Tier):
         frames = [await self._encode(key, block) for key, block in items]
         orders = [self.members.order(k) for k, _ in items]
         want, need = self._copies()
-        used = [set(self.members.live_owners(k, want)) for k, _ in items]
+        used = [set(self.members.write_owners(k, want)) for k, _ in items]
         stored = [0] * len(items)
         plan: dict[str, list[int]] = defaultdict(list)
         for i, owners in enumerate(used):
@@ -559,7 +631,7 @@ class PeerTier(Tier):
                     if reply is not _FAILED:
                         stored[i] += 1
                         continue
-                    fallback = self._next(orders[i], used[i])
+                    fallback = self._next(items[i][0], orders[i], used[i])
                     if fallback is not None:
                         used[i].add(fallback)
                         plan[fallback].append(i)
