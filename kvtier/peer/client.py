@@ -39,6 +39,8 @@ _BATCH_ENTRY_OVERHEAD = 2 + 128 + 8
 
 #: Bytes per second a request is assumed to move at least (``min_rate=`` of a pool URL).
 DEFAULT_MIN_RATE = 64 << 20
+# Frame size a batch get expects per key before any frame was seen (a small KV block).
+_FIRST_FRAME_GUESS = 64 << 10
 
 
 class TimeBudget:
@@ -46,8 +48,8 @@ class TimeBudget:
 
     ``bytes`` counts what is sent plus what is expected back. A batch get's answer is
     expected to hold ``frame_bytes`` per key, the largest frame this pool recently sent or
-    received (it decays by 1/16 per smaller frame seen), until the answer's head declares
-    its length. One budget is shared by the clients of a pool.
+    received (64 KiB before the first; it decays by 1/16 per smaller frame seen), until the
+    answer's head declares its length. One budget is shared by the clients of a pool.
 
     Parameters
     ----------
@@ -60,7 +62,7 @@ class TimeBudget:
     def __init__(self, timeout: float, min_rate: float = DEFAULT_MIN_RATE) -> None:
         self.timeout = timeout
         self.min_rate = min_rate
-        self.frame_bytes = 0
+        self.frame_bytes = _FIRST_FRAME_GUESS
 
     def seen(self, frame_bytes: int) -> None:
         """Note the size of one frame sent or received."""
