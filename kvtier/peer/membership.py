@@ -276,17 +276,19 @@ class Membership:
             return "refused" if refused else "down"
         received = time.monotonic()
         self.health[member] = doc
-        self._dated_start(member, StartEstimate.from_uptime(doc.get("uptime_s"), sent,
-                                                              received))
-        if self.detector.probe_answered(member):
+        restarted = self._dated_start(
+            member, StartEstimate.from_uptime(doc.get("uptime_s"), sent, received))
+        # A member that restarted since it went down is not flapping: it rejoins at once.
+        rejoined = self.detector.probe_answered(member)
+        if rejoined or (restarted and self.detector.bring_up(member)):
             self._came_back(member)
         return "ok"
 
-    def _dated_start(self, member: str, start: StartEstimate | None) -> None:
+    def _dated_start(self, member: str, start: StartEstimate | None) -> bool:
         """Judge a probe's start estimate against the last one (a NaN or missing uptime
-        tells nothing and is skipped)."""
+        tells nothing and is skipped); ``True`` if the member restarted since."""
         if start is None:
-            return
+            return False
         state = self.detector[member]
         before = state.started
         state.started = start
@@ -297,6 +299,8 @@ class Membership:
             self._dated.add(member)
             self._note_change(member)
             log.info("peer %s restarted", member)
+            return True
+        return False
 
     def _date_first_starts(self) -> None:
         """A member first seen by this process that started more than ``health_interval``

@@ -335,14 +335,17 @@ class PeerTier(Tier):
             log.warning("peer %s sent a bad frame: %s", member, exc)
             return None
 
-    def _next(self, key: bytes, order: list[str], tried: set[str]) -> str | None:
+    def _next(self, key: bytes | None, order: list[str], tried: set[str]) -> str | None:
         """The first untried live member of ``order``; when none is left, the first untried
-        owner out of the path that still answers health probes (the last resort, so a
-        member under suspicion is asked when it is the only owner left)."""
+        member out of the path that still answers health probes: for a read (``key``
+        given) one of the key's owners, so a member under suspicion is asked when it is the
+        only owner left; for a write (``key`` ``None``) any, so a put does not fail while
+        members answer."""
         for member in order:
             if member not in tried and self.members.alive(member):
                 return member
-        for member in self.members.ring.owners(key, self.replicas):
+        last_resort = order if key is None else self.members.ring.owners(key, self.replicas)
+        for member in last_resort:
             if member not in tried and self.members.reachable(member):
                 return member
         return None
@@ -423,7 +426,7 @@ class PeerTier(Tier):
         while current is not None:
             if await self._put_to(current, "put", key, block, frame) is not _FAILED:
                 return True
-            current = self._next(key, order, used)
+            current = self._next(None, order, used)
             if current is not None:
                 used.add(current)
         return False
@@ -631,7 +634,7 @@ class PeerTier(Tier):
                     if reply is not _FAILED:
                         stored[i] += 1
                         continue
-                    fallback = self._next(items[i][0], orders[i], used[i])
+                    fallback = self._next(None, orders[i], used[i])
                     if fallback is not None:
                         used[i].add(fallback)
                         plan[fallback].append(i)
