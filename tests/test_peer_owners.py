@@ -167,3 +167,31 @@ async def test_reads_check_every_owner_of_a_key_the_ring_moved(
         await gone.stop()
         assert await _readable(tier, n) == n
         assert tier.stats()["owners_verified"] > 0
+
+
+async def test_ack_all_with_an_owner_down_leaves_a_hint_handed_over_when_it_returns(
+        four: list[PeerServer]) -> None:
+    """replicas=3 of three members, one stopped: an ack=all put succeeds (two copies and a
+    hint) and the owner gets the block when it restarts (hinted handoff)."""
+    servers = four[:3]
+    members = [s.member_id for s in servers]
+    down = servers[2]
+    port = int(down.member_id.rsplit(":", 1)[1])
+    four.remove(down)
+    await down.stop()
+    async with PeerTier.from_url(_url(members, replicas=3, health_interval=60)) as tier:
+        await tier.open()
+        await tier.put(key_of(1), sample_block(1))
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(2, 6)])
+        assert tier.stats()["hints"] == 5
+        assert tier.stats()["copies_made"] == 2 * 5
+        await asyncio.sleep(0.3)  # it restarts clearly after this client first saw it
+        back = PeerServer(DRAMTier(), token=TOKEN, close_segment=True, port=port)
+        await back.start()
+        four.append(back)
+        await tier.members.check_health()  # restarted: rejoins at once, hints handed over
+        await tier.flush()
+        assert tier.stats()["hints"] == 0 and tier.stats()["hints_handed_over"] == 5
+        held = await back.segment.get_many([key_of(i) for i in range(1, 6)])
+        assert all(np.array_equal(b, sample_block(i))  # type: ignore[arg-type]
+                   for i, b in enumerate(held, start=1))

@@ -107,6 +107,8 @@ class Membership:
         # differ between the two is checked on every current owner by reads.
         self._previous: tuple[HashRing, float] | None = None
         self._dated: set[str] = set()  # members whose first start estimate was judged
+        #: Called with a member that rejoined the path (hinted handoff).
+        self.on_rejoin: Callable[[str], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._since = time.monotonic()
 
@@ -160,6 +162,8 @@ class Membership:
         self.recoveries += 1
         self._note_change(member)
         log.info("peer %s is back", member)
+        if self.on_rejoin is not None:
+            self.on_rejoin(member)
 
     def _note_change(self, member: str, at: float | None = None) -> None:
         self._changes[member] = time.monotonic() if at is None else at

@@ -33,6 +33,7 @@ from kvtier.errors import (
 from kvtier.peer import protocol as proto
 from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, TimeBudget
 from kvtier.peer.frames import decode_from_peer
+from kvtier.peer.handoff import Hints
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
@@ -57,6 +58,7 @@ _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "t
             "change_window", "repair_bytes", "min_rate", "fail_after", "rejoin_after"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
+_HANDOFF_BATCH = 64  # hinted keys read back at once when their owner rejoins
 
 
 class PeerTier(Tier):
@@ -88,8 +90,10 @@ class PeerTier(Tier):
         (:class:`~kvtier.peer.health.FailureDetector`).
     ack
         ``"all"``: ``put`` returns when every copy finished and raises unless ``min_copies``
-        of them were stored; ``"one"``: it returns after ``min_copies`` acknowledgements and
-        the other copies complete in the background (:meth:`flush` waits for them).
+        of them were stored, an owner out of the path counting as stored by a hint (see
+        :mod:`kvtier.peer.handoff`; at least one real copy always); ``"one"``: it returns
+        after ``min_copies`` acknowledgements and the other copies complete in the
+        background (:meth:`flush` waits for them).
     min_copies
         Copies a put needs to succeed (default: ``replicas`` for ``ack="all"``, 1 for
         ``"one"``; capped at the member count). Copies made are counted in :meth:`stats`.
@@ -187,6 +191,8 @@ class PeerTier(Tier):
         self.counts: dict[str, int] = defaultdict(int)
         # Keys already checked on every current owner, with the change count then.
         self._verified: OrderedDict[bytes, int] = OrderedDict()
+        self._hints = Hints()
+        self.members.on_rejoin = self._hand_over
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -396,6 +402,7 @@ class PeerTier(Tier):
         while pending and (self.ack == "all" or copies < need):
             finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             copies += sum(1 for t in finished if t.result())
+        hinted = self._hint_down_owners(key, want)
         if pending:  # ack=one: the remaining copies finish in the background
             self.counts["copies_made"] += copies
             for task in pending:
@@ -404,9 +411,33 @@ class PeerTier(Tier):
         self.counts["copies_made"] += copies
         if copies < want:
             self.counts["puts_under_replicated"] += 1
-        if copies < need:
+        if copies < need and not (copies and self.ack == "all" and copies + hinted >= need):
             raise PeerError(f"{self.name}: {copies} of {want} copies of {key.hex()} stored, "
                             f"{need} required (ack={self.ack})")
+
+    def _hint_down_owners(self, key: bytes, want: int) -> int:
+        """Leave a hint for each of the key's owners that is out of the path (it gets the
+        block when it rejoins); returns how many owners hold a hint for ``key``."""
+        hinted = 0
+        for owner in self.members.ring.owners(key, want):
+            if owner != self.members.self_id and not self.members.alive(owner):
+                self._hints.add(owner, key)
+                hinted += 1
+        return hinted
+
+    def _hand_over(self, member: str) -> None:
+        """``member`` rejoined: read its hinted keys back (it is asked first, as a recently
+        changed member, and read repair copies each block to it), in the background."""
+        keys = self._hints.take(member)
+        if keys:
+            task = asyncio.create_task(self._hand_over_keys(keys))
+            self._repairs.add(task)
+            task.add_done_callback(self._repairs.discard)
+
+    async def _hand_over_keys(self, keys: list[bytes]) -> None:
+        for start in range(0, len(keys), _HANDOFF_BATCH):
+            blocks = await self._get_many(keys[start:start + _HANDOFF_BATCH])
+            self.counts["hints_handed_over"] += sum(1 for b in blocks if b is not None)
 
     def _count_copy(self, task: asyncio.Task[bool]) -> None:
         if not task.cancelled() and task.exception() is None and task.result():
@@ -640,7 +671,10 @@ class PeerTier(Tier):
                         plan[fallback].append(i)
         self.counts["copies_made"] += sum(stored)
         self.counts["puts_under_replicated"] += sum(1 for n in stored if n < want)
-        short = sum(1 for n in stored if n < max(need, 1))
+        hinted = [self._hint_down_owners(key, want) if self.ack == "all" else 0
+                  for key, _ in items]
+        short = sum(1 for n, h in zip(stored, hinted, strict=True)
+                    if n < max(need, 1) and not (n and n + h >= need))
         if short:
             raise PeerError(f"{self.name}: {short} of {len(items)} blocks stored on fewer than "
                             f"{max(need, 1)} peers (ack={self.ack}, replicas={self.replicas})")
@@ -703,6 +737,7 @@ class PeerTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), **self.counts, "members": list(self.members.members),
+                "hints": len(self._hints), "hints_dropped": self._hints.dropped,
                 "dead": sorted(self.members.dead), "replicas": self.replicas,
                 "walk_limit": self.walk_limit(), "repairs_in_flight": len(self._repairs),
                 "member_failures": self.members.failures,
