@@ -567,44 +567,65 @@ class PeerTier(Tier):
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         blocks, missed, holders = await self._rounds(keys, "get", self._fetch_blocks,
                                                      lambda b: b is not None)
+        unsettled: list[tuple[bytes, Block, str | None]] = []
         for key, block, not_here, holder in zip(keys, blocks, missed, holders, strict=True):
             if block is None:
                 continue
             if not_here:
                 self._read_repair(key, block, not_here)
             elif self.members.unsettled(key, self.replicas, self.change_window):
-                self._verify_owners(key, block, holder)
+                unsettled.append((key, block, holder))
+        if unsettled:
+            self._verify_owners(unsettled)
         return cast(list[Block | None], blocks)
 
-    def _verify_owners(self, key: bytes, block: Block, holder: str | None) -> None:
-        """A key whose owners changed recently was found on the first owner asked: check
-        its other current owners (one that is new for this key although unchanged itself
-        never saw the put) and copy the block to those that lack it, in the background,
-        within ``repair_bytes``. Each key is checked once per membership change."""
-        if self._verified.get(key) == self.members.change_count:
+    def _verify_owners(self, found: list[tuple[bytes, Block, str | None]]) -> None:
+        """Keys whose owners changed recently, found on the first owner asked: check their
+        other current owners (one that is new for a key although unchanged itself never
+        saw its put), one batch-exists request per member, and copy each block to those
+        that lack it, in the background, within ``repair_bytes``. Each key is checked once
+        per membership change."""
+        todo: list[tuple[bytes, Block, list[str]]] = []
+        held = 0
+        for key, block, holder in found:
+            if self._verified.get(key) == self.members.change_count:
+                continue
+            targets = [m for m in self.members.live_owners(key, self.replicas) if m != holder]
+            if not targets or self._repair_held + held + block.nbytes > self.repair_bytes:
+                continue
+            self._verified[key] = self.members.change_count
+            self._verified.move_to_end(key)
+            if len(self._verified) > _VERIFIED_KEYS:
+                self._verified.popitem(last=False)
+            held += block.nbytes
+            todo.append((key, block, targets))
+        if not todo:
             return
-        targets = [m for m in self.members.live_owners(key, self.replicas) if m != holder]
-        if not targets or self._repair_held + block.nbytes > self.repair_bytes:
-            return
-        self._verified[key] = self.members.change_count
-        self._verified.move_to_end(key)
-        if len(self._verified) > _VERIFIED_KEYS:
-            self._verified.popitem(last=False)
-        self._repair_held += block.nbytes
-        task = asyncio.create_task(self._verify(key, block, targets))
+        self._repair_held += held
+        task = asyncio.create_task(self._verify(todo, held))
         self._repairs.add(task)
         task.add_done_callback(self._repairs.discard)
 
-    async def _verify(self, key: bytes, block: Block, targets: list[str]) -> None:
+    async def _verify(self, todo: list[tuple[bytes, Block, list[str]]], held: int) -> None:
         try:
-            held = await asyncio.gather(*(self._call(m, "verify", partial(self._exists, m, [key]))
-                                          for m in targets))
-            lacking = [m for m, h in zip(targets, held, strict=True) if h == [False]]
-            self.counts["owners_verified"] += 1
-            if lacking:
-                await self._repair_copies(key, block, lacking)
+            asked: dict[str, list[int]] = defaultdict(list)
+            for i, (_, _, targets) in enumerate(todo):
+                for member in targets:
+                    asked[member].append(i)
+            replies = await asyncio.gather(*(
+                self._call(m, "verify", partial(self._exists, m, [todo[i][0] for i in idx]),
+                           len(idx)) for m, idx in asked.items()))
+            lacking: dict[int, list[str]] = defaultdict(list)
+            for (member, idx), reply in zip(asked.items(), replies, strict=True):
+                if isinstance(reply, list):
+                    for i, here in zip(idx, reply, strict=True):
+                        if not here:
+                            lacking[i].append(member)
+            self.counts["owners_verified"] += len(todo)
+            for i, members in lacking.items():
+                await self._repair_copies(todo[i][0], todo[i][1], members)
         finally:
-            self._repair_held -= block.nbytes
+            self._repair_held -= held
 
     def _read_repair(self, key: bytes, block: Block, not_here: list[str]) -> None:
         """Write a block found away from its first live owners back to those that lacked it,
