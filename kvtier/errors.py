@@ -40,8 +40,6 @@ __all__ = [
     "LimitExceededError",
     "PeerError",
     "PeerStatusError",
-    "PeerTimeoutError",
-    "PeerUnreachableError",
     "ProtocolError",
     "ShapeMismatchError",
     "TierError",
@@ -112,14 +110,6 @@ class PeerStatusError(PeerError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-class PeerTimeoutError(PeerError):
-    """A peer did not answer within the request's time budget (it may only be busy)."""
-
-
-class PeerUnreachableError(PeerError):
-    """A peer refused the connection: nothing listens on its port."""
 
 
 class ClosedError(KVTierError):

@@ -24,17 +24,26 @@ from aiohttp import payload as aio_payload
 from aiohttp.abc import AbstractStreamWriter
 
 from kvtier.codec import EncodedFrame
-from kvtier.errors import PeerError, PeerStatusError, PeerTimeoutError, PeerUnreachableError
+from kvtier.errors import PeerError, PeerStatusError
 from kvtier.peer import protocol as proto
 from kvtier.peer.fastread import RawPool
 from kvtier.redact import mask_secrets
 
-__all__ = ["DEFAULT_MIN_RATE", "BuffersPayload", "PeerClient", "TimeBudget"]
+__all__ = ["DEFAULT_MIN_RATE", "BuffersPayload", "PeerClient", "PeerTimeoutError",
+           "PeerUnreachableError", "TimeBudget"]
 
 # Most bytes of an answer that carries no block (a PUT's 204, an error text).
 _SMALL_ANSWER_BYTES = 64 << 10
 # Per entry of a batch get answer, besides the frame: u16 key length, key, u64 frame length.
 _BATCH_ENTRY_OVERHEAD = 2 + 128 + 8
+
+
+class PeerTimeoutError(PeerError):
+    """A peer did not answer within the request's time budget (it may only be busy)."""
+
+
+class PeerUnreachableError(PeerError):
+    """A peer refused the connection: nothing listens on its port."""
 
 
 #: Bytes per second a request is assumed to move at least (``min_rate=`` of a pool URL).

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvtier.errors import ConfigError, KVTierError, PeerStatusError, PeerTimeoutError
-from kvtier.peer.client import PeerClient
+from kvtier.errors import ConfigError, KVTierError, PeerStatusError
+from kvtier.peer.client import PeerClient, PeerTimeoutError
 from kvtier.peer.health import FailureDetector, StartEstimate
 from kvtier.peer.ring import HashRing
 

@@ -22,16 +22,9 @@ from typing import Any, Self, TypeVar, cast
 
 from kvtier.codec import EncodedFrame, decode_frame, encode_frame
 from kvtier.codec import parse_compress as _compress_level
-from kvtier.errors import (
-    ConfigError,
-    CorruptBlockError,
-    KVTierError,
-    PeerError,
-    PeerStatusError,
-    PeerUnreachableError,
-)
+from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError, PeerStatusError
 from kvtier.peer import protocol as proto
-from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, TimeBudget
+from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, PeerUnreachableError, TimeBudget
 from kvtier.peer.frames import decode_from_peer
 from kvtier.peer.handoff import Hints
 from kvtier.peer.locate import LocalPrefix, locate_prefix
