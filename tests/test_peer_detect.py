@@ -192,3 +192,36 @@ async def test_a_long_lived_client_reads_what_a_fresh_client_reads(
         async with PeerTier.from_url(_url(members)) as fresh:
             assert sum(g is not None for g in await fresh.get_many(keys)) == len(keys)
         assert long_lived == len(keys)
+
+
+async def test_a_hedged_read_is_answered_by_the_next_owner_when_the_first_stalls() -> None:
+    """``hedge=1``: a get its first owner has not answered after that owner's usual latency
+    goes to the co-owner too; the co-owner's hit wins, and the stalled answer still teaches
+    the pool that the member is slow (its next reads go to the co-owner first)."""
+    stalling = PeerServer(LatencyTier(DRAMTier(), delay=0.0), token=TOKEN, close_segment=True)
+    # The co-owner is the slower one at first, so the member about to stall is asked first.
+    fast = PeerServer(LatencyTier(DRAMTier(), delay=0.02), token=TOKEN, close_segment=True)
+    for s in (stalling, fast):
+        await s.start()
+    try:
+        async with PeerTier.from_url(_url([stalling.member_id, fast.member_id], timeout=2,
+                                          hedge=1)) as tier:
+            keys = [k for k in (key_of(i) for i in range(200))
+                    if tier.members.ring.primary(k) == stalling.member_id][:10]
+            for i, key in enumerate(keys):
+                await tier.put(key, sample_block(i))
+            for key in keys:  # both members answer alike
+                assert await tier.get(key) is not None
+            wins = tier.counts["hedge_wins"]
+            stalling.segment.delay, fast.segment.delay = 0.5, 0.0  # type: ignore[attr-defined]
+            assert np.array_equal(await tier.get(keys[0]), sample_block(0))  # type: ignore[arg-type]
+            assert tier.counts["hedge_wins"] == wins + 1
+            await asyncio.gather(*tier._stragglers)  # the stalled answer arrives
+            latency = tier.members.detector[stalling.member_id].latency
+            assert latency is not None and latency > 0.05
+            gets = stalling.segment.calls.get("get", 0)  # type: ignore[attr-defined]
+            assert np.array_equal(await tier.get(keys[1]), sample_block(1))  # type: ignore[arg-type]
+            assert stalling.segment.calls.get("get", 0) == gets  # type: ignore[attr-defined]
+    finally:
+        for s in (stalling, fast):
+            await s.stop()

@@ -17,7 +17,9 @@ timeouts does not flap in and out). Meanwhile it stays *reachable* as long as it
 probe answered, and the pool still asks a reachable member when it is the only owner left.
 
 Latency is an exponentially weighted mean of seconds per key of the member's requests
-(timeouts count at the time they took), used to ask slow members after their co-owners.
+(timeouts count at the time they took), used to ask slow members after their co-owners, with
+its mean deviation: ``mean + 4 x deviation`` (as TCP's retransmission timer) approximates a
+high percentile of the member's latency, after which a hedged read asks the next owner too.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class MemberHealth:
     reachable: bool = True
     #: Seconds per key, exponentially weighted; ``None`` before the first answer.
     latency: float | None = None
+    #: Mean absolute deviation of the latency samples, exponentially weighted.
+    deviation: float = 0.0
     started: StartEstimate | None = None
 
 
@@ -80,6 +84,7 @@ class FailureDetector:
     """
 
     _ALPHA = 0.2  # weight of the newest latency sample
+    _HEDGE_FLOOR = 0.002  # seconds: below this a second request costs more than it saves
 
     def __init__(self, *, fail_after: int = 3, rejoin_after: int = 2, slow_factor: float = 3.0,
                  slow_margin: float = 0.002) -> None:
@@ -164,7 +169,19 @@ class FailureDetector:
 
         return sorted(owners, key=rank)
 
+    def hedge_delay(self, member: str) -> float | None:
+        """Seconds after which a read still unanswered by ``member`` is sent to the next
+        owner too: ``latency + 4 x deviation`` (at least 2 ms); ``None`` before the member
+        answered anything."""
+        state = self[member]
+        if state.latency is None:
+            return None
+        return max(self._HEDGE_FLOOR, state.latency + 4 * state.deviation)
+
     def _sample(self, state: MemberHealth, elapsed: float, keys: int) -> None:
         sample = elapsed / max(keys, 1)
-        state.latency = sample if state.latency is None else \
-            state.latency + self._ALPHA * (sample - state.latency)
+        if state.latency is None:
+            state.latency = sample
+            return
+        state.deviation += self._ALPHA * (abs(sample - state.latency) - state.deviation)
+        state.latency += self._ALPHA * (sample - state.latency)

@@ -35,6 +35,7 @@ from kvtier.peer.tls import client_context
 from kvtier.tiers.base import Block, Tier
 from kvtier.urls import (
     merge_options,
+    parse_bool,
     parse_number,
     parse_secret,
     parse_size,
@@ -48,7 +49,8 @@ T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
-            "change_window", "repair_bytes", "min_rate", "fail_after", "rejoin_after"}
+            "change_window", "repair_bytes", "min_rate", "fail_after", "rejoin_after",
+            "hedge"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
 _HANDOFF_BATCH = 64  # hinted keys read back at once when their owner rejoins
@@ -81,6 +83,11 @@ class PeerTier(Tier):
         Failures in a row (a burst of concurrent ones counting once) that take a member out
         of the path, and health probes in a row that bring it back
         (:class:`~kvtier.peer.health.FailureDetector`).
+    hedge
+        Hedged single-key reads: a ``get`` its first owner has not answered after a high
+        percentile of that owner's latency
+        (:meth:`~kvtier.peer.health.FailureDetector.hedge_delay`) goes to the next owner too,
+        and the first hit wins (the slower answer still feeds the latency figures).
     ack
         ``"all"``: ``put`` returns when every copy finished and raises unless ``min_copies``
         of them were stored, an owner out of the path counting as stored by a hint (see
@@ -136,7 +143,7 @@ class PeerTier(Tier):
                  min_copies: int | None = None, read_walk: int = 1,
                  change_window: float = 300.0, repair_bytes: int = 256 << 20,
                  min_rate: float = DEFAULT_MIN_RATE, fail_after: int = 3,
-                 rejoin_after: int = 2) -> None:
+                 rejoin_after: int = 2, hedge: bool = False) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -158,6 +165,7 @@ class PeerTier(Tier):
         self.read_walk = read_walk
         self.change_window = change_window
         self.repair_bytes = repair_bytes
+        self.hedge = hedge
         self._repair_held = 0
         self.timeout = timeout
         self._token = token  # for /v1/locate (the clients hold their own copy)
@@ -185,6 +193,7 @@ class PeerTier(Tier):
         # Keys already checked on every current owner, with the change count then.
         self._verified: OrderedDict[bytes, int] = OrderedDict()
         self._hints = Hints()
+        self._stragglers: set[asyncio.Task[Any]] = set()  # hedged reads' slower requests
         self.members.on_rejoin = self._hand_over
 
     # ------------------------------------------------------------------ config
@@ -244,6 +253,7 @@ class PeerTier(Tier):
             min_rate=parse_size(str(opts.get("min_rate", DEFAULT_MIN_RATE)), "min_rate"),
             fail_after=parse_number(opts.get("fail_after", 3), "fail_after", int, 1),
             rejoin_after=parse_number(opts.get("rejoin_after", 2), "rejoin_after", int, 1),
+            hedge=parse_bool(opts.get("hedge", False), "hedge"),  # type: ignore[arg-type]
         )
 
     @property
@@ -504,12 +514,18 @@ class PeerTier(Tier):
                     groups[member].append(i)
             if not groups:
                 break
-            calls = [self._call(m, op, partial(fetch, m, [keys[i] for i in idx]), len(idx))
-                     for m, idx in groups.items()]
-            # One owner (every single-key call): await it directly, no task per request.
-            replies = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+            if self.hedge and len(keys) == 1 and op == "get":
+                answers = await self._hedged(keys[0], next(iter(groups)), orders[0],
+                                             tried[0], fetch, found)
+            else:
+                calls = [self._call(m, op, partial(fetch, m, [keys[i] for i in idx]), len(idx))
+                         for m, idx in groups.items()]
+                # One owner (every single-key call): await it directly, no task per request.
+                replies = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+                answers = list(zip(groups, replies, strict=True))
             pending = []
-            for (member, idx), reply in zip(groups.items(), replies, strict=True):
+            for member, reply in answers:
+                idx = groups.get(member, [0])  # a hedged request asked for key 0 only
                 if reply is _FAILED:
                     pending += idx
                     continue
@@ -523,6 +539,51 @@ class PeerTier(Tier):
                     if len(missed[i]) > self.replicas:
                         self.counts["walk_hits"] += 1  # found past the owners' answers
         return results, missed, holder
+
+    async def _hedged(self, key: bytes, member: str, order: list[str], tried: set[str],
+                      fetch: Callable[[str, list[bytes]], Awaitable[list[Any]]],
+                      found: Callable[[Any], bool]) -> list[tuple[str, object]]:
+        """Ask ``member`` for ``key``; if it has not answered after its hedge delay, ask the
+        next member of ``order`` too. Returns ``(member, reply)`` of the requests that
+        answered before the first hit; a slower request left running finishes in the
+        background (its answer, or failure, still counts for its member)."""
+        first = asyncio.create_task(self._call(member, "get", partial(fetch, member, [key])))
+        delay = self.members.detector.hedge_delay(member)
+        done: set[asyncio.Task[object]] = set()
+        if delay is not None:
+            try:
+                done, _ = await asyncio.wait({first}, timeout=delay)
+            except asyncio.CancelledError:
+                first.cancel()
+                raise
+        second_member = None if done or delay is None else self._next(key, order, tried)
+        if second_member is None:
+            return [(member, await first)]
+        tried.add(second_member)
+        self.counts["hedged_reads"] += 1
+        second = asyncio.create_task(self._call(second_member, "get",
+                                                partial(fetch, second_member, [key])))
+        asked = {first: member, second: second_member}
+        answers: list[tuple[str, object]] = []
+        waiting: set[asyncio.Task[object]] = {first, second}
+        try:
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    reply = task.result()
+                    answers.append((asked[task], reply))
+                    if reply is not _FAILED and found(cast(list[Any], reply)[0]) and waiting:
+                        if task is second:
+                            self.counts["hedge_wins"] += 1
+                        for straggler in waiting:
+                            self._stragglers.add(straggler)
+                            straggler.add_done_callback(self._stragglers.discard)
+                        return answers
+        except asyncio.CancelledError:
+            for task in waiting:  # the read was cancelled: nothing it started acts later
+                task.cancel()
+            raise
+        return answers
 
     def _read_order(self, key: bytes, changed: set[str]) -> list[str]:
         """The live owners, then the rest in ring order. Owners which recently failed,
@@ -740,6 +801,8 @@ class PeerTier(Tier):
             await asyncio.gather(*self._background, *self._repairs, return_exceptions=True)
 
     async def _aclose(self) -> None:
+        for straggler in list(self._stragglers):
+            straggler.cancel()
         try:
             await asyncio.wait_for(self.flush(), timeout=max(self.timeout * 4, 1.0))
         except TimeoutError:
