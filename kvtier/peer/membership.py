@@ -18,6 +18,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +34,7 @@ log = logging.getLogger("kvtier.peer.membership")
 # Seconds by which a member's start estimate must move later to count as a restart (server
 # rounding of uptime_s, clock-rate differences between two probes).
 _START_SLACK = 0.01
+_PREVIOUS_RINGS = 4  # rings kept to tell which keys a recent join or leave moved
 
 
 def split_member(member: str, name: str = "members", *, allow_zero: bool = False
@@ -103,9 +105,9 @@ class Membership:
         # the read path walks further while members have recently changed.
         self._changes: dict[str, float] = {}
         self.change_count = 0  # every change ever seen (anti-entropy skips quiet periods)
-        # The ring before the last membership change, and when it changed: a key whose owners
-        # differ between the two is checked on every current owner by reads.
-        self._previous: tuple[HashRing, float] | None = None
+        # The last rings before a membership change, each with when it was replaced: a key
+        # whose owners differ from those of one of them is checked on every current owner.
+        self._previous: deque[tuple[HashRing, float]] = deque(maxlen=_PREVIOUS_RINGS)
         self._dated: set[str] = set()  # members whose first start estimate was judged
         #: Called with a member that rejoined the path (hinted handoff).
         self.on_rejoin: Callable[[str], None] | None = None
@@ -200,18 +202,16 @@ class Membership:
         return owners
 
     def unsettled(self, key: bytes, replicas: int, window: float) -> bool:
-        """Whether the owners of ``key`` changed in the last ``window`` seconds: the ring
-        moved it (a member joined or left) or one of the members it would be read from
-        failed, came back, restarted, joined or left."""
-        now = time.monotonic()
-        if self._previous is not None and self._previous[1] >= now - window:
-            before = set(self._previous[0].owners(key, replicas))
-            if before != set(self.ring.owners(key, replicas)):
-                return True
-        changed = self.recently_changed(window)
-        if not changed:
-            return False
-        return any(m in changed for m in self.order(key)[:replicas + len(changed)])
+        """Whether the ring moved ``key`` in the last ``window`` seconds (a member joined
+        or left, and its owners differ from those of a ring before)."""
+        since = time.monotonic() - window
+        owners = None
+        for ring, until in self._previous:
+            if until >= since:
+                owners = set(self.ring.owners(key, replicas)) if owners is None else owners
+                if set(ring.owners(key, replicas)) != owners:
+                    return True
+        return False
 
     def client(self, member: str) -> PeerClient:
         """The client of ``member`` (created on first use)."""
@@ -352,7 +352,7 @@ class Membership:
         for member in gone | (found - set(self.members)):
             self._note_change(member, now)
         # Thousands of vnodes per member: build the new ring off the event loop.
-        self._previous = (self.ring, now)
+        self._previous.append((self.ring, now))
         self.ring = await asyncio.to_thread(self.ring.with_members, found)
         for member in gone:
             self.detector.forget(member)
