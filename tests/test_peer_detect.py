@@ -109,7 +109,7 @@ async def test_rejoining_takes_several_probes_and_a_burst_counts_once(
 class _ThrottledDRAM(DRAMTier):
     """A DRAM segment whose batch reads take ``bytes / rate`` seconds (a slow disk)."""
 
-    rate = 200 << 20
+    rate = 400 << 20
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         blocks = await super()._get_many(keys)
@@ -118,13 +118,13 @@ class _ThrottledDRAM(DRAMTier):
 
 
 async def test_a_large_batch_gets_a_budget_for_its_bytes() -> None:
-    """64 x 256 KiB in one batch get with timeout=0.05 from a segment that reads at
-    200 MiB/s: every block arrives, the member stays up (the row: 400 x 256 KiB with
+    """128 x 256 KiB in one batch get with timeout=0.05 from a segment that reads at
+    400 MiB/s: every block arrives, the member stays up (the row: 400 x 256 KiB with
     timeout=0.5, all missed and every member marked down)."""
     server = PeerServer(_ThrottledDRAM(), token=TOKEN, close_segment=True)
     await server.start()
     try:
-        items = [(key_of(i), sample_block(i, nbytes=256 << 10)) for i in range(64)]
+        items = [(key_of(i), sample_block(i, nbytes=256 << 10)) for i in range(128)]
         async with PeerTier.from_url(_url([server.member_id], replicas=1, timeout=5)) as w:
             await w.put_many(items)
         async with PeerTier.from_url(_url([server.member_id], replicas=1,
@@ -132,7 +132,7 @@ async def test_a_large_batch_gets_a_budget_for_its_bytes() -> None:
             assert await tier.get(items[0][0]) is not None  # one block: its size is seen
             got = await tier.get_many([k for k, _ in items[1:]])
             assert [g is not None and np.array_equal(g, b) for g, (_, b) in
-                    zip(got, items[1:], strict=True)] == [True] * 63
+                    zip(got, items[1:], strict=True)] == [True] * 127
             assert tier.members.alive(server.member_id)
             assert tier.budget.frame_bytes >= 256 << 10
             assert tier.budget.seconds(0) == 0.05  # a request moving nothing: the floor

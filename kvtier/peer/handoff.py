@@ -1,10 +1,11 @@
-"""Hinted handoff: the keys a put could not copy to an owner that was out of the path.
+"""Hinted handoff: the keys a put could not copy to an owner that was out of the path or
+under suspicion.
 
-A put whose owner is out of the path stores its copies on the live owners (and fallback
-members) and leaves a *hint* here: "this owner misses this key". When the owner rejoins, the
-pool reads each hinted key (the rejoined owner is asked first, as a recently changed member,
-and answers "not here") and read repair copies the block to it. Hints live in the client's
-memory, a key each; the servers' anti-entropy pass covers a client that exits first.
+Such a put stores its copies on the other owners (and fallback members) and leaves a *hint*
+here: "this owner misses this key". When the owner is back (it rejoins the path, or answers
+again after failures), the pool asks it which hinted keys it lacks, reads those and stores
+them on it. Hints live in the client's memory, a key each; the servers' anti-entropy pass
+covers a client that exits first.
 """
 
 from __future__ import annotations

@@ -120,11 +120,14 @@ class FailureDetector:
         state.down = True
         return True
 
-    def success(self, member: str, elapsed: float, keys: int) -> None:
-        """Count one answered request of ``keys`` keys that took ``elapsed`` seconds."""
+    def success(self, member: str, elapsed: float, keys: int) -> bool:
+        """Count one answered request of ``keys`` keys that took ``elapsed`` seconds;
+        ``True`` when it clears the suspicion of a member in the path."""
         state = self[member]
+        cleared = state.suspicion > 0 and not state.down
         state.suspicion = 0
         self._sample(state, elapsed, keys)
+        return cleared
 
     def probe_answered(self, member: str) -> bool:
         """Count one health probe answered in time; ``True`` when the member rejoins."""

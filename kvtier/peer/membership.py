@@ -109,7 +109,8 @@ class Membership:
         # whose owners differ from those of one of them is checked on every current owner.
         self._previous: deque[tuple[HashRing, float]] = deque(maxlen=_PREVIOUS_RINGS)
         self._dated: set[str] = set()  # members whose first start estimate was judged
-        #: Called with a member that rejoined the path (hinted handoff).
+        #: Called with a member that rejoined the path, or answered again after failures
+        #: while in it (hinted handoff).
         self.on_rejoin: Callable[[str], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._since = time.monotonic()
@@ -149,7 +150,8 @@ class Membership:
 
     def report_success(self, member: str, elapsed: float, keys: int) -> None:
         """Count an answered request of ``keys`` keys to ``member``."""
-        self.detector.success(member, elapsed, keys)
+        if self.detector.success(member, elapsed, keys) and self.on_rejoin is not None:
+            self.on_rejoin(member)  # it answers again: hand over what it missed meanwhile
 
     def _went_down(self, member: str, reason: object) -> None:
         self.failures += 1

@@ -53,7 +53,7 @@ _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "t
             "hedge"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
-_HANDOFF_BATCH = 64  # hinted keys read back at once when their owner rejoins
+_HANDOFF_BATCH = 64  # hinted keys checked and copied at once when their owner is back
 
 
 class PeerTier(Tier):
@@ -90,8 +90,9 @@ class PeerTier(Tier):
         and the first hit wins (the slower answer still feeds the latency figures).
     ack
         ``"all"``: ``put`` returns when every copy finished and raises unless ``min_copies``
-        of them were stored, an owner out of the path counting as stored by a hint (see
-        :mod:`kvtier.peer.handoff`; at least one real copy always); ``"one"``: it returns
+        of them were stored, a hint standing in for one missing copy of an owner out of the
+        path or under suspicion (see :mod:`kvtier.peer.handoff`; never for the only copy);
+        ``"one"``: it returns
         after ``min_copies`` acknowledgements and the other copies complete in the
         background (:meth:`flush` waits for them).
     min_copies
@@ -405,7 +406,7 @@ class PeerTier(Tier):
         while pending and (self.ack == "all" or copies < need):
             finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             copies += sum(1 for t in finished if t.result())
-        hinted = self._hint_down_owners(key, want)
+        hinted = self._hint_failing_owners(key, want)
         if pending:  # ack=one: the remaining copies finish in the background
             self.counts["copies_made"] += copies
             for task in pending:
@@ -414,33 +415,57 @@ class PeerTier(Tier):
         self.counts["copies_made"] += copies
         if copies < want:
             self.counts["puts_under_replicated"] += 1
-        if copies < need and not (copies and self.ack == "all" and copies + hinted >= need):
+        if copies < need and not self._hints_cover(copies, hinted, need):
             raise PeerError(f"{self.name}: {copies} of {want} copies of {key.hex()} stored, "
                             f"{need} required (ack={self.ack})")
 
-    def _hint_down_owners(self, key: bytes, want: int) -> int:
-        """Leave a hint for each of the key's owners that is out of the path (it gets the
-        block when it rejoins); returns how many owners hold a hint for ``key``."""
+    def _hint_failing_owners(self, key: bytes, want: int) -> int:
+        """Leave a hint for each of the key's owners that is out of the path or under
+        suspicion (it gets the block when it is back); returns how many owners hold a hint
+        for ``key``."""
         hinted = 0
         for owner in self.members.ring.owners(key, want):
-            if owner != self.members.self_id and not self.members.alive(owner):
+            if owner != self.members.self_id and (not self.members.alive(owner)
+                                                  or self.members.detector[owner].suspicion):
                 self._hints.add(owner, key)
                 hinted += 1
         return hinted
 
+    def _hints_cover(self, copies: int, hinted: int, need: int) -> bool:
+        """Whether hints make up for the copies an ``ack=all`` put lacks: one copy at most,
+        and never the only one."""
+        return self.ack == "all" and copies >= max(1, need - 1) and copies + hinted >= need
+
     def _hand_over(self, member: str) -> None:
-        """``member`` rejoined: read its hinted keys back (it is asked first, as a recently
-        changed member, and read repair copies each block to it), in the background."""
+        """``member`` is back (rejoined, or answered after failures): copy its hinted keys
+        to it, in the background."""
         keys = self._hints.take(member)
         if keys:
-            task = asyncio.create_task(self._hand_over_keys(keys))
+            task = asyncio.create_task(self._hand_over_keys(member, keys))
             self._repairs.add(task)
             task.add_done_callback(self._repairs.discard)
 
-    async def _hand_over_keys(self, keys: list[bytes]) -> None:
+    async def _hand_over_keys(self, member: str, keys: list[bytes]) -> None:
+        """Ask ``member`` which hinted keys it lacks, read those through the pool, and store
+        them on it; a batch it fails puts its keys back as hints."""
         for start in range(0, len(keys), _HANDOFF_BATCH):
-            blocks = await self._get_many(keys[start:start + _HANDOFF_BATCH])
-            self.counts["hints_handed_over"] += sum(1 for b in blocks if b is not None)
+            chunk = keys[start:start + _HANDOFF_BATCH]
+            held = await self._call(member, "handoff", partial(self._exists, member, chunk),
+                                    len(chunk))
+            missing = [k for k, h in zip(chunk, held, strict=True) if not h] \
+                if isinstance(held, list) else chunk
+            blocks = await self._get_many(missing) if isinstance(held, list) else []
+            items = [(k, b) for k, b in zip(missing, blocks, strict=True) if b is not None]
+            frames = [await self._encode(k, b) for k, b in items]
+            stored = await self._call(
+                member, "handoff",
+                partial(self._store_many, member, items, frames, list(range(len(items)))),
+                len(items)) if items else None
+            if not isinstance(held, list) or stored is _FAILED:
+                for key in keys[start:]:
+                    self._hints.add(member, key)
+                return
+            self.counts["hints_handed_over"] += len(items)
 
     def _count_copy(self, task: asyncio.Task[bool]) -> None:
         if not task.cancelled() and task.exception() is None and task.result():
@@ -746,10 +771,9 @@ class PeerTier(Tier):
                         plan[fallback].append(i)
         self.counts["copies_made"] += sum(stored)
         self.counts["puts_under_replicated"] += sum(1 for n in stored if n < want)
-        hinted = [self._hint_down_owners(key, want) if self.ack == "all" else 0
-                  for key, _ in items]
+        hinted = [self._hint_failing_owners(key, want) for key, _ in items]
         short = sum(1 for n, h in zip(stored, hinted, strict=True)
-                    if n < max(need, 1) and not (n and n + h >= need))
+                    if n < max(need, 1) and not self._hints_cover(n, h, need))
         if short:
             raise PeerError(f"{self.name}: {short} of {len(items)} blocks stored on fewer than "
                             f"{max(need, 1)} peers (ack={self.ack}, replicas={self.replicas})")
