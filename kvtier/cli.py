@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 __all__ = ["COMMAND_MODULES", "build_parser", "main"]
 
-COMMAND_MODULES = ("demo", "serve", "replay", "bench", "stats", "gc")
+COMMAND_MODULES = ("demo", "serve", "replay", "bench", "stats", "gc", "explain")
 
 
 def build_parser() -> argparse.ArgumentParser:

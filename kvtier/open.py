@@ -23,7 +23,7 @@ __all__ = ["open_store"]
 
 _STORE_OPTIONS = ("promote", "write_policy", "timeout", "write_queue_size", "write_queue_bytes",
                   "write_workers", "promote_counter_size", "pool_write_through", "close_flush",
-                  "close_flush_timeout", "node", "block_tokens")
+                  "close_flush_timeout", "node", "block_tokens", "miss_record_size")
 
 
 class _OpeningStore:
@@ -68,7 +68,7 @@ def open_store(urls: Sequence[str | Tier], *,
         Store options: ``promote``, ``write_policy``, ``timeout``, ``write_queue_size``,
         ``write_queue_bytes``, ``write_workers``, ``promote_counter_size``,
         ``pool_write_through``, ``close_flush``, ``close_flush_timeout``, ``node``,
-        ``block_tokens`` (see :class:`~kvtier.store.TieredStore`).
+        ``block_tokens``, ``miss_record_size`` (see :class:`~kvtier.store.TieredStore`).
 
     Raises
     ------

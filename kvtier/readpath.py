@@ -4,21 +4,28 @@ lower-tier hits, and the buffer (``get_into``) and presence forms that share the
 Every read of a block below the top tier goes through :meth:`ReadPath.fetch_lower` (one key)
 or :meth:`ReadPath.fetch_lower_many` (a batch): concurrent readers of one key share one
 fetch, and the fetch decides promotion once.
+
+A key every tier missed is counted by reason (:mod:`kvtier.misses`): a tier that gave no
+answer during the read (its :class:`~kvtier.misses.Trouble`), else what the tiers noted of the
+key (evicted, dropped as corrupt, unreachable), else ``not_stored``. Only misses pay for this.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
+from kvtier.misses import MissReason, Trouble
 from kvtier.promotion import Promotion
 from kvtier.singleflight import Flight, KeyRegistry, KeyState, LeaderGone
 from kvtier.tierchain import TierChain
 from kvtier.tiers.base import Block, copy_into
 
 __all__ = ["ReadPath"]
+
+T = TypeVar("T")
 
 
 class ReadPath:
@@ -60,15 +67,16 @@ class ReadPath:
         chain = self._chain
         counters = chain.counters
         counters.gets += 1
+        trouble: Trouble | None = None
+        start = time.perf_counter_ns()  # also when this read began, for its miss reason
         if deadline is None:
             # Hot path (a top-tier hit without a deadline), inlined: each coroutine frame
             # costs ~0.3 us against a ~1 us DRAM hit.
             c = chain.tier_counters[0]
-            start = time.perf_counter_ns()
             try:
                 block = await chain.tiers[0]._get(key)
             except Exception as exc:
-                chain.error(0, "get", exc)
+                trouble = self._failed(0, "get", exc)
                 block = None
             else:
                 c.get_latency.record(time.perf_counter_ns() - start)
@@ -79,46 +87,65 @@ class ReadPath:
                     return block
                 c.misses += 1
         else:
-            block = await self.tier_get(0, key, deadline)
+            got = await self._tier_get(0, key, deadline)
+            block, trouble = (None, got) if isinstance(got, Trouble) else (got, None)
         if block is None and len(chain) > 1:
-            block = await self.fetch_lower(key, deadline)
+            got = await self.fetch_lower(key, deadline)
+            block, trouble = (None, got) if isinstance(got, Trouble) else (got, trouble)
         if block is None:
             counters.misses += 1
+            chain.misses.count(key, trouble, start)
         else:
             counters.hits += 1
         return block
 
-    async def tier_get(self, index: int, key: bytes, deadline: float | None) -> Block | None:
-        """One tier's get with stats; errors and timeouts are misses."""
-        block = await self._tier_get(index, key, deadline)
-        return None if isinstance(block, _TimedOut) else block
-
     async def _tier_get(self, index: int, key: bytes, deadline: float | None
-                        ) -> Block | _TimedOut | None:
-        """:meth:`tier_get` that tells a timeout (:data:`TIMED_OUT`) from a clean miss."""
-        tier = self._chain.tiers[index]
-        c = self._chain.tier_counters[index]
+                        ) -> Block | Trouble | None:
+        """One tier's get with stats; a timeout or failure is the tier's :class:`Trouble`
+        (distinct from a clean miss, ``None``)."""
         start = time.perf_counter_ns()
-        try:
-            if deadline is None:
-                block = await tier._get(key)
-            else:
-                block = await TierChain.bounded(deadline, tier._get, key)
-        except TimeoutError:
-            c.timeouts += 1
-            return TIMED_OUT
-        except Exception as exc:
-            self._chain.error(index, "get", exc)
-            return None
+        block = await self._guarded(index, "get", deadline, self._chain.tiers[index]._get, key)
+        if isinstance(block, Trouble):
+            return block
         elapsed = time.perf_counter_ns() - start
+        c = self._chain.tier_counters[index]
         if block is None:
             c.count_read(elapsed, misses=1)
         else:
             c.count_read(elapsed, hits=1, nbytes=block.nbytes)
         return block
 
-    async def fetch_lower(self, key: bytes, deadline: float | None) -> Block | None:
-        """Below the top tier, with single flight: one fetch per key at a time."""
+    async def _guarded(self, index: int, op: str, deadline: float | None,
+                       fn: Callable[..., Awaitable[T]], *args: Any,
+                       passthrough: tuple[type[Exception], ...] = ()) -> T | Trouble:
+        """``fn(*args)``, a call of tier ``index``, within ``deadline``: the one place a read
+        counts a tier's timeout (its ``deadline`` trouble) or failure (``unavailable``,
+        counted and logged as a tier error). Exceptions of the ``passthrough`` types
+        propagate (the caller's own errors, such as a bad output buffer)."""
+        try:
+            if deadline is None:
+                return await fn(*args)  # one coroutine frame less (TierChain.bounded's)
+            return await TierChain.bounded(deadline, fn, *args)
+        except passthrough:
+            raise
+        except TimeoutError:
+            self._chain.tier_counters[index].timeouts += 1
+            return self._out_of_time(index)
+        except Exception as exc:
+            return self._failed(index, op, exc)
+
+    def _failed(self, index: int, op: str, exc: Exception) -> Trouble:
+        self._chain.error(index, op, exc)
+        return Trouble(index, MissReason.UNAVAILABLE,
+                       f"{self._chain.tiers[index].name} failed: {type(exc).__name__}: {exc}")
+
+    def _out_of_time(self, index: int) -> Trouble:
+        return Trouble(index, MissReason.DEADLINE, f"the call's deadline ran out before "
+                                                   f"{self._chain.tiers[index].name} answered")
+
+    async def fetch_lower(self, key: bytes, deadline: float | None) -> Block | Trouble | None:
+        """Below the top tier, with single flight: one fetch per key at a time. A miss is
+        ``None``, or the :class:`Trouble` of a tier that gave no answer to this fetch."""
         while True:
             flight = self._keys.flight(key)
             if flight is None:
@@ -129,38 +156,43 @@ class ReadPath:
                 return result
             # The leader gave up (its deadline or cancellation): fetch within ours.
 
-    async def _lead(self, key: bytes, deadline: float | None) -> Block | None:
+    async def _lead(self, key: bytes, deadline: float | None) -> Block | Trouble | None:
         flight = self._keys.lead(key)
         state = self._keys.watch(key)
         gen = state.gen
         try:
-            block, index = await self._walk(key, deadline)
-            if isinstance(block, _TimedOut) or (block is None and _expired(deadline)):
+            got, index = await self._walk(key, deadline)
+            if _timed_out(got) or (got is None and _expired(deadline)):
                 # Out of time: followers with more of it fetch themselves. (A timer may fire
                 # a little before the loop's clock reaches the deadline, as on uvloop, so the
                 # timeout itself is the signal, not only the clock.)
-                return None
+                return got
+            block = None if isinstance(got, Trouble) else got
             flight.set_result(block)
             if block is not None:
                 await self._promote_one(key, block, index, state, gen)
-            return block
+            return got
         finally:
             self._keys.finish(key, flight)
             self._keys.unwatch(key, state)
 
     async def _walk(self, key: bytes, deadline: float | None
-                    ) -> tuple[Block | _TimedOut | None, int]:
-        """The first hit below the top tier and its index; :data:`TIMED_OUT` when a tier ran
-        into the deadline (the walk is incomplete, not a miss)."""
+                    ) -> tuple[Block | Trouble | None, int]:
+        """The first hit below the top tier and its index. On a miss: the first tier that
+        failed, or the one the deadline cut (the walk is then incomplete), else ``None``."""
+        trouble: Trouble | None = None
         for index in range(1, len(self._chain)):
             if _expired(deadline):
-                break  # out of budget: the remaining tiers are misses, not timeouts
-            block = await self._tier_get(index, key, deadline)
-            if block is TIMED_OUT:
-                return block, -1
-            if block is not None:
-                return block, index
-        return None, -1
+                # Out of budget: the remaining tiers are not asked (not a tier's timeout).
+                return self._out_of_time(index), -1
+            got = await self._tier_get(index, key, deadline)
+            if _timed_out(got):
+                return got, -1
+            if isinstance(got, Trouble):
+                trouble = trouble or got
+            elif got is not None:
+                return got, index
+        return trouble, -1
 
     async def _promote_one(self, key: bytes, block: Block, found: int, state: KeyState,
                            gen: int) -> None:
@@ -173,22 +205,25 @@ class ReadPath:
     async def get_many(self, keys: list[bytes], deadline: float | None) -> list[Block | None]:
         """Batch :meth:`get`: one batch call per tier for the keys still missing; every tier
         that served or received part of the chain is touched tail-to-head."""
+        since = time.perf_counter_ns()
         results: list[Block | None] = [None] * len(keys)
         held: list[list[int]] = [[] for _ in self._chain.tiers]
+        trouble: dict[int, Trouble] = {}
         missing = await self._read_batch(0, keys, list(range(len(keys))), results, held,
-                                         [], deadline)
+                                         [], deadline, trouble)
         if missing and len(self._chain) > 1:
-            await self.fetch_lower_many(keys, missing, results, held, deadline)
+            await self.fetch_lower_many(keys, missing, results, held, deadline, trouble)
         await self._touch_held(keys, held)
-        self._count(results)
+        self._count(keys, results, trouble, since)
         return results
 
     async def fetch_lower_many(self, keys: list[bytes], missing: list[int],
                                results: list[Block | None], held: list[list[int]],
-                               deadline: float | None) -> None:
+                               deadline: float | None, trouble: dict[int, Trouble]) -> None:
         """Below the top tier for ``keys[j] for j in missing``, single flight per key: keys
         another call is already fetching are joined, this call leads (batch-fetches) the
-        rest. Fills ``results``; ``held[i]`` gets the indices tier ``i`` served or received."""
+        rest. Fills ``results``; ``held[i]`` gets the indices tier ``i`` served or received;
+        ``trouble[j]``, the first tier that gave no answer for ``keys[j]``."""
         registry = self._keys
         mine: dict[bytes, Flight] = {}
         lead: list[int] = []
@@ -219,7 +254,7 @@ class ReadPath:
                 if not remaining:
                     break
                 remaining = await self._read_batch(index, keys, remaining, results, held,
-                                                   found_at, deadline)
+                                                   found_at, deadline, trouble)
                 if remaining is None:
                     break
             expired = remaining is None or _expired(deadline)
@@ -235,28 +270,31 @@ class ReadPath:
                 registry.unwatch(key, state)
         for j in repeated:
             results[j] = results[first[keys[j]]]
+            if first[keys[j]] in trouble:
+                trouble[j] = trouble[first[keys[j]]]
         for j, other in joined:
             result = await KeyRegistry.join(other, deadline)
-            results[j] = (await self.fetch_lower(keys[j], deadline)
-                          if isinstance(result, LeaderGone) else result)
+            got = (await self.fetch_lower(keys[j], deadline)
+                   if isinstance(result, LeaderGone) else result)
+            if isinstance(got, Trouble):
+                trouble[j] = got
+            else:
+                results[j] = got
 
     async def _read_batch(self, index: int, keys: list[bytes], idxs: list[int],
                           results: list[Block | None], held: list[list[int]],
-                          found_at: list[tuple[int, int]], deadline: float | None
-                          ) -> list[int] | None:
+                          found_at: list[tuple[int, int]], deadline: float | None,
+                          trouble: dict[int, Trouble]) -> list[int] | None:
         """One tier's batch get for ``keys[j] for j in idxs``; returns the indices still
-        missing (all of them if the tier failed), or ``None`` when the deadline passed."""
-        c = self._chain.tier_counters[index]
+        missing (all of them if the tier failed), or ``None`` when the deadline passed. A
+        failure or timeout is each key's ``trouble`` (unless an earlier tier's is there)."""
         start = time.perf_counter_ns()
-        try:
-            blocks = await TierChain.bounded(deadline, self._chain.tiers[index]._get_many,
-                                             [keys[j] for j in idxs])
-        except TimeoutError:
-            c.timeouts += 1
-            return None
-        except Exception as exc:
-            self._chain.error(index, "get_many", exc)
-            return idxs
+        blocks = await self._guarded(index, "get_many", deadline,
+                                     self._chain.tiers[index]._get_many, [keys[j] for j in idxs])
+        if isinstance(blocks, Trouble):
+            for j in idxs:
+                trouble.setdefault(j, blocks)
+            return None if blocks.reason is MissReason.DEADLINE else idxs
         elapsed = time.perf_counter_ns() - start
         still: list[int] = []
         nbytes = 0
@@ -269,7 +307,8 @@ class ReadPath:
             nbytes += block.nbytes
             if index:
                 found_at.append((j, index))
-        c.count_read(elapsed, hits=len(idxs) - len(still), misses=len(still), nbytes=nbytes)
+        self._chain.tier_counters[index].count_read(elapsed, hits=len(idxs) - len(still),
+                                                    misses=len(still), nbytes=nbytes)
         return still
 
     async def _promote_batch(self, keys: list[bytes], results: list[Block | None],
@@ -308,12 +347,16 @@ class ReadPath:
             if idxs:
                 await self._chain.touch(index, [keys[j] for j in sorted(set(idxs))])
 
-    def _count(self, hits: list[Any]) -> None:
+    def _count(self, keys: list[bytes], hits: list[Any], trouble: dict[int, Trouble],
+               since: int) -> None:
+        """Count a batch's gets, hits and misses; each miss by its reason."""
         counters = self._chain.counters
-        misses = sum(1 for h in hits if h is None or h is False)
+        missed = [j for j, h in enumerate(hits) if h is None or h is False]
         counters.gets += len(hits)
-        counters.misses += misses
-        counters.hits += len(hits) - misses
+        counters.misses += len(missed)
+        counters.hits += len(hits) - len(missed)
+        for j in missed:
+            self._chain.misses.count(keys[j], trouble.get(j), since)
 
     # ------------------------------------------------------------------ into buffers
     async def get_into(self, key: bytes, out: Any, deadline: float | None) -> bool:
@@ -325,97 +368,117 @@ class ReadPath:
         """
         counters = self._chain.counters
         counters.gets += 1
+        since = time.perf_counter_ns()
         hit = await self._top_into(key, out, deadline)
-        if hit is None and len(self._chain) > 1:
+        trouble = hit if isinstance(hit, Trouble) else None
+        if hit is not True and len(self._chain) > 1:
             block = await self.fetch_lower(key, deadline)
-            if block is not None:
+            if isinstance(block, Trouble):
+                trouble = block
+            elif block is not None:
                 copy_into(block, out)
                 hit = True
-        if hit:
+        if hit is True:
             counters.hits += 1
             return True
         counters.misses += 1
+        self._chain.misses.count(key, trouble, since)
         return False
 
-    async def _top_into(self, key: bytes, out: Any, deadline: float | None) -> bool | None:
-        """The top tier's ``get_into``: ``True`` on a hit, ``None`` on a miss/failure."""
-        c = self._chain.tier_counters[0]
+    async def _top_into(self, key: bytes, out: Any, deadline: float | None) -> bool | Trouble:
+        """The top tier's ``get_into``: ``True`` on a hit, ``False`` on a miss, the tier's
+        :class:`Trouble` when it gave no answer."""
         start = time.perf_counter_ns()
-        try:
-            hit = await TierChain.bounded(deadline, self._chain.tiers[0]._get_into, key, out)
-        except (TypeError, ValueError):
-            raise  # a bad ``out`` is the caller's error (ShapeMismatchError too)
-        except TimeoutError:
-            c.timeouts += 1
-            return None
-        except Exception as exc:
-            self._chain.error(0, "get_into", exc)
-            return None
+        # A bad ``out`` (TypeError, ValueError, ShapeMismatchError) is the caller's error.
+        hit = await self._guarded(0, "get_into", deadline, self._chain.tiers[0]._get_into, key,
+                                  out, passthrough=(TypeError, ValueError))
+        if isinstance(hit, Trouble):
+            return hit
+        c = self._chain.tier_counters[0]
         elapsed = time.perf_counter_ns() - start
         if hit:
             c.count_read(elapsed, hits=1)
             return True
         c.count_read(elapsed, misses=1)
-        return None
+        return False
 
     async def get_many_into(self, keys: list[bytes], outs: list[Any], deadline: float | None
                             ) -> list[bool]:
         """Batch :meth:`get_into`: the top tier per key, then one shared batch fetch below
         for the misses; the hits are touched tail-to-head in the top tier."""
+        since = time.perf_counter_ns()
         hits: list[bool] = []
-        for key, out in zip(keys, outs, strict=True):
-            hits.append(bool(await self._top_into(key, out, deadline)))
+        trouble: dict[int, Trouble] = {}
+        for j, (key, out) in enumerate(zip(keys, outs, strict=True)):
+            hit = await self._top_into(key, out, deadline)
+            if isinstance(hit, Trouble):
+                trouble[j] = hit
+            hits.append(hit is True)
         missing = [j for j, hit in enumerate(hits) if not hit]
         if missing and len(self._chain) > 1:
             results: list[Block | None] = [None] * len(keys)
             held: list[list[int]] = [[] for _ in self._chain.tiers]
-            await self.fetch_lower_many(keys, missing, results, held, deadline)
+            await self.fetch_lower_many(keys, missing, results, held, deadline, trouble)
             for j in missing:
                 block = results[j]
                 if block is not None:
                     copy_into(block, outs[j], f"outs[{j}]")
                     hits[j] = True
             await self._touch_held(keys, [[], *held[1:]])
-        self._count(hits)
+        self._count(keys, hits, trouble, since)
         await self._chain.touch(0, [k for k, h in zip(keys, hits, strict=True) if h])
         return hits
 
     # ------------------------------------------------------------------ presence
-    async def contains_many(self, keys: list[bytes], deadline: float | None) -> list[bool]:
-        """Whether some tier holds each key: one batch call per tier for those not found."""
+    async def contains_many(self, keys: list[bytes], deadline: float | None,
+                            trouble: dict[int, Trouble] | None = None) -> list[bool]:
+        """Whether some tier holds each key: one batch call per tier for those not found.
+        ``trouble`` (when given) gets, per key not found, the first tier that gave no
+        answer."""
         present = [False] * len(keys)
         for index, tier in enumerate(self._chain.tiers):
             todo = [j for j, p in enumerate(present) if not p]
             if not todo:
                 break
-            try:
-                found = await TierChain.bounded(deadline, tier._contains_many,
-                                                [keys[j] for j in todo])
-            except TimeoutError:
-                self._chain.tier_counters[index].timeouts += 1
-                break
-            except Exception as exc:
-                self._chain.error(index, "contains_many", exc)
+            found = await self._guarded(index, "contains_many", deadline,
+                                        tier._contains_many, [keys[j] for j in todo])
+            if isinstance(found, Trouble):
+                if trouble is not None:
+                    for j in todo:
+                        trouble.setdefault(j, found)
+                if found.reason is MissReason.DEADLINE:
+                    break
                 continue
             for j, yes in zip(todo, found, strict=True):
                 present[j] = present[j] or bool(yes)
         return present
 
+    async def probe(self, index: int, keys: Sequence[bytes], deadline: float | None
+                    ) -> list[bool] | Trouble:
+        """Tier ``index``'s presence answer for ``keys`` (no recency refreshed), or the
+        :class:`Trouble` of a tier that gave none."""
+        found = await self._guarded(index, "contains_many", deadline,
+                                    self._chain.tiers[index]._contains_many, keys)
+        return found if isinstance(found, Trouble) else [bool(f) for f in found]
+
     async def lookup_prefix(self, keys: list[bytes], deadline: float | None) -> int:
-        """Leading ``keys`` present somewhere; that prefix is touched in every tier."""
-        present = await self.contains_many(keys, deadline)
+        """Leading ``keys`` present somewhere; that prefix is touched in every tier. The key
+        that ends the prefix is counted by its miss reason (``lookup_miss_reasons``)."""
+        since = time.perf_counter_ns()
+        trouble: dict[int, Trouble] = {}
+        present = await self.contains_many(keys, deadline, trouble)
         hit = next((i for i, p in enumerate(present) if not p), len(present))
+        if hit < len(keys):
+            self._chain.misses.count(keys[hit], trouble.get(hit), since, lookup=True)
         if hit:
             for index in range(len(self._chain)):
                 await self._chain.touch(index, keys[:hit])
         return hit
 
 
-class _TimedOut:
-    """A tier read cut short by the caller's deadline (distinct from a clean miss)."""
-
-
-TIMED_OUT = _TimedOut()
+def _timed_out(value: object) -> bool:
+    """Whether ``value`` is a tier's answer cut short by the call's deadline."""
+    return isinstance(value, Trouble) and value.reason is MissReason.DEADLINE
 
 
 def _expired(deadline: float | None) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvtier.misses import MissLedger
     from kvtier.tiers.base import Tier
 
 __all__ = ["LatencyHistogram", "StoreCounters", "TierCounters"]
@@ -133,19 +134,20 @@ class StoreCounters:
 
 
 def store_stats(tiers: Sequence[Tier], tier_counters: Sequence[TierCounters],
-                counters: StoreCounters) -> dict[str, Any]:
+                counters: StoreCounters, misses: MissLedger) -> dict[str, Any]:
     """The figures of :meth:`kvtier.store.TieredStore.stats` (its docstring lists them):
     each tier's own ``stats()`` merged with what the store observed of it, then the
-    store-wide counters."""
+    store-wide counters and the misses by reason."""
     out: list[dict[str, Any]] = []
-    for tier, observed_counters in zip(tiers, tier_counters, strict=True):
+    for index, (tier, observed_counters) in enumerate(zip(tiers, tier_counters, strict=True)):
         try:
             own = tier.stats()
         except Exception as exc:  # a broken tier must not break monitoring
             own = {"scheme": tier.scheme, "name": tier.name, "capacity": None, "used": None,
                    "evictions": tier.evictions, "stats_error": repr(exc)}
-        observed = observed_counters.as_dict()
+        observed = {**observed_counters.as_dict(), "miss_reasons": misses.tier_dict(index)}
         # A tier's own figure of the same name (e.g. an LMDB tier's hits, which include
         # reads that bypassed the store) stays visible as tier_<name>.
         out.append({**own, **{f"tier_{k}": own[k] for k in observed if k in own}, **observed})
-    return {"tiers": out, **counters.as_dict()}
+    return {"tiers": out, **counters.as_dict(), **misses.as_dict(),
+            "miss_records": misses.held}

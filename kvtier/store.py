@@ -19,15 +19,18 @@ loop, and delegates to the parts it builds (see ``docs/architecture.md``):
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Self
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
-from kvtier.errors import ClosedError, WrongLoopError
+from kvtier.errors import ClosedError, ConfigError, WrongLoopError
 from kvtier.events import EventHub, Subscription
+from kvtier.explain import Explanation, explain_keys
 from kvtier.keys import validate_key
+from kvtier.misses import DEFAULT_MISS_RECORD_SIZE, MissLedger
 from kvtier.open import open_store
 from kvtier.placement import Placement
 from kvtier.promotion import Promote, Promotion
@@ -36,10 +39,12 @@ from kvtier.singleflight import KeyRegistry
 from kvtier.stats import StoreCounters, store_stats
 from kvtier.tierchain import TierChain, check_positive_int, check_timeout, keys_list
 from kvtier.tiers.base import Block, Tier
-from kvtier.writethrough import WriteThrough
+from kvtier.writethrough import WritesDone, WriteThrough
 
 if TYPE_CHECKING:
     from kvtier.peer.locate import PrefixLocation
+
+T = TypeVar("T")
 
 __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 
@@ -47,6 +52,27 @@ __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 LOCATE_DEADLINE = 0.05
 
 WritePolicy = Literal["write_back", "write_through"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _in_flight(method: Callable[Concatenate[TieredStore, _P], Awaitable[_R]]
+               ) -> Callable[Concatenate[TieredStore, _P], Coroutine[Any, Any, _R]]:
+    """Count a call as in flight until it returns: :meth:`TieredStore.aclose` waits for it
+    before it closes the tiers the call may still be using (a demotion, a pool copy)."""
+
+    @functools.wraps(method)
+    async def call(self: TieredStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._in_flight += 1
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+
+    return call
 
 class TieredStore:
     """A chain of tiers behind one async API (``get``/``put``/batch/prefix forms).
@@ -92,6 +118,10 @@ class TieredStore:
         id of a ``peers://`` tier in the chain, else the host name).
     block_tokens
         Tokens per block, reported in ``BlockStored`` events (default ``None``: unknown).
+    miss_record_size
+        Keys each tier remembers evicting or dropping as corrupt, so that a later miss can
+        say why (:meth:`explain`, ``miss_reasons`` in :meth:`stats`); the oldest is
+        forgotten first (default 32768 per tier, about 200 bytes each).
 
     Raises
     ------
@@ -123,33 +153,37 @@ class TieredStore:
                  write_workers: int = 4, promote_counter_size: int = 65536,
                  pool_write_through: bool = True, close_flush: bool = True,
                  close_flush_timeout: float = 30.0, node: str | None = None,
-                 block_tokens: int | None = None) -> None:
+                 block_tokens: int | None = None,
+                 miss_record_size: int = DEFAULT_MISS_RECORD_SIZE) -> None:
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence) or not tiers:
             raise TypeError("tiers: expected a non-empty sequence of Tier objects")
         for i, tier in enumerate(tiers):
             if not isinstance(tier, Tier):
                 raise TypeError(f"tiers[{i}]: expected a Tier, got {type(tier).__name__}")
         if len({id(t) for t in tiers}) != len(tiers):
-            raise ValueError("tiers: the same tier object appears twice")
+            raise ConfigError("tiers: the same tier object appears twice")
         if write_policy not in ("write_back", "write_through"):
-            raise ValueError(f"write_policy: expected 'write_back' or 'write_through', "
-                             f"got {write_policy!r}")
+            raise ConfigError(f"write_policy: expected 'write_back' or 'write_through', "
+                              f"got {write_policy!r}")
         for name, flag in (("pool_write_through", pool_write_through),
                            ("close_flush", close_flush)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         flush_timeout = check_timeout(close_flush_timeout, "close_flush_timeout")
         if node is not None and (not isinstance(node, str) or not node):
-            raise ValueError(f"node: expected a non-empty str, got {node!r}")
+            raise ConfigError(f"node: expected a non-empty str, got {node!r}")
         if block_tokens is not None:
             check_positive_int(block_tokens, "block_tokens")
         self._events = EventHub(node or _default_node(tiers))
         self._timeout = check_timeout(timeout)
         self._write_policy: WritePolicy = write_policy
         self._closed = False
+        self._in_flight = 0  # calls running now (see _in_flight)
+        self._idle: asyncio.Event | None = None  # set when they are done, while closing
         self._loop: asyncio.AbstractEventLoop | None = None
+        misses = MissLedger(len(tiers), check_positive_int(miss_record_size, "miss_record_size"))
         self._chain = chain = TierChain(list(tiers), StoreCounters(), self._events,
-                                        block_tokens)
+                                        block_tokens, misses)
         self._keys = KeyRegistry()
         self._promotion = Promotion(promote, promote_counter_size)
         self._writes = WriteThrough(
@@ -217,6 +251,7 @@ class TieredStore:
         return TierChain.deadline(seconds)
 
     # ------------------------------------------------------------------ reads
+    @_in_flight
     async def get(self, key: bytes, *, timeout: float | None = None) -> Block | None:  # noqa: ASYNC109
         """Return the block stored under ``key``, or ``None`` on a miss.
 
@@ -241,6 +276,7 @@ class TieredStore:
         deadline = None if timeout is None and self._timeout is None else self._deadline(timeout)
         return await self._reads.get(key, deadline)
 
+    @_in_flight
     async def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                        ) -> list[Block | None]:
         """Batch :meth:`get`: one batch call per tier for the keys still missing.
@@ -259,6 +295,7 @@ class TieredStore:
         key_list = keys_list(keys)
         return await self._reads.get_many(key_list, self._deadline(timeout))
 
+    @_in_flight
     async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Copy the block into caller-owned ``out``; ``False`` on a miss.
 
@@ -274,6 +311,7 @@ class TieredStore:
         validate_key(key)
         return await self._reads.get_into(key, out, self._deadline(timeout))
 
+    @_in_flight
     async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                             timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
         """Batch :meth:`get_into`; ``outs[i]`` receives ``keys[i]``.
@@ -294,18 +332,21 @@ class TieredStore:
                              f"got {len(outs)}")
         return await self._reads.get_many_into(key_list, list(outs), self._deadline(timeout))
 
+    @_in_flight
     async def contains(self, key: bytes, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Whether any tier holds ``key`` (refreshes no recency)."""
         self._enter()
         validate_key(key)
         return (await self._reads.contains_many([key], self._deadline(timeout)))[0]
 
+    @_in_flight
     async def contains_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                             ) -> list[bool]:
         """Batch :meth:`contains`: one batch call per tier for the keys not yet found."""
         self._enter()
         return await self._reads.contains_many(keys_list(keys), self._deadline(timeout))
 
+    @_in_flight
     async def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:  # noqa: ASYNC109
         """How many leading ``keys`` (a prefix chain) are present in some tier.
 
@@ -316,8 +357,37 @@ class TieredStore:
         self._enter()
         return await self._reads.lookup_prefix(keys_list(keys), self._deadline(timeout))
 
+    @_in_flight
+    async def explain(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
+                      ) -> list[Explanation]:
+        """Where each key was looked for, and where it hits or why it misses.
+
+        Every tier is asked with its presence check (nothing is read, no recency refreshed,
+        nothing promoted). A key no tier holds is explained from what the tiers noted of it:
+        evicted (which tier, how long ago, which policy), dropped as corrupt, a tier that did
+        not answer now (down, failing, or slower than the deadline), else never stored under
+        this namespace. See ``docs/troubleshooting.md``.
+
+        Parameters
+        ----------
+        keys
+            Keys to explain (e.g. a prompt's prefix chain).
+        timeout
+            Deadline in seconds for the probes (default: the store's).
+
+        Returns
+        -------
+        list of kvtier.explain.Explanation
+            One per key, in order; ``str()`` of one is a readable report.
+        """
+        self._enter()
+        return await explain_keys(self._chain, self._reads, keys_list(keys),
+                                  self._deadline(timeout))
+
     # ------------------------------------------------------------------ writes
-    async def put(self, key: bytes, value: object) -> None:
+    @_in_flight
+    async def put(self, key: bytes, value: object, *, timeout: float | None = None  # noqa: ASYNC109
+                  ) -> None:
         """Store ``value`` under ``key`` in the top tier that can hold it.
 
         The block goes into the first tier (top-down) whose capacity fits it; if that tier
@@ -333,6 +403,10 @@ class TieredStore:
             ``bytes`` of 1..128 bytes.
         value
             A C-contiguous numpy array of a fixed-size dtype, or a bytes-like object.
+        timeout
+            Deadline in seconds for the whole call (``None``, the default, or ``math.inf``:
+            none). The store's ``timeout`` bounds reads only: it is sized for reads a
+            scheduler waits on, where a miss is cheap, while a write past it is lost work.
 
         Raises
         ------
@@ -342,15 +416,22 @@ class TieredStore:
             If the block exceeds every tier's capacity (nothing is written).
         TierError
             If every tier that could hold the block failed, or the pool copy failed.
+        TimeoutError
+            If ``timeout`` passed first. The block may or may not be stored, but nothing the
+            put started acts after this is raised: a write a tier had begun has ended (it
+            no longer reads ``value``), and none lands over a later put of ``key``.
         """
         self._enter()
+        seconds = check_timeout(timeout)
         validate_key(key)
         block = as_block(value)
         first = self._placement.first_fitting(block.nbytes, "value")
-        await self._placement.put(key, block, first)
+        await self._within(seconds, "put", self._placement.put(key, block, first))
 
+    @_in_flight
     async def put_many(self, items: Iterable[tuple[bytes, object]], *,
-                       parent: bytes | None = None) -> None:
+                       parent: bytes | None = None,
+                       timeout: float | None = None) -> WritesDone:  # noqa: ASYNC109
         """Store ``(key, value)`` pairs; all are validated before anything is written.
 
         Blocks that fit the top tier go there in one batch call, and the chain's recency is
@@ -364,6 +445,16 @@ class TieredStore:
         parent
             The key chained before the first item's (for KV events' ``parent``; ``None``:
             unknown or the prompt's start).
+        timeout
+            Deadline in seconds for the whole call, as for :meth:`put`.
+
+        Returns
+        -------
+        kvtier.writethrough.WritesDone
+            The completion of the write-through writes this call queued (``write_through``;
+            already done with ``write_back``): ``await`` it to wait for these blocks to be
+            written to the tiers below without waiting for other callers' writes, as
+            :meth:`flush` would. Dropping it is fine.
 
         Raises
         ------
@@ -371,8 +462,12 @@ class TieredStore:
             For a bad item (nothing is written); the message names it (``items[i]``).
         TierError
             If every tier that could hold one of the blocks failed, or the pool copy failed.
+        TimeoutError
+            If ``timeout`` passed first (as for :meth:`put`: some blocks may be stored,
+            nothing acts later).
         """
         self._enter()
+        seconds = check_timeout(timeout)
         if parent is not None:
             validate_key(parent, "parent")
         if isinstance(items, bytes | str | Mapping) or not isinstance(items, Iterable):
@@ -391,28 +486,62 @@ class TieredStore:
             last.pop(key, None)
             last[key] = (block, first)
             count += 1
-        if last:
-            await self._placement.put_many(last, count, parent)
+        if not last:
+            return WritesDone()
+        return await self._within(seconds, "put_many",
+                                  self._placement.put_many(last, count, parent))
 
+    @_in_flight
     async def flush(self) -> None:
-        """Wait until every queued write-through write has been attempted."""
+        """Wait until every write-through write queued before this call has been attempted.
+
+        Writes queued meanwhile are not waited for, so ``flush`` returns under a steady stream
+        of puts; to wait for one batch's writes only, await what :meth:`put_many` returned.
+        """
         self._enter()
         await self._writes.flush()
 
-    async def delete(self, key: bytes) -> bool:
+    @_in_flight
+    async def delete(self, key: bytes, *, timeout: float | None = None  # noqa: ASYNC109
+                     ) -> bool:
         """Remove ``key`` from every tier; returns whether any tier held it.
 
         Once started, a delete completes even if the caller is cancelled (the cancellation
         is raised afterwards), so no older value is ever exposed.
+
+        Parameters
+        ----------
+        key
+            ``bytes`` of 1..128 bytes.
+        timeout
+            Deadline in seconds, as for :meth:`put`. A delete is never left half done:
+            past the deadline it still finishes in every tier, then raises
+            ``TimeoutError`` (the key is gone), so it never removes a later put's block.
         """
         self._enter()
+        seconds = check_timeout(timeout)
         validate_key(key)
-        return (await self._placement.delete([key]))[0]
+        return (await self._within(seconds, "delete", self._placement.delete([key])))[0]
 
-    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Batch :meth:`delete`; one batch call per tier."""
+    @_in_flight
+    async def delete_many(self, keys: Sequence[bytes], *,
+                          timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
+        """Batch :meth:`delete`; one batch call per tier (``timeout`` as for :meth:`delete`)."""
         self._enter()
-        return await self._placement.delete(keys_list(keys))
+        seconds = check_timeout(timeout)
+        return await self._within(seconds, "delete_many",
+                                  self._placement.delete(keys_list(keys)))
+
+    @staticmethod
+    async def _within(seconds: float | None, op: str, call: Awaitable[T]) -> T:
+        """``call`` under a write's deadline (checked seconds; ``None``: none)."""
+        if seconds is None:
+            return await call
+        try:
+            async with asyncio.timeout(seconds):
+                return await call
+        except TimeoutError:
+            raise TimeoutError(f"{op}: did not finish within {seconds} s") from None
 
     # ------------------------------------------------------------------ routers
     def events(self, *, buffer: int | None = None) -> Subscription:
@@ -438,6 +567,7 @@ class TieredStore:
         self._enter()
         return self._events.subscribe(buffer=buffer)
 
+    @_in_flight
     async def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                             ) -> PrefixLocation:
         """Where the leading blocks of a prefix can be served without a network fetch.
@@ -452,8 +582,9 @@ class TieredStore:
         keys
             A prefix chain, in order.
         timeout
-            Seconds to wait for answers (default: the store's ``timeout``, else 0.05). A
-            member that has not answered by then is left out of ``nodes``.
+            Seconds to wait for answers (default: the store's ``timeout``, else 0.05;
+            ``math.inf``: no limit, each pool member then bounded by its pool tier's
+            ``timeout``). A member that has not answered by then is left out of ``nodes``.
 
         Returns
         -------
@@ -465,8 +596,9 @@ class TieredStore:
 
         self._enter()
         key_list = keys_list(keys)
-        seconds = check_timeout(timeout) if timeout is not None else None
-        seconds = seconds or self._timeout or LOCATE_DEADLINE
+        # An explicit timeout is taken as given (math.inf: no limit, as for every verb).
+        seconds = (self._timeout or LOCATE_DEADLINE) if timeout is None \
+            else check_timeout(timeout)
         deadline = TierChain.deadline(seconds)
 
         async def leading() -> int:
@@ -486,13 +618,22 @@ class TieredStore:
         tier
             Index of the one tier to pin in; ``None`` (default) pins in every tier, so a
             block stays in whichever tier holds it and is kept when promoted.
+
+        Notes
+        -----
+        A tier that fails to pin is counted in its ``errors`` and logged, not raised (the
+        other tiers still pin): a pin only protects from eviction, so a failed one can cost
+        a recompute, never a wrong block, and raising would make an engine give up a request
+        whose blocks are still readable. Bad ``keys`` or ``tier`` raise.
         """
         await self._pin_op("pin", keys, tier)
 
     async def unpin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:
-        """Release one pin of each key (in the same tier(s) :meth:`pin` used)."""
+        """Release one pin of each key (in the same tier(s) :meth:`pin` used); tier failures
+        are counted, not raised, as for :meth:`pin`."""
         await self._pin_op("unpin", keys, tier)
 
+    @_in_flight
     async def _pin_op(self, op: str, keys: Sequence[bytes], tier: int | None) -> None:
         self._enter()
         key_list = keys_list(keys)
@@ -525,10 +666,16 @@ class TieredStore:
             ``single_flight_joins``, ``dropped`` (evicted blocks no lower tier took),
             ``pool_writes``, ``close_flushed``, ``write_policy``, ``write_queue_depth``,
             ``write_queue_bytes``, ``node``, ``event_subscribers``, ``events_emitted`` and
-            ``events_dropped`` (events subscribers lost to their buffer bound).
+            ``events_dropped`` (events subscribers lost to their buffer bound);
+            ``miss_reasons`` (``{reason: count}`` over the store's misses: ``not_stored``,
+            ``evicted``, ``deleted``, ``corrupt``, ``unavailable``, ``deadline``),
+            ``lookup_miss_reasons`` (the same for the key that ended each
+            :meth:`lookup_prefix` short of its last key) and ``miss_records`` (keys the
+            eviction records hold); each tier's ``miss_reasons`` counts the misses
+            attributed to it.
         """
         return {**store_stats(self._chain.tiers, self._chain.tier_counters,
-                              self._chain.counters),
+                              self._chain.counters, self._chain.misses),
                 "write_policy": self._write_policy,
                 "write_queue_depth": self._writes.depth,
                 "write_queue_bytes": self._writes.pending_bytes,
@@ -538,16 +685,20 @@ class TieredStore:
                 "events_dropped": self._events.dropped}
 
     async def aclose(self) -> None:
-        """Flush write-through writes, copy volatile tiers into persistent ones (bounded,
-        see ``close_flush``), then close every tier (an ``AllBlocksCleared`` event each) and
-        end the :meth:`events` subscriptions. Calling it again does nothing."""
+        """Let the calls in flight finish (calls made from now on raise ``ClosedError``),
+        flush write-through writes, copy volatile tiers into persistent ones (bounded, see
+        ``close_flush``), then close every tier (an ``AllBlocksCleared`` event each) and end
+        the :meth:`events` subscriptions. Calling it again does nothing."""
         if self._closed:
             return
         loop = asyncio.get_running_loop()
         if self._loop is not None and loop is not self._loop:
             self._bind(loop)  # raises WrongLoopError: the tiers' resources live on that loop
-        self._closed = True
+        self._closed = True  # calls from now on raise ClosedError
         try:
+            if self._in_flight:
+                self._idle = asyncio.Event()
+                await self._idle.wait()
             await self._writes.aclose()
             if self._close_flush is not None and self._close_flush.active:
                 await self._close_flush.run()
@@ -558,6 +709,7 @@ class TieredStore:
                 except Exception as exc:
                     self._chain.error(index, "aclose", exc)
                 self._events.cleared(tier=tier.name, medium=self._chain.mediums[index])
+            self._chain.warnings.flush()
             self._events.close()
 
     async def __aenter__(self) -> Self:

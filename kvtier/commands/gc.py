@@ -2,48 +2,34 @@
 
 Several nodes may write one directory (``file:///mnt/weka/kvtier``, ``s3://bucket/kv``); each
 node's ``capacity=`` only trims its own writes. This command is the operator's tool for the
-whole directory: it lists every block file of the tier layout (``ab/cd/<hex>.kvb``), orders
-them by last use (the later of access and modification time; reads never write metadata,
-so access times are the kernel's: relatime refreshes them at most daily, noatime never, and
-then a block ages from when it was written) and deletes the least recently used until the
-total fits. It also
-removes temp files that writers left behind (a writer killed between create and rename)
-once they are older than ``--tmp-age``. Nothing outside the layout is touched.
+whole directory (a ``file://`` tier with ``fleet_capacity=`` runs the same in the
+background): it lists every block file of the tier layout (``ab/cd/<hex>.kvb``), orders
+them by last use and deletes the least recently used until the total fits. For
+``file://`` a block's last use is the latest of its modification time, its access time and
+the reads tiers logged under ``ROOT/.kvtier-use`` (:mod:`kvtier.tiers.uselog`): reads never
+write file metadata, and relatime or noatime mounts would otherwise make a block age from
+when it was written, so gc would evict hot blocks; logs older than ``--use-horizon`` are
+deleted. Object stores rank by modification time. It also removes temp files that writers
+left behind (a writer killed between create and rename) once they are older than
+``--tmp-age``. Nothing outside the layout is touched (see :mod:`kvtier.tiers.fleetgc`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.redact import mask_secrets
-from kvtier.tiers.fsspec import BLOCK_SUFFIX
+from kvtier.tiers.fleetgc import BLOCK_RE, TMP_RE, Entry, GcResult, collect_local, plan
 from kvtier.urls import parse_size
 
 NAME = "gc"
 HELP = ("trim a shared file:// / s3:// tier directory to --capacity by least recent use "
-        "(last access or modification time)")
-
-_BLOCK_RE = re.compile(r"^(?:[0-9a-f]{2,200}|h[0-9a-f]{64})" + re.escape(BLOCK_SUFFIX) + "$")
-_TMP_RE = re.compile(r"^\..+" + re.escape(BLOCK_SUFFIX) + r"\.[0-9a-f]{32}\.tmp$")
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One file under the tier root."""
-
-    path: str
-    size: int
-    last_use: float
-    temp: bool
-
-
+        "(logged reads, access or modification time)")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvtier gc``."""
     parser.add_argument("url", metavar="URL",
@@ -55,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only report what would be deleted")
     parser.add_argument("--tmp-age", type=float, default=3600.0, metavar="SECONDS",
                         help="delete writers' leftover temp files older than this (default 3600)")
+    parser.add_argument("--use-horizon", type=float, default=7 * 86400.0, metavar="SECONDS",
+                        help="file://: delete nodes' read logs older than this (default 7 days)")
 
 
 def _open(url: str) -> tuple[Any, str, bool]:
@@ -70,25 +58,6 @@ def _open(url: str) -> tuple[Any, str, bool]:
     else:
         fs, root = fsspec.url_to_fs(tier.url, skip_instance_cache=True, **tier.storage_options)
     return fs, root, isinstance(fs, LocalFileSystem)
-
-
-def _scan_local(root: str) -> Iterator[Entry]:
-    stack = [root]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for item in it:
-                    if item.is_dir(follow_symlinks=False):
-                        stack.append(item.path)
-                    elif item.is_file(follow_symlinks=False):
-                        block = bool(_BLOCK_RE.match(item.name))
-                        temp = bool(_TMP_RE.match(item.name))
-                        if block or temp:
-                            st = item.stat(follow_symlinks=False)
-                            yield Entry(item.path, st.st_size, max(st.st_atime, st.st_mtime),
-                                        temp)
-        except FileNotFoundError:
-            continue  # removed concurrently
 
 
 def _info_time(info: dict[str, Any]) -> float:
@@ -109,25 +78,51 @@ def _scan_fs(fs: Any, root: str) -> Iterator[Entry]:
     found = fs.find(root, detail=True)
     for path, info in found.items():
         name = path.rsplit("/", 1)[-1]
-        block = bool(_BLOCK_RE.match(name))
-        temp = bool(_TMP_RE.match(name))
+        block = bool(BLOCK_RE.match(name))
+        temp = bool(TMP_RE.match(name))
         if block or temp:
             yield Entry(path, int(info.get("size") or 0), _info_time(info), temp)
 
 
-def plan(entries: list[Entry], capacity: int, *, now: float,
-         tmp_age: float) -> tuple[list[Entry], int]:
-    """Entries to delete (stale temp files, then least recently used blocks) and the bytes
-    that remain."""
-    doomed = [e for e in entries if e.temp and now - e.last_use > tmp_age]
-    blocks = sorted((e for e in entries if not e.temp), key=lambda e: e.last_use)
-    total = sum(e.size for e in entries) - sum(e.size for e in doomed)
-    for entry in blocks:
-        if total <= capacity:
-            break
-        doomed.append(entry)
-        total -= entry.size
-    return doomed, total
+def _check_listable(fs: Any, root: str, local: bool, url: str) -> None:
+    """Refuse a root that is not there: a typo must not read as "nothing to delete".
+
+    Raises
+    ------
+    ConfigError
+        When ``root`` is not a directory, or the store cannot be listed.
+    """
+    if local:
+        if not os.path.isdir(root):
+            raise ConfigError(f"URL: {mask_secrets(url)!r}: no directory {root!r} (a typo? "
+                              "give the directory the tier writes to)")
+        return
+    try:
+        fs.ls(root, detail=False)
+    except FileNotFoundError:
+        pass  # an empty prefix of an object store: nothing there yet
+    except Exception as exc:  # a missing bucket, no or refused credentials (botocore's own)
+        raise ConfigError(f"URL: cannot list {mask_secrets(url)!r}: {type(exc).__name__}: "
+                          f"{exc}") from None
+
+
+def _collect_fs(fs: Any, root: str, capacity: int, args: argparse.Namespace) -> GcResult:
+    entries = list(_scan_fs(fs, root))
+    doomed, remaining = plan(entries, capacity, now=time.time(), tmp_age=args.tmp_age)
+    result = GcResult(files=len(entries), total=sum(e.size for e in entries),
+                      remaining=remaining)
+    for entry in doomed:
+        if not args.dry_run:
+            try:
+                fs.rm_file(entry.path)
+            except FileNotFoundError:
+                pass  # another node or gc got there first
+            except OSError as exc:
+                result.failed.append((entry.path, str(exc)))
+                continue
+        result.freed += entry.size
+        result.deleted.append(entry.path)
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,34 +130,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         capacity = parse_size(args.capacity, "--capacity")
         fs, root, local = _open(args.url)
+        _check_listable(fs, root, local, args.url)
     except ConfigError as exc:
         print(f"kvtier gc: {exc}")
         return 2
-    entries = list(_scan_local(root) if local else _scan_fs(fs, root))
-    total = sum(e.size for e in entries)
-    doomed, remaining = plan(entries, capacity, now=time.time(), tmp_age=args.tmp_age)
-    freed = deleted = failed = 0
-    for entry in doomed:
-        if args.dry_run:
-            freed += entry.size
-            deleted += 1
-            continue
-        try:
-            if local:
-                os.unlink(entry.path)
-            else:
-                fs.rm_file(entry.path)
-        except FileNotFoundError:
-            pass  # another node or gc got there first
-        except OSError as exc:
-            failed += 1
-            print(f"kvtier gc: cannot delete {entry.path}: {exc}")
-            continue
-        freed += entry.size
-        deleted += 1
+    if local:
+        result = collect_local(root, capacity, tmp_age=args.tmp_age,
+                               use_horizon=args.use_horizon, dry_run=args.dry_run)
+    else:
+        result = _collect_fs(fs, root, capacity, args)
+    for path, error in result.failed:
+        print(f"kvtier gc: cannot delete {path}: {error}")
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"kvtier gc {mask_secrets(args.url)}: {len(entries)} files, {total} bytes; "
-          f"capacity {capacity}; "
-          f"{verb} {deleted} files ({freed} bytes); {remaining} bytes remain"
-          + (f"; {failed} deletions failed" if failed else ""))
-    return 1 if failed else 0
+    print(f"kvtier gc {mask_secrets(args.url)}: {result.files} files, {result.total} bytes; "
+          f"capacity {capacity}; {verb} {len(result.deleted)} files ({result.freed} bytes); "
+          f"{result.remaining} bytes remain"
+          + (f"; {len(result.failed)} deletions failed" if result.failed else ""))
+    return 1 if result.failed else 0

@@ -21,8 +21,10 @@ from typing import Any, Literal
 
 from kvtier.blocking import BlockingStore
 from kvtier.errors import ConfigError
+from kvtier.integrations.miss_log import MissLog
 from kvtier.integrations.vllm_events import ConnectorEvents
 from kvtier.keys import KEY_DIGEST_BYTES, KeyNamespace, prefix_keys
+from kvtier.misses import MissReason
 
 __all__ = ["BlockPlan", "ConnectorSettings", "KVTierMetadata", "SchedulerPlanner",
            "page_hash_keys"]
@@ -256,6 +258,7 @@ class SchedulerPlanner:
         self._inflight: dict[int, tuple[str, bytes, bytes | None]] = {}
         self._async_loading: set[str] = set()
         self._lookups: dict[str, tuple[int, bool]] = {}
+        self.misses = MissLog(store, log)  # one summary line per interval
 
     # ---------------------------------------------------------------- index
     def _remember(self, keys: Sequence[bytes]) -> None:
@@ -281,6 +284,7 @@ class SchedulerPlanner:
                     timeout=self.settings.lookup_timeout_s) for shard in self.keys.shards)
             except Exception as exc:  # a slow or failing pool is a miss, never a stall
                 log.warning("kvtier lookup failed (%r); treating as a miss", exc)
+                self.misses.note(MissReason.UNAVAILABLE)
                 shared = 0
         hit = max(local, shared)
         while hit < len(keys) and keys[hit] in self._index:
@@ -295,12 +299,15 @@ class SchedulerPlanner:
         # Never the whole prompt: vLLM must compute at least its last token.
         n_blocks = max(0, (len(prompt) - 1) // self.block_size)
         if n_blocks * self.block_size <= num_computed_tokens:
+            if not n_blocks:
+                self.misses.lookup(0, 0, MissReason.BELOW_THRESHOLD)
             return 0, False
         if self.settings.key_scheme == "page-sha256" and getattr(request, "mm_features", None):
             return 0, False  # SGLang's page names carry no multimodal content
         tokens, salt = request_hash_tokens(request)
         keys = self.keys.keys(tokens, salt, n_blocks)
         hit, slow = self._lookup(keys, salt, tokens)
+        self.misses.lookup(len(keys), hit)
         self._lookups[request.request_id] = (hit, slow)
         external = hit * self.block_size - num_computed_tokens
         if external <= 0:

@@ -161,6 +161,9 @@ class PeerClient:
         self.budget = budget or TimeBudget(timeout)
         self.limits = limits or proto.Limits()
         self.max_answer_bytes = max_answer_bytes
+        # The protocol version the member's last block answer announced: a member of the
+        # previous version may answer frames not bound to their key (see frames.py).
+        self.protocol = proto.VERSION
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._server_hostname = tls_server_name if ssl_context is not None else None
         host, _, port = member.rpartition(":")
@@ -200,8 +203,8 @@ class PeerClient:
                     if length > expect:
                         limit = self.budget.seconds(sent + length)
                         deadline.reschedule(start + limit)
-                status, data = await self._raw.request(method, path, body, max_body=max_body,
-                                                       on_length=on_length)
+                status, data, version = await self._raw.request(
+                    method, path, body, max_body=max_body, on_length=on_length)
         except TimeoutError:
             raise PeerTimeoutError(f"peer {self.member}: {method} timed out after "
                                    f"{limit:.3g}s") from None
@@ -214,6 +217,8 @@ class PeerClient:
             raise PeerError(f"peer {self.member}: {method} failed: {exc}") from None
         if status == missing:
             return None
+        if status == 200:  # an answer of frames (block or batch get) announces the version
+            self.protocol = version
         if status != ok:
             text = bytes(data[:200]).decode("utf-8", "replace").strip()
             raise PeerStatusError(f"peer {self.member}: {method} {path[:60]} -> {status} {text}",
@@ -264,10 +269,12 @@ class PeerClient:
             self.budget.seen(frame.nbytes)
         return frame
 
-    async def put(self, key: bytes, frame: EncodedFrame) -> None:
-        """Store one frame."""
+    async def put(self, key: bytes, frame: EncodedFrame, *, fill: bool = False) -> None:
+        """Store one frame (``fill``: only if the peer does not hold ``key``)."""
         self.budget.seen(frame.nbytes)
-        await self._read("PUT", proto.block_path(key), frame.buffers, ok=204)
+        path = proto.block_path(key)
+        await self._read("PUT", f"{path}?{proto.FILL_QUERY}" if fill else path, frame.buffers,
+                         ok=204)
 
     async def delete(self, key: bytes) -> bool:
         """Delete one block; whether it was present."""
@@ -300,24 +307,27 @@ class PeerClient:
             out += frames
         return out
 
-    async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]]) -> None:
-        """Store frames, split into requests that respect the batch and body limits."""
+    async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]], *,
+                       fill: bool = False) -> None:
+        """Store frames, split into requests that respect the batch and body limits
+        (``fill``: only those the peer does not hold)."""
         start, size = 0, 4
         for i, (key, frame) in enumerate(items):
             entry = 2 + len(key) + 8 + frame.nbytes
             if i > start and (i - start >= self.limits.max_batch
                               or size + entry > self.limits.max_body_bytes):
-                await self._put_batch(items[start:i])
+                await self._put_batch(items[start:i], fill)
                 start, size = i, 4
             size += entry
         if start < len(items):
-            await self._put_batch(items[start:])
+            await self._put_batch(items[start:], fill)
 
-    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]]) -> None:
+    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]], fill: bool) -> None:
         for _, frame in items:
             self.budget.seen(frame.nbytes)
         body = BuffersPayload(proto.encode_blocks(list(items)))
-        await self._request("POST", proto.BATCH_PUT_PATH, body=body, nbytes=body.size or 0)
+        path = f"{proto.BATCH_PUT_PATH}?{proto.FILL_QUERY}" if fill else proto.BATCH_PUT_PATH
+        await self._request("POST", path, body=body, nbytes=body.size or 0)
 
     async def _flags(self, path: str, keys: Sequence[bytes]) -> list[bool]:
         out: list[bool] = []

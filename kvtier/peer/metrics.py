@@ -14,14 +14,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["CONTENT_TYPE", "Family", "render", "store_families"]
+__all__ = ["CONTENT_TYPE", "Family", "miss_families", "render", "store_families"]
 
 #: Content type of the hand-written exposition (Prometheus text format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Store statistics that are levels, not running totals; every other numeric field counts up.
 _GAUGE_FIELDS = frozenset({"capacity", "used", "blocks", "pinned_bytes", "spare_bytes",
-                           "map_size", "disk_bytes", "compress_level", "hit_rate"})
+                           "map_size", "disk_bytes", "compress_level", "hit_rate",
+                           "prefaulted_bytes"})
 _GAUGE_SUFFIXES = ("_us", "_depth", "_s", "_seconds", "_in_flight")
 
 
@@ -55,6 +56,20 @@ def store_families(tiers: Sequence[dict[str, Any]]) -> list[Family]:
                 family.add(tier[name], str(i), str(tier.get("scheme")))
         out.append(family)
     return out
+
+
+def miss_families(stats: dict[str, Any]) -> list[Family]:
+    """``kvtier_store_misses_by_reason``: the segment store's misses by reason (its
+    ``miss_reasons`` and ``lookup_miss_reasons``; none for a bare tier segment)."""
+    family = Family("kvtier_store_misses_by_reason", "counter",
+                    "Store misses by reason (op get: reads; op lookup: the key that ended a "
+                    "prefix lookup).", ("op", "reason"))
+    for op, field_name in (("get", "miss_reasons"), ("lookup", "lookup_miss_reasons")):
+        counts = stats.get(field_name)
+        if isinstance(counts, dict):
+            for reason, n in sorted(counts.items()):
+                family.add(n, op, str(reason))
+    return [family] if family.samples else []
 
 
 def _numeric(value: object) -> bool:

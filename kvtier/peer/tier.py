@@ -23,9 +23,10 @@ from typing import Any, Self, TypeVar, cast
 from kvtier.codec import EncodedFrame, decode_frame, encode_frame
 from kvtier.codec import parse_compress as _compress_level
 from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError, PeerStatusError
+from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
 from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, PeerUnreachableError, TimeBudget
-from kvtier.peer.frames import decode_from_peer
+from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
 from kvtier.peer.handoff import Hints
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
@@ -49,8 +50,8 @@ T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
-            "change_window", "repair_bytes", "min_rate", "fail_after", "rejoin_after",
-            "hedge"}
+            "change_window", "repair_bytes", "block_bytes", "min_rate", "fail_after",
+            "rejoin_after", "hedge"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
 _HANDOFF_BATCH = 64  # hinted keys checked and copied at once when their owner is back
@@ -122,6 +123,10 @@ class PeerTier(Tier):
         Connections per peer.
     limits
         The servers' limits, used to split batches.
+    block_bytes
+        The size every block of this pool has, when it has one (KV blocks of one model and
+        block size do): a frame from a peer that declares another size is a miss, refused
+        before it is decompressed (``None``: any size up to ``limits.max_block_bytes``).
 
     Examples
     --------
@@ -143,8 +148,8 @@ class PeerTier(Tier):
                  tls_server_name: str | None = None,
                  min_copies: int | None = None, read_walk: int = 1,
                  change_window: float = 300.0, repair_bytes: int = 256 << 20,
-                 min_rate: float = DEFAULT_MIN_RATE, fail_after: int = 3,
-                 rejoin_after: int = 2, hedge: bool = False) -> None:
+                 block_bytes: int | None = None, min_rate: float = DEFAULT_MIN_RATE,
+                 fail_after: int = 3, rejoin_after: int = 2, hedge: bool = False) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -177,6 +182,10 @@ class PeerTier(Tier):
         self.local = local
         self.limits = limits or proto.Limits()
         self.budget = TimeBudget(timeout, min_rate)
+        if block_bytes is not None and not 0 < block_bytes <= self.limits.max_block_bytes:
+            raise ConfigError(f"block_bytes: expected 1..max_block_bytes "
+                              f"({self.limits.max_block_bytes}), got {block_bytes!r}")
+        self.block_bytes = block_bytes
         self.members = Membership(
             members, dns=dns, vnodes=vnodes, replicas=replicas, self_id=self_id,
             health_interval=health_interval, dns_interval=dns_interval,
@@ -250,6 +259,8 @@ class PeerTier(Tier):
             if opts.get("min_copies") not in (None, "") else None,
             read_walk=parse_number(opts.get("read_walk", 1), "read_walk", int, 0),
             change_window=parse_number(opts.get("change_window", 300.0), "change_window", float, 0),
+            block_bytes=parse_size(str(opts["block_bytes"]), "block_bytes")
+            if opts.get("block_bytes") not in (None, "") else None,
             repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
             min_rate=parse_size(str(opts.get("min_rate", DEFAULT_MIN_RATE)), "min_rate"),
             fail_after=parse_number(opts.get("fail_after", 3), "fail_after", int, 1),
@@ -334,15 +345,24 @@ class PeerTier(Tier):
             self.members.report_success(member, time.monotonic() - started, keys)
         return result
 
+    def _accept(self, member: str) -> Accept:
+        """What this tier accepts as a block from ``member`` (frames.py)."""
+        return Accept(self.limits.max_block_bytes, self.block_bytes,
+                      unbound=self.members.client(member).protocol < proto.VERSION)
+
+    def _refused(self, member: str, key: bytes, exc: Exception) -> None:
+        self.counts["corrupt"] += 1
+        log.warning("peer %s sent a bad frame: %s", member, exc)
+        self._report_miss((key,), MissReason.CORRUPT, f"from {member}: {exc}")
+
     async def _decode(self, member: str, key: bytes,
                       frame: bytes | memoryview | None) -> Block | None:
         if frame is None:
             return None
         try:
-            return await decode_from_peer(frame, key, self.limits.max_block_bytes)
+            return await decode_from_peer(frame, key, self._accept(member))
         except (CorruptBlockError, MemoryError) as exc:  # corrupt, foreign or a bomb: a miss
-            self.counts["corrupt"] += 1
-            log.warning("peer %s sent a bad frame: %s", member, exc)
+            self._refused(member, key, exc)
             return None
 
     def _next(self, key: bytes | None, order: list[str], tried: set[str]) -> str | None:
@@ -395,7 +415,9 @@ class PeerTier(Tier):
             frame = EncodedFrame(frame.header, memoryview(frame.payload.tobytes()))
             block = decode_frame(frame.to_bytes(), key=key)
         used = set(targets)
-        tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used))
+        refusals: list[str] = []  # why copies failed, for the error below
+        tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used,
+                                                     refusals))
                  for first in targets]
         for task in tasks:
             self._track(task)
@@ -416,8 +438,9 @@ class PeerTier(Tier):
         if copies < want:
             self.counts["puts_under_replicated"] += 1
         if copies < need and not self._hints_cover(copies, hinted, need):
+            why = f": {'; '.join(dict.fromkeys(refusals))}" if refusals else ""
             raise PeerError(f"{self.name}: {copies} of {want} copies of {key.hex()} stored, "
-                            f"{need} required (ack={self.ack})")
+                            f"{need} required (ack={self.ack}){why}")
 
     def _hint_failing_owners(self, key: bytes, want: int) -> int:
         """Leave a hint for each of the key's owners that is out of the path or under
@@ -456,10 +479,11 @@ class PeerTier(Tier):
                 if isinstance(held, list) else chunk
             blocks = await self._get_many(missing) if isinstance(held, list) else []
             items = [(k, b) for k, b in zip(missing, blocks, strict=True) if b is not None]
-            frames = [await self._encode(k, b) for k, b in items]
+            frames = [(k, await self._encode(k, b)) for k, b in items]
+            # fill: a newer put that reached the owner meanwhile stays.
             stored = await self._call(
                 member, "handoff",
-                partial(self._store_many, member, items, frames, list(range(len(items)))),
+                partial(self.members.client(member).put_many, frames, fill=True),
                 len(items)) if items else None
             if not isinstance(held, list) or stored is _FAILED:
                 for key in keys[start:]:
@@ -472,18 +496,40 @@ class PeerTier(Tier):
             self.counts["copies_made"] += 1
 
     async def _put_to(self, target: str, op: str, key: bytes, block: Block,
-                      frame: EncodedFrame) -> object:
+                      frame: EncodedFrame, *, fill: bool = False,
+                      refusals: list[str] | None = None) -> object:
         """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
-        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it."""
+        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it, the reason then
+        appended to ``refusals`` (the server's answer names the limit it hit). ``fill``:
+        only if ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
+        put: Callable[[], Awaitable[None]]
         if self._is_local(target):
-            return await self._call(target, op, lambda: self.local.put(key, block))  # type: ignore[union-attr]
-        return await self._call(target, op, partial(self.members.client(target).put, key, frame))
+            put = partial(self._put_local, key, block, fill)
+        else:
+            put = partial(self.members.client(target).put, key, frame, fill=fill)
+        if refusals is None:
+            return await self._call(target, op, put)
+
+        async def noted() -> None:
+            try:
+                await put()
+            except Exception as exc:
+                refusals.append(f"{target}: {type(exc).__name__}: {exc}")
+                raise
+
+        return await self._call(target, op, noted)
+
+    async def _put_local(self, key: bytes, block: Block, fill: bool) -> None:
+        local = cast(Segment, self.local)
+        if not fill or not (await local.contains_many([key]))[0]:
+            await local.put(key, block)
 
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
-                         order: list[str], used: set[str]) -> bool:
+                         order: list[str], used: set[str], refusals: list[str]) -> bool:
         current: str | None = member
         while current is not None:
-            if await self._put_to(current, "put", key, block, frame) is not _FAILED:
+            if await self._put_to(current, "put", key, block, frame,
+                                  refusals=refusals) is not _FAILED:
                 return True
             current = self._next(None, order, used)
             if current is not None:
@@ -633,8 +679,12 @@ class PeerTier(Tier):
         blocks: dict[bytes, Block | None] = {}
         while ask:
             frames = await client.get_many(ask)
-            for key, frame in zip(ask, frames, strict=True):
-                blocks[key] = await self._decode(member, key, frame)
+            decoded = await decode_batch_from_peer(frames, ask, self._accept(member))
+            for key, block in zip(ask, decoded, strict=True):
+                if isinstance(block, CorruptBlockError):  # corrupt, foreign or a bomb: a miss
+                    self._refused(member, key, block)
+                    block = None
+                blocks[key] = block
             # A server ends a batch answer at its body limit and answers the remaining keys
             # as missing: while answers come back that full, ask again for the missing ones.
             sent = sum(len(f) for f in frames if f is not None)
@@ -646,6 +696,7 @@ class PeerTier(Tier):
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         blocks, missed, holders = await self._rounds(keys, "get", self._fetch_blocks,
                                                      lambda b: b is not None)
+        self._report_unanswered(keys, blocks, missed)
         unsettled: list[tuple[bytes, Block, str | None]] = []
         for key, block, not_here, holder in zip(keys, blocks, missed, holders, strict=True):
             if block is None:
@@ -731,7 +782,8 @@ class PeerTier(Tier):
     async def _repair_copies(self, key: bytes, block: Block, targets: list[str]) -> None:
         frame = await self._encode(key, block)
         for target in targets:
-            if await self._put_to(target, "repair", key, block, frame) is not _FAILED:
+            if await self._put_to(target, "repair", key, block, frame, fill=True) \
+                    is not _FAILED:
                 self.counts["read_repairs"] += 1
 
     async def _exists(self, member: str, keys: list[bytes]) -> list[bool]:
@@ -740,8 +792,20 @@ class PeerTier(Tier):
         return await self.members.client(member).exists_many(keys)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        got, _, _ = await self._rounds(keys, "exists", self._exists, bool)
+        got, missed, _ = await self._rounds(keys, "exists", self._exists, bool)
+        self._report_unanswered(keys, got, missed)
         return [bool(g) for g in got]
+
+    def _report_unanswered(self, keys: Sequence[bytes], results: list[Any],
+                           missed: list[list[str]]) -> None:
+        """A key no member answered for (all down, failed or too slow) is unavailable, not
+        absent: say so to the store (``explain``, miss reasons)."""
+        lost = [k for k, r, m in zip(keys, results, missed, strict=True)
+                if (r is None or r is False) and not m]
+        if lost:
+            self._report_miss(lost, MissReason.UNAVAILABLE,
+                              f"no member answered (down, failed or slower than "
+                              f"timeout={self.timeout:g}s)")
 
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._start()
@@ -809,13 +873,15 @@ class PeerTier(Tier):
         return out
 
     # ------------------------------------------------------------------ close
-    async def locate(self, keys: Sequence[bytes], deadline: float
+    async def locate(self, keys: Sequence[bytes], deadline: float | None
                      ) -> dict[str, LocalPrefix]:
         """Ask every other member (``POST /v1/locate``, concurrently, within ``deadline``
-        seconds) how many leading ``keys`` it serves locally; late or failing members are
-        left out. See :func:`kvtier.peer.locate.locate_prefix`."""
+        seconds; ``None``: this tier's ``timeout``) how many leading ``keys`` it serves
+        locally; late or failing members are left out. See
+        :func:`kvtier.peer.locate.locate_prefix`."""
         others = [m for m in self.members.members if m != self.members.self_id]
-        return await locate_prefix(others, keys, token=self._token, deadline=deadline,
+        return await locate_prefix(others, keys, token=self._token,
+                                   deadline=self.timeout if deadline is None else deadline,
                                    ssl_context=self._ssl_context,
                                    tls_server_name=self._tls_server_name)
 

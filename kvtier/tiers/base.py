@@ -21,20 +21,24 @@ import numpy.typing as npt
 from kvtier.codec import as_block
 from kvtier.errors import ClosedError, ShapeMismatchError
 from kvtier.keys import validate_key
+from kvtier.misses import MissReason
 
 if TYPE_CHECKING:
     from kvtier.backends import DeviceOutput
 
 __all__ = [
     "BATCH_CONCURRENCY",
-    "BatchTier", "Block", "DropCallback", "EvictionCallback", "Tier", "check_output_buffer",
-    "check_output_spec", "copy_into",
+    "BatchTier", "Block", "DropCallback", "EvictionCallback", "MissCallback", "Tier",
+    "check_output_buffer", "check_output_spec", "copy_into", "run_to_end",
 ]
 
 Block = npt.NDArray[np.generic]
 EvictionCallback = Callable[[bytes, Block], Awaitable[None]]
 #: ``on_drop(keys)``: keys a tier dropped on its own (budget eviction), once unreadable.
 DropCallback = Callable[[Sequence[bytes]], None]
+#: ``on_miss(keys, reason, detail)``: a read found ``keys`` unusable (``corrupt``, dropped) or
+#: could not ask where they live (``unavailable``), so the store can say why they missed.
+MissCallback = Callable[[Sequence[bytes], MissReason, str], None]
 log = logging.getLogger("kvtier.tiers")
 #: Operations the default batch implementations run at once.
 BATCH_CONCURRENCY = 16
@@ -104,6 +108,29 @@ def copy_into(block: Block, out: object, name: str = "out") -> None:
         np.copyto(target, block.reshape(-1).view(np.uint8), casting="no")
 
 
+async def run_to_end(future: asyncio.Future[_Result]) -> _Result:
+    """Await ``future`` to its end even if the caller is cancelled meanwhile; the
+    cancellation is raised after it.
+
+    For a worker-thread call that reads the caller's memory or changes storage: no
+    cancellation stops a thread, so a caller that left early would see it act after the call
+    returned (read a buffer it reuses, land an older value over a newer one). Waiting costs
+    at most the call's own duration.
+    """
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():
+                raise  # the work itself was cancelled (the loop is shutting down)
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
+
+
 class Tier(abc.ABC):
     """Base class of every tier.
 
@@ -117,6 +144,11 @@ class Tier(abc.ABC):
 
     The default batch implementations run at most :data:`BATCH_CONCURRENCY` operations at
     once.
+
+    A call that has returned never acts later: worker threads read into memory the tier
+    owns (the copy into a caller's buffer happens on the loop after the await), and a
+    thread that writes is waited for (:func:`run_to_end`) or ordered before later writes
+    of its keys (``docs/writing-a-tier.md``).
 
     Parameters
     ----------
@@ -139,9 +171,11 @@ class Tier(abc.ABC):
         self.name = name or self.scheme
         self.on_evict: EvictionCallback | None = None
         self.on_drop: DropCallback | None = None
+        self.on_miss: MissCallback | None = None
         self.evictions = 0
         self.eviction_errors = 0
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None
 
     # ----------------------------------------------------------------- contract
     @property
@@ -306,11 +340,12 @@ class Tier(abc.ABC):
         await self._unpin(_validate_keys(keys))
 
     async def aclose(self) -> None:
-        """Close the tier; calling it again does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        await self._aclose()
+        """Close the tier. Calling it again does nothing more: it returns once the first
+        close has finished (raising what that one raised)."""
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.ensure_future(self._aclose())
+        await run_to_end(self._closing)
 
     async def __aenter__(self) -> Self:
         return self
@@ -351,6 +386,13 @@ class Tier(abc.ABC):
         """Tell ``on_drop`` that ``keys`` left the tier on its own (not by a delete)."""
         if self.on_drop is not None:
             self.on_drop(keys)
+
+    def _report_miss(self, keys: Sequence[bytes], reason: MissReason, detail: str) -> None:
+        """Tell ``on_miss`` why reads of ``keys`` here miss although they were stored
+        (``corrupt``: dropped after a failed checksum; ``unavailable``: whoever holds them
+        did not answer)."""
+        if self.on_miss is not None:
+            self.on_miss(keys, reason, detail)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} used={self.used} capacity={self.capacity}>"

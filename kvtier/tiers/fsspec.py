@@ -8,7 +8,16 @@
   several nodes may share one URL (same key, same content: concurrent writers are safe).
   Every frame is checksummed; a partial or corrupt object is a miss, deleted and counted.
 - Optional ``capacity=``: LRU trimming of *this* node's writes (evicted blocks go to the
-  demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc``.
+  demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc``, or
+  (``file://``, ``fleet_capacity=``) by the tiers themselves in the background, one node
+  at a time (:mod:`kvtier.tiers.fleetgc`); reads are logged so that gc keeps hot blocks
+  (:mod:`kvtier.tiers.uselog`).
+- A write probe at open (:meth:`FsspecTier.open`, which ``open_store`` calls): a location
+  that cannot take a block fails there with :class:`~kvtier.errors.ConfigError`, not with
+  one dropped block after another. ``probe=0`` skips it (a read-only reader).
+- ``http://`` and ``https://`` are refused as tier URLs (almost always a typo for
+  ``peers://``); ``fsspec+https://...`` asks for fsspec's HTTP filesystem explicitly, and
+  ``fsspec+PROTO://`` works for any fsspec protocol.
 """
 
 from __future__ import annotations
@@ -19,10 +28,12 @@ import hashlib
 import importlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from kvtier.codec import (
@@ -33,21 +44,31 @@ from kvtier.codec import (
     parse_compress,
 )
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
+from kvtier.misses import MissReason
 from kvtier.policy import Clock
-from kvtier.tiers.base import Block
+from kvtier.tiers.base import Block, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.mounts import check_local, read_mountinfo
-from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
+from kvtier.tiers.uselog import UseLog
 
-__all__ = ["BLOCK_SUFFIX", "FsspecTier", "key_path"]
+if TYPE_CHECKING:
+    from kvtier.tiers.fleetgc import FleetCollector
+from kvtier.urls import TierURL, parse_bool, parse_number, parse_size, parse_tier_url
+from kvtier.warnsummary import WarningSummary
+
+__all__ = ["BLOCK_SUFFIX", "EXPLICIT_PREFIX", "FsspecTier", "key_path"]
 
 log = logging.getLogger("kvtier.tiers.fsspec")
 T = TypeVar("T")
 
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
-                "storage_options", "clock", "policy", "nowait"}
+                "storage_options", "clock", "policy", "nowait", "probe", "use_log",
+                "fleet_capacity", "gc_interval"}
+#: Prefix that asks for the fsspec tier explicitly (``fsspec+https://host/kv``).
+EXPLICIT_PREFIX = "fsspec+"
+_PROBE_BLOCK = np.zeros(16, np.uint8)
 
 
 def _io_error_types() -> tuple[type[BaseException], ...]:
@@ -113,6 +134,23 @@ class FsspecTier(BudgetedTier):
         protocols. ``True``/``False`` (or ``1``/``0``) force it.
     timeout
         Seconds after which one storage operation is abandoned (a miss or a put error).
+        Writes and deletes that run in a worker thread (``file://``, ``memory://`` and
+        other synchronous filesystems) are never abandoned: a thread cannot be stopped, and
+        one left running would land after a newer value or uncounted. On a hung mount
+        they wait with it, and so do their callers, even cancelled ones.
+    probe
+        Write, rename and delete a probe object in :meth:`open` (default), so a location
+        that cannot take a block fails at open. ``False``: a read-only reader.
+    use_log
+        ``file://`` only: log this tier's reads under ``ROOT/.kvtier-use`` (default), so
+        ``kvtier gc`` keeps the blocks nodes read although reads leave atime alone
+        (:mod:`kvtier.tiers.uselog`).
+    fleet_capacity
+        ``file://`` only: byte budget of the whole shared directory, kept by a background
+        gc from :meth:`open` on, every ``gc_interval`` seconds, on one node at a time
+        (:class:`~kvtier.tiers.fleetgc.FleetCollector`).
+    gc_interval
+        Seconds between the background gc's passes.
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -127,13 +165,16 @@ class FsspecTier(BudgetedTier):
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
-                 nowait: bool | str = "auto", timeout: float = 30.0, policy: str = "lru",
-                 clock: Clock = time.monotonic,
+                 nowait: bool | str = "auto", timeout: float = 30.0, probe: bool = True,
+                 use_log: bool = True, fleet_capacity: int | None = None,
+                 gc_interval: float = 60.0, policy: str = "lru", clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
         if timeout <= 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout}")
+        if url[:len(EXPLICIT_PREFIX)].lower() == EXPLICIT_PREFIX:
+            url = url[len(EXPLICIT_PREFIX):]
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
         nowait_mode = _parse_nowait(nowait)
         if nowait_mode and self.protocol not in ("file", "local"):
@@ -149,6 +190,18 @@ class FsspecTier(BudgetedTier):
         self.nowait = False  # decided with the back end
         self.fstype: str | None = None
         self.timeout = timeout
+        self.probe = probe
+        self._use_log = use_log
+        if fleet_capacity is not None and (fleet_capacity <= 0 or
+                                           self.protocol not in ("file", "local")):
+            raise ConfigError(f"fleet_capacity: a positive size, for file:// tiers only; got "
+                              f"{fleet_capacity!r} for {self.protocol}://")
+        if not gc_interval > 0:
+            raise ConfigError(f"gc_interval: expected > 0 seconds, got {gc_interval!r}")
+        self.fleet_capacity = fleet_capacity
+        self.gc_interval = gc_interval
+        self.fleet_gc: FleetCollector | None = None  # started by open()
+        self.uses: UseLog | None = None  # file:// only, made with the back end
         self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
         self._root = ""
@@ -162,12 +215,14 @@ class FsspecTier(BudgetedTier):
             # Sync filesystems are cheap to build; failing here reports bad options early.
             self._backend, self._root = self._make_sync_backend()
         self.hits = self.misses = self.io_errors = self.corrupt = 0
+        self._warnings = WarningSummary(log)  # one line per interval, not one per victim
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
         """``PROTO://LOCATION?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&fanout=2
-        &fsync=0&nowait=auto&timeout=30&name=LABEL&<storage options>``; other query options and the
-        ``storage_options`` keyword go to the fsspec filesystem."""
+        &fsync=0&nowait=auto&timeout=30&probe=1&name=LABEL&<storage options>``; other query
+        options and the ``storage_options`` keyword go to the fsspec filesystem. A
+        ``fsspec+`` prefix (``fsspec+https://...``) names the fsspec protocol explicitly."""
         parsed = parse_tier_url(url)
         merged: dict[str, Any] = {**parsed.params, **options}
         storage = {k: _storage_value(v) for k, v in merged.items() if k not in _OWN_OPTIONS}
@@ -191,6 +246,12 @@ class FsspecTier(BudgetedTier):
             shuffle=parse_bool(merged.get("shuffle", False), "shuffle"),
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
             nowait=merged.get("nowait", "auto"),
+            probe=parse_bool(merged.get("probe", True), "probe"),
+            use_log=parse_bool(merged.get("use_log", True), "use_log"),
+            fleet_capacity=None if merged.get("fleet_capacity") in (None, "")
+            else parse_size(merged["fleet_capacity"], "fleet_capacity"),
+            gc_interval=parse_number(merged.get("gc_interval", 60.0), "gc_interval", float,
+                                     0.001),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
             name=str(merged["name"]) if "name" in merged else None, **kwargs)
 
@@ -206,6 +267,8 @@ class FsspecTier(BudgetedTier):
                 raise ConfigError(f"url: unknown option(s) {unknown} for file:// (kvtier "
                                   f"options: {', '.join(sorted(_OWN_OPTIONS))})")
             self._decide_nowait(root)
+            if self._use_log:
+                self.uses = UseLog(root)
             return LocalBackend(fsync=self.fsync, nowait=self.nowait), root
         return SyncFsBackend(fs), root
 
@@ -232,6 +295,57 @@ class FsspecTier(BudgetedTier):
                 self._backend = AsyncFsBackend(fs)
         return self._backend
 
+    async def open(self) -> None:
+        """Check that the location takes a block: write a probe object (a temp file renamed
+        into place, for ``file://``), then delete it; with ``fleet_capacity``, start the
+        background gc of the shared directory. ``open_store`` calls this.
+
+        Raises
+        ------
+        ConfigError
+            Naming the URL and the error, when the probe cannot be written or deleted
+            (read-only or missing mount, no permission, a bucket that does not exist,
+            wrong credentials, a filesystem that cannot write).
+        """
+        if self.probe:
+            await self._probe()
+        if self.fleet_capacity is not None and self.fleet_gc is None:
+            from kvtier.tiers.fleetgc import FleetCollector  # it imports this module
+
+            await self._ready()
+            self.fleet_gc = FleetCollector(
+                self._root, self.fleet_capacity, self.gc_interval,
+                holder=self.uses.writer if self.uses is not None else uuid.uuid4().hex,
+                forget=self._forget_paths,
+                before=self.uses.flush if self.uses is not None else None)
+            self.fleet_gc.start()
+
+    async def _probe(self) -> None:
+        try:
+            backend = await self._ready()
+            path = f"{self._root.rstrip('/')}/.kvtier-probe-{uuid.uuid4().hex}"
+            frame = encode_frame(_PROBE_BLOCK)
+            async with asyncio.timeout(self.timeout):
+                await backend.write(path, lambda: frame)
+                await backend.delete(path)
+        except Exception as exc:  # whatever the back end raises, the tier cannot be used
+            where = "the path in the URL" if self.protocol in ("file", "local") else \
+                "the URL or its storage options (bucket, endpoint_url, credentials)"
+            raise ConfigError(
+                f"{self.name} tier: {self.url!r} cannot take a block: the write probe failed "
+                f"({type(exc).__name__}: {exc}); change {where}, or add probe=0 for a "
+                "read-only reader") from exc
+
+    def _forget_paths(self, paths: list[str]) -> None:
+        """Drop from this node's budget the blocks a fleet gc deleted (keys named by their
+        hex; digest-named ones stay until their next write or delete)."""
+        for path in paths:
+            stem = path.rpartition("/")[2].removesuffix(BLOCK_SUFFIX)
+            with contextlib.suppress(ValueError):
+                key = bytes.fromhex(stem)
+                if key in self._policy and key not in self._leaving:
+                    self._policy.remove(key)
+
     @property
     def root(self) -> str:
         """The filesystem path blocks live under."""
@@ -246,8 +360,14 @@ class FsspecTier(BudgetedTier):
         return self.path_of(key)
 
     # ---------------------------------------------------------------- contract
-    async def _io(self, op: Callable[[Backend], Awaitable[T]]) -> T:
+    async def _io(self, op: Callable[[Backend], Awaitable[T]], *, changes: bool = False) -> T:
+        """``op`` within :attr:`timeout`. Except an ``op`` that ``changes`` storage in a
+        worker thread: no timeout stops a thread, so one that gave up would see its write
+        land later (after a newer one, uncounted) or its delete remove a newer block. It is
+        waited for to its end, even by a cancelled caller."""
         backend = await self._ready()
+        if changes and not backend.cancellable:
+            return await run_to_end(asyncio.ensure_future(op(backend)))
         async with asyncio.timeout(self.timeout):
             return await op(backend)
 
@@ -260,8 +380,9 @@ class FsspecTier(BudgetedTier):
         except CorruptBlockError as exc:
             self.corrupt += 1
             log.warning("%s tier: corrupt block %s deleted: %s", self.name, path, exc)
+            self._report_miss((key,), MissReason.CORRUPT, str(exc))
             try:
-                await self._io(lambda b: b.delete(path))
+                await self._io(lambda b: b.delete(path), changes=True)
             except _IO_ERRORS as del_exc:  # a read-only mount cannot delete it: still a miss
                 log.warning("%s tier: cannot delete corrupt %s: %s", self.name, path, del_exc)
             self._policy.remove(key)
@@ -276,6 +397,8 @@ class FsspecTier(BudgetedTier):
             self.misses += 1
         else:
             self.hits += 1
+            if self.uses is not None:
+                self.uses.note(self.path_of(key).rpartition("/")[2])
             self._policy.touch(key)
         return block
 
@@ -315,7 +438,7 @@ class FsspecTier(BudgetedTier):
             return frames[-1]
 
         try:
-            await self._io(lambda b: b.write(path, encode))
+            await self._io(lambda b: b.write(path, encode), changes=True)
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
@@ -327,7 +450,8 @@ class FsspecTier(BudgetedTier):
             try:
                 blocks.append(await self._read(key))
             except TierError as exc:  # counted; the victim is dropped undemoted
-                log.warning("%s tier: victim %s unreadable: %s", self.name, key.hex(), exc)
+                self._warnings.warn(f"{self.name} tier", "victim read",
+                                    f"{key.hex()}: {exc}")
                 blocks.append(None)
         return blocks
 
@@ -336,12 +460,12 @@ class FsspecTier(BudgetedTier):
             try:
                 await self._remove(key)
             except TierError as exc:  # counted; the file stays until a delete or gc
-                log.warning("%s tier: %s", self.name, exc)
+                self._warnings.warn(f"{self.name} tier", "victim delete", str(exc))
 
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
         try:
-            found = await self._io(lambda b: b.delete(path))
+            found = await self._io(lambda b: b.delete(path), changes=True)
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: delete of {path} failed: {exc!r}") from exc
@@ -356,7 +480,12 @@ class FsspecTier(BudgetedTier):
         return await self._remove(key)
 
     async def _aclose(self) -> None:
+        if self.fleet_gc is not None:
+            await self.fleet_gc.aclose()
         await self._commits_done()
+        self._warnings.flush()
+        if self.uses is not None:
+            await self.uses.aclose()
         if self._backend is not None:
             await self._backend.close()
             self._backend = None
@@ -368,7 +497,10 @@ class FsspecTier(BudgetedTier):
             if isinstance(backend, LocalBackend) else {}
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,
                 "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
-                "url": self.url, **nowait}
+                "url": self.url, **nowait,
+                **(self.fleet_gc.stats() if self.fleet_gc is not None else {}),
+                **({"use_log_lines": self.uses.lines_written} if self.uses is not None
+                   else {})}
 
 
 def _parse_nowait(value: object) -> bool | None:
@@ -384,4 +516,4 @@ def _parse_nowait(value: object) -> bool | None:
 
 def _base_url(parsed: TierURL) -> str:
     """The URL without its query string (kvtier and storage options are passed apart)."""
-    return f"{parsed.scheme}://{parsed.netloc}{parsed.path}"
+    return f"{parsed.scheme.removeprefix(EXPLICIT_PREFIX)}://{parsed.netloc}{parsed.path}"

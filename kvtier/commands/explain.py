@@ -1,0 +1,160 @@
+"""``kvtier explain URL... --key HEX | --prefix-of TOKENS_FILE``: where blocks are, and why not.
+
+Opens the tiers (top first, as ``open_store`` would), probes each for the keys with its
+presence check (nothing is read, no recency changes) and prints, per key, the tier that
+holds it or why none does (see ``docs/troubleshooting.md``). ``--prefix-of`` hashes a
+prompt's token ids into its block keys with the namespace options, as an engine connector
+does; the file holds the token ids as a JSON list or separated by whitespace or commas
+(``-``: standard input).
+
+This process opens the tiers afresh: it sees what they hold and which of them fail to
+answer, but not the eviction records of the process that runs the store (that process's
+``store.explain`` and ``stats()["miss_reasons"]`` have them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+from typing import Any
+
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.redact import mask_secrets
+
+__all__ = ["HELP", "NAME", "add_arguments", "read_tokens", "run"]
+
+NAME = "explain"
+HELP = "say where blocks are held and why a block misses (per tier)"
+
+_SEPARATORS = re.compile(r"[\s,]+")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvtier explain``."""
+    parser.add_argument("urls", nargs="+", metavar="URL",
+                        help="tier URLs, top first (as the store was opened)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--key", action="append", metavar="HEX",
+                      help="a block key in lowercase hex (repeat for more)")
+    what.add_argument("--prefix-of", metavar="TOKENS_FILE",
+                      help="a prompt's token ids (JSON list, or separated by whitespace or "
+                           "commas; - for stdin): explain each of its full blocks' keys")
+    keys = parser.add_argument_group("key namespace (with --prefix-of; as the engine set it)")
+    keys.add_argument("--block-tokens", type=int, metavar="N", help="tokens per block")
+    keys.add_argument("--model", help="model name of the key namespace")
+    keys.add_argument("--dtype", default="", help="KV cache dtype (e.g. bfloat16)")
+    keys.add_argument("--layout", default="", help="engine layout tag")
+    keys.add_argument("--tp-rank", type=int, default=0, metavar="R", help="tensor-parallel rank")
+    keys.add_argument("--tp-size", type=int, default=1, metavar="N", help="tensor-parallel size")
+    keys.add_argument("--salt", default="", help="tenant / request salt")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="deadline for each tier's answer (default 5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def read_tokens(path: str) -> list[int]:
+    """Token ids from ``path`` (``-``: stdin): a JSON list of ints, or ints separated by
+    whitespace or commas.
+
+    Raises
+    ------
+    ConfigError
+        If the file cannot be read or holds anything but non-negative integers.
+    """
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--prefix-of: cannot read {path!r}: {exc}") from None
+    stripped = text.strip()
+    try:
+        values: Any = json.loads(stripped) if stripped.startswith("[") else \
+            [int(t) for t in _SEPARATORS.split(stripped) if t]
+    except ValueError as exc:
+        raise ConfigError(f"--prefix-of: {path!r}: expected integer token ids: {exc}") from None
+    if not isinstance(values, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ConfigError(f"--prefix-of: {path!r}: expected a list of non-negative integer "
+                          "token ids")
+    if not values:
+        raise ConfigError(f"--prefix-of: {path!r} holds no token ids")
+    return values
+
+
+def _keys(args: argparse.Namespace) -> list[bytes]:
+    from kvtier.keys import KeyNamespace, key_from_hex, prefix_keys
+
+    if args.key:
+        return [key_from_hex(text, "--key") for text in args.key]
+    if args.block_tokens is None or args.block_tokens < 1:
+        raise ConfigError("--block-tokens: required with --prefix-of (an int >= 1, the "
+                          "engine's block size)")
+    if not args.model:
+        raise ConfigError("--model: required with --prefix-of (the key namespace's model)")
+    tokens = read_tokens(args.prefix_of)
+    try:
+        namespace = KeyNamespace(model=args.model, dtype=args.dtype, layout=args.layout,
+                                 tp_rank=args.tp_rank, tp_size=args.tp_size, salt=args.salt)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"key namespace: {exc}") from None
+    keys = prefix_keys(tokens, args.block_tokens, namespace)
+    if not keys:
+        raise ConfigError(f"--prefix-of: {len(tokens)} tokens make no full block of "
+                          f"{args.block_tokens}")
+    return keys
+
+
+def run(args: argparse.Namespace) -> int:
+    """Explain the keys; 0 when explained, 2 on bad input, 1 when the tiers cannot open."""
+    try:
+        if not args.timeout > 0:
+            raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
+        keys = _keys(args)
+    except (KVTierError, ValueError, TypeError) as exc:
+        print(f"kvtier explain: {exc}")
+        return 2
+    return asyncio.run(_explain(args, keys))
+
+
+async def _explain(args: argparse.Namespace, keys: list[bytes]) -> int:
+    from kvtier.open import open_store
+
+    try:
+        store = await open_store(list(args.urls), close_flush=False, timeout=args.timeout)
+    except ConfigError as exc:
+        print(f"kvtier explain: {exc}")
+        return 2
+    except (KVTierError, OSError) as exc:
+        print(f"kvtier explain: cannot open {mask_secrets(' '.join(args.urls))}: {exc}")
+        return 1
+    try:
+        found = await store.explain(keys)
+    finally:
+        await store.aclose()
+    if args.json:
+        print(json.dumps([e.as_dict() for e in found], indent=2))
+        return 0
+    for explanation in found:
+        print(explanation)
+    hits = sum(e.hit for e in found)
+    reasons: dict[str, int] = {}
+    for e in found:
+        if e.reason is not None:
+            reasons[str(e.reason)] = reasons.get(str(e.reason), 0) + 1
+    why = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
+    line = f"{len(found)} keys: {hits} held, {len(found) - hits} missing" + \
+        (f" ({why})" if why else "")
+    if args.prefix_of:
+        leading = next((i for i, e in enumerate(found) if not e.hit), len(found))
+        line += f"; the prompt's first {leading} of {len(found)} blocks would hit"
+    print(line)
+    if reasons.get("not_stored"):
+        print("note: this process opened the tiers afresh; evictions are recorded by the "
+              "process that runs the store (its store.explain() and stats()['miss_reasons']).")
+    return 0
