@@ -340,6 +340,8 @@ async def test_a_refill_is_pushed_once_not_by_every_holder(pool: Pool) -> None:
         server.stored(key_of(i) for i in range(n))
     try:
         await pool.restart_empty(members[0])
+        for repair in repairs:  # its probes may have seen it down for a moment
+            await _until_alive(repair.pool, members[0])
         await asyncio.gather(*(repair.run_pass() for repair in repairs))
         assert sum(r.counts["pushed"] for r in repairs) == n
         held = await pool.servers[members[0]].segment.contains_many(
@@ -400,3 +402,46 @@ async def test_a_warm_restart_re_replicates_the_blocks_found_on_disk(
         assert repair.counts["found_at_start"] == n
     finally:
         await repair.close()
+
+
+async def test_a_put_while_an_owner_is_down_reaches_it_when_it_returns(pool: Pool) -> None:
+    """Hinted handoff by the servers: with an owner stopped, puts land on a fallback member;
+    the owner restarts empty and its co-owners' anti-entropy (running on their own, nobody
+    reading) hands it every block it owns."""
+    members = [await pool.start() for _ in range(4)]
+    repairs = []
+    for member, server in pool.servers.items():
+        node = PeerTier.from_url(_url(members, replicas=2), self=member, local=server.segment)
+        repairs.append(AntiEntropy(server, node, interval=0.05))
+    for repair in repairs:
+        await repair.start()
+    down = members[0]
+    await repairs.pop(0).close()  # the stopped member's own pass stops with it
+    await pool.stop(down)
+    n = 40
+    try:
+        async with PeerTier.from_url(_url(members, replicas=2)) as tier:
+            await tier.members.check_health()
+            assert not tier.members.alive(down)
+            await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])
+            owned = [key_of(i) for i in range(n) if down in tier.members.ring.owners(
+                key_of(i), 2)]
+        assert owned
+        await pool.start(int(down.rpartition(":")[2]))  # back, empty
+        back = pool.servers[down].segment
+        for _ in range(100):
+            if all(await back.contains_many(owned)):
+                break
+            for repair in repairs:
+                repair.passed.clear()
+            waits = [asyncio.ensure_future(r.passed.wait()) for r in repairs]
+            await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+        assert all(await back.contains_many(owned)), "the owner back never got its blocks"
+        got = await back.get_many(owned)
+        assert all(np.array_equal(b, sample_block(int.from_bytes(k[:4], "big")))  # type: ignore[arg-type]
+                   for k, b in zip(owned, got, strict=True))
+    finally:
+        for repair in repairs:
+            await repair.close()
