@@ -445,3 +445,29 @@ async def test_a_put_while_an_owner_is_down_reaches_it_when_it_returns(pool: Poo
     finally:
         for repair in repairs:
             await repair.close()
+
+
+async def test_a_pass_starts_soon_after_a_change_not_an_interval_later(pool: Pool) -> None:
+    """A member restarts empty: the survivor's passes start when its probes see the change,
+    although its interval (the retry spacing of a failed pass) is an hour."""
+    members = [await pool.start() for _ in range(2)]
+    survivor = pool.servers[members[1]]
+    repair = AntiEntropy(survivor, PeerTier.from_url(_url(members, replicas=2),
+                                                     self=survivor.member_id,
+                                                     local=survivor.segment), interval=3600)
+    try:
+        await repair.start()
+        await asyncio.wait_for(repair.passed.wait(), 20)  # the first pass, at start
+        await survivor.segment.put(key_of(1), sample_block(1))
+        survivor.stored([key_of(1)])
+        repair.passed.clear()
+        await pool.restart_empty(members[0])
+        back = pool.servers[members[0]].segment
+        for _ in range(10):  # it is seen down, then back: a pass follows each change
+            await asyncio.wait_for(repair.passed.wait(), 20)
+            repair.passed.clear()
+            if await back.contains_many([key_of(1)]) == [True]:
+                break
+        assert await back.contains_many([key_of(1)]) == [True]
+    finally:
+        await repair.close()

@@ -73,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-repair", action="store_true",
                         help="run no anti-entropy although --pool is given")
     parser.add_argument("--repair-interval", type=float, default=10.0, metavar="SECONDS",
-                        help="seconds between checks for a membership change, each followed "
-                             "by an anti-entropy pass when one happened (default 10)")
+                        help="seconds between retries of an anti-entropy pass that failed "
+                             "(a pass starts as soon as a membership change is seen; "
+                             "default 10)")
     parser.add_argument("--repair-rate", default="64MiB", metavar="SIZE",
                         help="anti-entropy push budget per second, so a refill cannot starve "
                              "clients (default 64MiB; 0: unpaced)")

@@ -11,7 +11,8 @@ owner and batch) whether they hold it, and pushes the block to those that do not
 
 * A pass runs only when the membership changed (a member failed, restarted, joined or left,
   as this node's health probes see it) since the last pass that reached every owner: a quiet
-  pool costs nothing.
+  pool costs nothing. A pass starts within a quarter second of a change; one that failed
+  (an owner did not answer) is retried every ``interval`` seconds until the next change.
 * It covers the blocks stored through this server since it started and the blocks its
   segment found on disk when it started (a warm restart: an LMDB segment reopened).
 * The keys with the fewest copies go first: a pass checks every key, then pushes in order
@@ -44,6 +45,7 @@ log = logging.getLogger("kvtier.peer.repair")
 
 #: Default push budget of a pass in bytes per second (``kvtier serve --repair-rate``).
 DEFAULT_REPAIR_RATE = 64 << 20
+_WATCH = 0.25  # seconds between looks at the membership's change count (a pass follows one)
 _PUSH_BYTES = 2 << 20  # most frame bytes per push request (each bounded by the pool timeout)
 _PROBE_KEY = b"\0kvtier-anti-entropy-probe"  # a presence check that opens a lazy tier
 
@@ -90,7 +92,8 @@ class AntiEntropy:
         A ``peers://`` tier over the pool this node belongs to, with ``self_id`` set to
         this node's member id (so its own copies are never pushed to itself).
     interval
-        Seconds between checks for a membership change (a pass follows one).
+        Seconds between retries of a pass that failed (a pass starts within a quarter second
+        of each membership change).
     batch
         Keys checked per batch-exists request, and read from the segment per push round.
     rate
@@ -137,7 +140,12 @@ class AntiEntropy:
         tiers = getattr(segment, "tiers", None)
         found = 0
         for tier in tiers if isinstance(tiers, list) else [segment]:
-            await tier.contains_many([_PROBE_KEY])
+            try:
+                await tier.contains_many([_PROBE_KEY])
+            except Exception as exc:  # a tier that cannot answer now lists nothing
+                log.warning("anti-entropy: cannot list the blocks of %r: %s",
+                            getattr(tier, "name", tier), exc)
+                continue
             listed = getattr(tier, "resident_keys", None)
             keys = listed() if callable(listed) else None
             if keys:
@@ -156,14 +164,18 @@ class AntiEntropy:
 
     async def _loop(self) -> None:
         clean_at = -1  # membership change count when the last pass with no failures began
+        tried_at = -1  # change count when the last pass began
+        began = -float("inf")  # when the last pass began
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(_WATCH)
             seen = self.pool.members.change_count
             if seen == clean_at:
                 # Nobody failed, restarted, joined or left since a pass that reached every
                 # owner: every put since then reached its owners too. Nothing to do.
-                self.counts["passes_skipped"] += 1
                 continue
+            if seen == tried_at and time.monotonic() - began < self.interval:
+                continue  # no new change since a pass that failed: it is retried later
+            tried_at, began = seen, time.monotonic()
             try:
                 done = await self.run_pass()
                 if not done.get("failed"):
