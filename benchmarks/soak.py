@@ -105,6 +105,12 @@ def _tmpfs(path: Path, mib: int) -> Iterator[Path | None]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def _count_in_logs(workdir: Path, port: int, text: str) -> int:
+    """How often ``text`` occurs in the logs of the server on ``port``."""
+    return sum(path.read_text(errors="replace").count(text)
+               for path in workdir.glob(f"serve-{port}-*.log"))
+
+
 @dataclass
 class Server:
     """One `kvtier serve` child on a fixed port (so a restart keeps its member id)."""
@@ -401,6 +407,17 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
             held = sum(1 for row in zip(*flags, strict=True) if any(row))
         excused = sum(1 for k in unreadable
                       if _excused(tally.acked[k], tally.kills, args.replicas, args.repair_grace))
+        # Each avoidable loss: its owners (server indexes), ack time and the kills after it.
+        from kvtier.peer.ring import HashRing
+
+        ring = HashRing([s.member for s in servers])
+        index = {s.member: i for i, s in enumerate(servers)}
+        losses = [f"{k.hex()[:12]} owners {[index[m] for m in ring.owners(k, args.replicas)]} "
+                  f"acked t={tally.acked[k] - t0:.1f} kills after "
+                  f"{[(round(t - t0, 1), i) for t, i in tally.kills if t >= tally.acked[k]]}"
+                  for k in unreadable
+                  if not _excused(tally.acked[k], tally.kills, args.replicas, args.repair_grace)]
+        dropped = _count_in_logs(workdir, servers[0].port, "failed demote")
     finally:
         for s in servers:
             s.stop_all()
@@ -408,7 +425,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "args": args, "tally": tally, "wall": wall, "rss_start": rss_start, "rss_end": rss_end,
         "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
-        "full_disk": disk is not None,
+        "full_disk": disk is not None, "losses": losses, "dropped": dropped,
     }
 
 
@@ -430,8 +447,8 @@ def table(r: dict[str, object]) -> str:
         (f"chaos: servers SIGKILLed+restarted ({a.down_together} at once) / SIGSTOPs",
          f"{len(t.kills) - t.leaves} / {t.stops}"),
         ("membership: joined empty / left for good", f"{t.joins} / {t.leaves}"),
-        ("full disk (server 0: LMDB on a tmpfs)",
-         f"{a.full_disk_mib} MiB" if r["full_disk"] else "off"),
+        ("full disk (server 0: LMDB on a tmpfs): size / demotions it failed",
+         f"{a.full_disk_mib} MiB / {r['dropped']}" if r["full_disk"] else "off"),
         ("operations: puts acknowledged / gets", f"{t.puts} / {t.gets}"),
         ("gets that missed during chaos", f"{t.get_misses}"),
         ("acknowledged keys unreadable at end (all servers up)",
@@ -461,6 +478,9 @@ def table(r: dict[str, object]) -> str:
     out += [f"| {k:<{width}} | {v} |" for k, v in rows]
     if t.errors:
         out.append("first exceptions: " + "; ".join(t.errors[:3]))
+    losses: list[str] = r["losses"]  # type: ignore[assignment]
+    if losses:
+        out.append("avoidable losses (first 5): " + "; ".join(losses[:5]))
     return "\n".join(out)
 
 
