@@ -412,11 +412,16 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
 
         ring = HashRing([s.member for s in servers])
         index = {s.member: i for i, s in enumerate(servers)}
+        avoidable = [k for k in unreadable
+                     if not _excused(tally.acked[k], tally.kills, args.replicas,
+                                     args.repair_grace)]
+        on_full_disk = sum(1 for k in avoidable
+                           if disk is not None and servers[0].member in ring.owners(
+                               k, args.replicas))
         losses = [f"{k.hex()[:12]} owners {[index[m] for m in ring.owners(k, args.replicas)]} "
                   f"acked t={tally.acked[k] - t0:.1f} kills after "
                   f"{[(round(t - t0, 1), i) for t, i in tally.kills if t >= tally.acked[k]]}"
-                  for k in unreadable
-                  if not _excused(tally.acked[k], tally.kills, args.replicas, args.repair_grace)]
+                  for k in avoidable]
         dropped = _count_in_logs(workdir, servers[0].port, "failed demote")
     finally:
         for s in servers:
@@ -426,6 +431,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
         "full_disk": disk is not None, "losses": losses, "dropped": dropped,
+        "on_full_disk": on_full_disk,
     }
 
 
@@ -455,6 +461,8 @@ def table(r: dict[str, object]) -> str:
          f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
         ("  of which replication should have prevented", f"{unreadable - excused}"),
+        ("    of those, owned by the full-disk server (its copy may have been dropped)",
+         f"{r['on_full_disk']}"),
         ("wrong bytes returned", f"{r['wrong']}"),
         ("keys long-lived clients missed that a fresh client read", f"{r['behind']}"),
         ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
