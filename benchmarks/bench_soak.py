@@ -28,8 +28,10 @@ def run(quick: bool = False) -> list[Result]:
             Result("soak", "get under chaos", f"{args.block_bytes >> 10}KiB",
                    tally.get_lat, args.block_bytes, wall, args.concurrency)]  # type: ignore[attr-defined]
     lost = int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
-    bad = lost + int(result["wrong"]) + tally.put_errors + tally.get_errors  # type: ignore[attr-defined, call-overload]
+    behind = int(result["behind"])  # type: ignore[call-overload]
+    bad = lost + int(result["wrong"]) + behind + tally.put_errors + tally.get_errors  # type: ignore[attr-defined, call-overload]
     if bad:
         raise RuntimeError(f"soak: {lost} avoidable losses, {result['wrong']} wrong blocks, "
+                           f"{behind} keys long-lived clients missed, "
                            f"{tally.put_errors + tally.get_errors} exceptions")  # type: ignore[attr-defined]
     return rows

@@ -4,17 +4,28 @@ while clients put and get blocks whose bytes derive from their key.
     python -m benchmarks.soak [--duration 180] [--concurrency 16] [--servers 3] [--replicas 2]
     kvtier bench --only soak [--full]          (quick: 25 s; --full: 180 s)
 
-N servers (`kvtier serve --repair`, DRAM segments) run on loopback. One client process runs
-`--concurrency` workers on one store over ``peers://`` (``ack=all``), paced to `--rate`
-operations per second: half put a new key, half get an acknowledged one and check its bytes.
-Every `--chaos-interval` seconds the chaos loop either SIGKILLs a random server and restarts
-it (empty: DRAM only) or SIGSTOPs one for `--stop-seconds` and resumes it; one fault at a time.
+N servers (`kvtier serve --pool`, anti-entropy on, DRAM segments) run on loopback. One client
+process runs `--concurrency` workers over `--clients` long-lived stores on ``peers://``
+(``ack=all``), paced to `--rate` operations per second (a rate above what the box serves is
+the overload setting; the table shows the rate reached): half put a new key, half get an
+acknowledged one and check its bytes. Every `--chaos-interval` seconds the chaos loop either
+SIGKILLs `--down-together` random servers and restarts them (empty: DRAM only) or SIGSTOPs
+one for `--stop-seconds` and resumes it.
 
-At the end every server is up; a fresh client reads back every acknowledged key. An
-unreadable key counts as "replication could not help" when `replicas` distinct servers were
-killed after its put was acknowledged, each within `--repair-grace` seconds of the previous
-(no anti-entropy pass could have re-replicated in between); every other unreadable key is a
-loss replication should have prevented. Wrong bytes and exceptions must be 0.
+Optional faults: `--grow-shrink` starts with one member of the pool URL absent (it joins,
+empty, a third into the run) and stops another for good two thirds into it (it stays out of
+the final read); `--full-disk-mib M` gives server 0 an LMDB segment under a small DRAM tier on
+a tmpfs of M MiB with an LMDB capacity of twice that (the disk fills; its restarts are warm,
+the LMDB kept), skipped where a tmpfs cannot be mounted.
+
+At the end every server is up (but the one `--grow-shrink` removed); every long-lived client
+and a fresh client read back every acknowledged key, and the table counts the keys a
+long-lived client missed that the fresh one read. An unreadable key counts as "replication
+could not help" when `replicas` distinct servers were killed (or removed) after its put was
+acknowledged, each within `--repair-grace` seconds of the previous (no anti-entropy pass could
+have re-replicated in between); every other unreadable key is a loss replication should have
+prevented. Wrong bytes and exceptions must be 0. Server RSS is shown at start and end, and at
+the end also less the bytes its DRAM tier holds (the data it was given).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import random
 import re
@@ -32,6 +44,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +74,41 @@ def _rss_mib(pid: int) -> float:
     except OSError:
         pass
     return float("nan")
+
+
+def _dram_bytes(member: str, token: str) -> int:
+    """Bytes the server's DRAM tiers hold (from its ``/v1/health``)."""
+    request = urllib.request.Request(f"http://{member}/v1/health",
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            doc = json.loads(answer.read())
+    except OSError:
+        return 0
+    return sum(int(t.get("used") or 0) for t in doc.get("tiers", ())
+               if t.get("scheme") == "dram")
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, mib: int) -> Iterator[Path | None]:
+    """A tmpfs of ``mib`` MiB at ``path`` (``None`` where mounting is not permitted)."""
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        print(f"full disk: skipped (cannot mount a tmpfs: {proc.stderr.strip()})", flush=True)
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _count_in_logs(workdir: Path, port: int, text: str) -> int:
+    """How often ``text`` occurs in the logs of the server on ``port``."""
+    return sum(path.read_text(errors="replace").count(text)
+               for path in workdir.glob(f"serve-{port}-*.log"))
 
 
 @dataclass
@@ -131,16 +180,19 @@ class Tally:
     get_lat: list[float] = field(default_factory=list)
     kills: list[tuple[float, int]] = field(default_factory=list)
     stops: int = 0
+    joins: int = 0
+    leaves: int = 0
     errors: list[str] = field(default_factory=list)
 
 
-async def _workers(store: object, tally: Tally, args: argparse.Namespace, until: float,
+async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namespace, until: float,
                    rng: random.Random) -> None:
     keys: list[bytes] = []
     interval = args.concurrency / args.rate
     counter = iter(range(1 << 62))
 
     async def worker(w: int) -> None:
+        store = stores[w % len(stores)]
         next_at = time.monotonic() + rng.random() * interval
         while time.monotonic() < until:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
@@ -180,24 +232,72 @@ async def _workers(store: object, tally: Tally, args: argparse.Namespace, until:
 
 
 async def _chaos(servers: list[Server], tally: Tally, args: argparse.Namespace, until: float,
-                 rng: random.Random) -> None:
+                 rng: random.Random, out: set[int], faults: asyncio.Lock) -> None:
+    """Faults every `--chaos-interval` s; ``out`` holds the servers the membership loop
+    keeps out (never picked); ``faults`` is held during each fault."""
     kill_next = True
     while time.monotonic() + args.chaos_interval < until:
         await asyncio.sleep(args.chaos_interval)
-        index = rng.randrange(len(servers))
-        victim = servers[index]
-        if kill_next:
-            victim.kill()
+        async with faults:
+            kill_next = await _fault(servers, tally, args, rng, out, kill_next)
+
+
+async def _fault(servers: list[Server], tally: Tally, args: argparse.Namespace,
+                 rng: random.Random, out: set[int], kill_next: bool) -> bool:
+    candidates = [i for i in range(len(servers)) if i not in out]
+    if kill_next:
+        picked = rng.sample(candidates, min(args.down_together, len(candidates)))
+        for index in picked:
+            servers[index].kill()
             tally.kills.append((time.monotonic(), index))
-            await asyncio.sleep(rng.uniform(0.5, 3.0))
-            victim.start()
-            await victim.wait_ready()
-        else:
-            victim.send(signal.SIGSTOP)
-            tally.stops += 1
-            await asyncio.sleep(args.stop_seconds)
-            victim.send(signal.SIGCONT)
-        kill_next = not kill_next
+        await asyncio.sleep(rng.uniform(0.5, 3.0))
+        for index in picked:
+            servers[index].start()
+        for index in picked:
+            await servers[index].wait_ready()
+    else:
+        victim = servers[rng.choice(candidates)]
+        victim.send(signal.SIGSTOP)
+        tally.stops += 1
+        await asyncio.sleep(args.stop_seconds)
+        victim.send(signal.SIGCONT)
+    return not kill_next
+
+
+async def _membership(servers: list[Server], tally: Tally, t0: float, duration: float,
+                      out: set[int], faults: asyncio.Lock) -> None:
+    """`--grow-shrink`: server 0 (absent from the start) joins empty a third into the run;
+    the last server leaves for good two thirds into it."""
+    await asyncio.sleep(max(0.0, t0 + duration / 3 - time.monotonic()))
+    async with faults:
+        servers[0].start()
+        await servers[0].wait_ready()
+        out.discard(0)
+        tally.joins += 1
+    await asyncio.sleep(max(0.0, t0 + 2 * duration / 3 - time.monotonic()))
+    async with faults:
+        leaving = len(servers) - 1
+        out.add(leaving)
+        servers[leaving].kill()
+        tally.kills.append((time.monotonic(), leaving))
+        tally.leaves += 1
+
+
+async def _read_back(store: object, keys: list[bytes], nbytes: int
+                     ) -> tuple[set[bytes], int]:
+    """``(keys read with the right bytes, wrong blocks)`` of ``keys`` through ``store``."""
+    good: set[bytes] = set()
+    wrong = 0
+    for start in range(0, len(keys), 64):
+        chunk = keys[start:start + 64]
+        for key, got in zip(chunk, await store.get_many(chunk), strict=True):  # type: ignore[attr-defined]
+            if got is None:
+                continue
+            if np.array_equal(np.asarray(got).view(np.uint8).ravel(), block_for(key, nbytes)):
+                good.add(key)
+            else:
+                wrong += 1
+    return good, wrong
 
 
 def _excused(acked_at: float, kills: list[tuple[float, int]], replicas: int,
@@ -230,11 +330,18 @@ def _pct(values: list[float], q: float) -> float:
 
 async def soak(args: argparse.Namespace) -> dict[str, object]:
     """Run the soak; returns the figures the table prints."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-soak-"))
+    with _tmpfs(workdir / "disk", args.full_disk_mib) if args.full_disk_mib else \
+            contextlib.nullcontext() as disk:
+        return await _soak(args, workdir, disk)
+
+
+async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
+                ) -> dict[str, object]:
     import kvtier
     from kvtier.peer.client import PeerClient
 
     rng = random.Random(args.seed)
-    workdir = Path(tempfile.mkdtemp(prefix="kvtier-soak-"))
     token = workdir / "token"
     token.write_text("soak-token\n")
     ports = [_free_port() for _ in range(args.servers)]
@@ -243,43 +350,55 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
             f"&timeout={args.timeout}&health_interval=0.5")
     serve_args = ["--tier", "dram://?capacity=2GiB", "--token-file", str(token)]
     if args.repair_interval > 0:
-        serve_args += ["--repair", pool, "--repair-interval", str(args.repair_interval)]
+        serve_args += ["--pool", pool, "--repair-interval", str(args.repair_interval)]
     servers = [Server(p, serve_args, workdir) for p in ports]
+    if disk is not None:  # server 0: a small DRAM tier over an LMDB that fills its tmpfs
+        lmdb = f"lmdb://{disk}/seg?capacity={2 * args.full_disk_mib}MiB"
+        servers[0].args = ["--tier", "dram://?capacity=8MiB", "--tier", lmdb,
+                           *serve_args[2:]]
+    out: set[int] = {0} if args.grow_shrink else set()
     tally = Tally()
     try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            await s.wait_ready()
-        rss_start = [_rss_mib(s.proc.pid) for s in servers if s.proc]
-        store = await kvtier.open_store([pool])
+        for i, s in enumerate(servers):
+            if i not in out:
+                s.start()
+        for i, s in enumerate(servers):
+            if i not in out:
+                await s.wait_ready()
+        rss_start = {i: _rss_mib(s.proc.pid) for i, s in enumerate(servers) if s.proc}
+        stores = [await kvtier.open_store([pool]) for _ in range(args.clients)]
         t0 = time.monotonic()
         until = t0 + args.duration
-        async with store:
-            await asyncio.gather(_workers(store, tally, args, until, rng),
-                                 _chaos(servers, tally, args, until, rng))
-            client_stats = store.stats()["tiers"][0]
-        wall = time.monotonic() - t0
-        for s in servers:
-            s.send(signal.SIGCONT)
-        await asyncio.sleep(args.settle)
-        rss_end = [_rss_mib(s.proc.pid) for s in servers if s.proc]
-        # Read every acknowledged key back through a fresh client, all servers up.
-        keys = list(tally.acked)
-        unreadable: list[bytes] = []
-        wrong_end = 0
+        try:
+            lock = asyncio.Lock()
+            faults = [_chaos(servers, tally, args, until, rng, out, lock)]
+            if args.grow_shrink:
+                faults.append(_membership(servers, tally, t0, args.duration, out, lock))
+            await asyncio.gather(_workers(stores, tally, args, until, rng), *faults)
+            wall = time.monotonic() - t0
+            client_stats = stores[0].stats()["tiers"][0]
+            for s in servers:
+                s.send(signal.SIGCONT)
+            await asyncio.sleep(args.settle)
+            keys = list(tally.acked)
+            # Long-lived clients first, then a fresh one, all servers up (but the one left).
+            long_lived = [await _read_back(store, keys, args.block_bytes) for store in stores]
+        finally:
+            for store in stores:
+                await store.aclose()
+        rss_end = {i: _rss_mib(s.proc.pid) for i, s in enumerate(servers)
+                   if s.proc and s.proc.poll() is None}
+        held_mib = {i: _dram_bytes(servers[i].member, "soak-token") / (1 << 20)
+                    for i in rss_end}
         async with await kvtier.open_store([pool]) as reader:
-            for start in range(0, len(keys), 64):
-                chunk = keys[start:start + 64]
-                for key, got in zip(chunk, await reader.get_many(chunk), strict=True):
-                    if got is None:
-                        unreadable.append(key)
-                    elif not np.array_equal(np.asarray(got).view(np.uint8).ravel(),
-                                            block_for(key, args.block_bytes)):
-                        wrong_end += 1
+            fresh, wrong_end = await _read_back(reader, keys, args.block_bytes)
+        behind = sum(len(fresh - good) for good, _ in long_lived)
+        wrong_end += sum(wrong for _, wrong in long_lived)
+        unreadable = [k for k in keys if k not in fresh]
         held = 0
         if unreadable:  # which unreadable keys some live server still holds
-            clients = [PeerClient(s.member, token="soak-token", timeout=5.0) for s in servers]
+            clients = [PeerClient(servers[i].member, token="soak-token", timeout=5.0)
+                       for i in rss_end]
             try:
                 flags = [await c.exists_many(unreadable) for c in clients]
             finally:
@@ -288,13 +407,31 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
             held = sum(1 for row in zip(*flags, strict=True) if any(row))
         excused = sum(1 for k in unreadable
                       if _excused(tally.acked[k], tally.kills, args.replicas, args.repair_grace))
+        # Each avoidable loss: its owners (server indexes), ack time and the kills after it.
+        from kvtier.peer.ring import HashRing
+
+        ring = HashRing([s.member for s in servers])
+        index = {s.member: i for i, s in enumerate(servers)}
+        avoidable = [k for k in unreadable
+                     if not _excused(tally.acked[k], tally.kills, args.replicas,
+                                     args.repair_grace)]
+        on_full_disk = sum(1 for k in avoidable
+                           if disk is not None and servers[0].member in ring.owners(
+                               k, args.replicas))
+        losses = [f"{k.hex()[:12]} owners {[index[m] for m in ring.owners(k, args.replicas)]} "
+                  f"acked t={tally.acked[k] - t0:.1f} kills after "
+                  f"{[(round(t - t0, 1), i) for t, i in tally.kills if t >= tally.acked[k]]}"
+                  for k in avoidable]
+        dropped = _count_in_logs(workdir, servers[0].port, "failed demote")
     finally:
         for s in servers:
             s.stop_all()
     return {
         "args": args, "tally": tally, "wall": wall, "rss_start": rss_start, "rss_end": rss_end,
-        "unreadable": len(unreadable), "excused": excused, "held": held,
-        "wrong": tally.wrong_bytes + wrong_end, "client": client_stats,
+        "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
+        "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
+        "full_disk": disk is not None, "losses": losses, "dropped": dropped,
+        "on_full_disk": on_full_disk,
     }
 
 
@@ -304,17 +441,30 @@ def table(r: dict[str, object]) -> str:
     t: Tally = r["tally"]  # type: ignore[assignment]
     c: dict[str, object] = r["client"]  # type: ignore[assignment]
     unreadable, excused = int(r["unreadable"]), int(r["excused"])  # type: ignore[call-overload]
+    start: dict[int, float] = r["rss_start"]  # type: ignore[assignment]
+    end: dict[int, float] = r["rss_end"]  # type: ignore[assignment]
+    held: dict[int, float] = r["held_mib"]  # type: ignore[assignment]
+    wall = float(r["wall"])  # type: ignore[arg-type]
+    done = t.puts + t.gets + t.put_errors + t.get_errors
     rows = [
-        ("duration (s), servers, replicas, concurrency",
-         f"{r['wall']:.0f}, {a.servers}, {a.replicas}, {a.concurrency}"),
-        ("chaos: SIGKILL+restart empty / SIGSTOP+resume", f"{len(t.kills)} / {t.stops}"),
+        ("duration (s), servers, replicas, concurrency, long-lived clients",
+         f"{wall:.0f}, {a.servers}, {a.replicas}, {a.concurrency}, {a.clients}"),
+        ("operations/s asked / reached", f"{a.rate:.0f} / {done / wall:.0f}"),
+        (f"chaos: servers SIGKILLed+restarted ({a.down_together} at once) / SIGSTOPs",
+         f"{len(t.kills) - t.leaves} / {t.stops}"),
+        ("membership: joined empty / left for good", f"{t.joins} / {t.leaves}"),
+        ("full disk (server 0: LMDB on a tmpfs): size / demotions it failed",
+         f"{a.full_disk_mib} MiB / {r['dropped']}" if r["full_disk"] else "off"),
         ("operations: puts acknowledged / gets", f"{t.puts} / {t.gets}"),
         ("gets that missed during chaos", f"{t.get_misses}"),
         ("acknowledged keys unreadable at end (all servers up)",
          f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
         ("  of which replication should have prevented", f"{unreadable - excused}"),
+        ("    of those, owned by the full-disk server (its copy may have been dropped)",
+         f"{r['on_full_disk']}"),
         ("wrong bytes returned", f"{r['wrong']}"),
+        ("keys long-lived clients missed that a fresh client read", f"{r['behind']}"),
         ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
         ("put latency p50 / p99 / max (ms)",
          f"{_pct(t.put_lat, 0.5):.1f} / {_pct(t.put_lat, 0.99):.1f} / "
@@ -323,8 +473,10 @@ def table(r: dict[str, object]) -> str:
          f"{_pct(t.get_lat, 0.5):.1f} / {_pct(t.get_lat, 0.99):.1f} / "
          f"{max(t.get_lat, default=0) * 1e3:.1f}"),
         ("server RSS start -> end (MiB)",
-         " ; ".join(f"{s:.0f} -> {e:.0f}" for s, e in zip(r["rss_start"], r["rss_end"],  # type: ignore[call-overload]
-                                                         strict=False))),
+         " ; ".join(f"{start[i]:.0f} -> {e:.0f}" if i in start else f"(joined) {e:.0f}"
+                    for i, e in end.items())),
+        ("server RSS at end less its DRAM-held data (MiB)",
+         " ; ".join(f"{e - held[i]:.0f}" for i, e in end.items())),
         ("client: read repairs / walk hits / copies made / under-replicated puts",
          f"{c.get('read_repairs', 0)} / {c.get('walk_hits', 0)} / {c.get('copies_made', 0)} / "
          f"{c.get('puts_under_replicated', 0)}"),
@@ -334,6 +486,9 @@ def table(r: dict[str, object]) -> str:
     out += [f"| {k:<{width}} | {v} |" for k, v in rows]
     if t.errors:
         out.append("first exceptions: " + "; ".join(t.errors[:3]))
+    losses: list[str] = r["losses"]  # type: ignore[assignment]
+    if losses:
+        out.append("avoidable losses (first 5): " + "; ".join(losses[:5]))
     return "\n".join(out)
 
 
@@ -354,6 +509,15 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle", type=float, default=3.0,
                         help="seconds between the last fault and the read-back")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clients", type=int, default=2,
+                        help="long-lived client stores the workers share")
+    parser.add_argument("--down-together", type=int, default=1,
+                        help="servers each SIGKILL fault takes down at once")
+    parser.add_argument("--grow-shrink", action="store_true",
+                        help="one member joins empty a third in; another leaves for good "
+                             "two thirds in")
+    parser.add_argument("--full-disk-mib", type=int, default=0,
+                        help="server 0's LMDB segment on a tmpfs of this size (0: off)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     t: Tally = result["tally"]  # type: ignore[assignment]
     bad = (int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
-           + int(result["wrong"]) + t.put_errors + t.get_errors)  # type: ignore[call-overload]
+           + int(result["wrong"]) + int(result["behind"])  # type: ignore[call-overload]
+           + t.put_errors + t.get_errors)
     return 1 if bad else 0
 
 

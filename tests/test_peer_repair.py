@@ -178,12 +178,13 @@ def _free_port() -> int:
 
 
 async def test_kvtier_serve_repair_refills_a_node_restarted_empty(tmp_path: Path) -> None:
-    """`kvtier serve --repair POOL_URL` wiring: a node killed and restarted empty gets its
-    blocks back from its peer's anti-entropy pass, with no client reading anything."""
+    """`kvtier serve --pool POOL_URL` wiring (anti-entropy on by default): a node killed
+    and restarted empty gets its blocks back from its peer's anti-entropy pass, with no
+    client reading anything."""
     token = token_file(tmp_path)
     members = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
     url = _url(members, replicas=2, health_interval=0.1)
-    args = ["--tier", "dram://", "--repair", url.replace(f"token={TOKEN}", f"token=file:{token}"),
+    args = ["--tier", "dram://", "--pool", url.replace(f"token={TOKEN}", f"token=file:{token}"),
             "--repair-interval", "0.2"]
     procs = [ServeProcess(args, token) for _ in members]
     try:
@@ -271,3 +272,202 @@ async def test_anti_entropy_never_overwrites_a_newer_value_on_the_owner(pool: Po
         await repair.close()
         await holder.stop()
         await holder.segment.aclose()
+
+
+class _RecordingDRAM(DRAMTier):
+    """A DRAM segment that records the keys stored, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored_order: list[bytes] = []
+
+    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+        self.stored_order += [key for key, _ in items]
+        await super()._put_many(items)
+
+
+async def _repairer(server: PeerServer, members: list[str], replicas: int,
+                    **opts: object) -> AntiEntropy:
+    node = PeerTier.from_url(_url(members, replicas=replicas), self=server.member_id,
+                             local=server.segment)
+    repair = AntiEntropy(server, node, interval=3600, **opts)  # type: ignore[arg-type]
+    await repair.pool.open()
+    return repair
+
+
+async def test_anti_entropy_pushes_the_keys_with_fewest_copies_first(pool: Pool) -> None:
+    """Keys down to this node's copy alone go out before keys that still have two copies,
+    although they were stored after them."""
+    members = [await pool.start() for _ in range(2)]
+    target = PeerServer(_RecordingDRAM(), token=TOKEN, close_segment=True)
+    await target.start()
+    pool.servers[target.member_id] = target
+    members.append(target.member_id)
+    holder, other = pool.servers[members[0]], pool.servers[members[1]]
+    repair = await _repairer(holder, members, replicas=3, batch=4)
+    try:
+        ring = repair.pool.members
+        # On the holder and `other`, the holder first in ring order (so it is the pusher).
+        two = [k for k in map(key_of, range(200))
+               if ring.order(k).index(holder.member_id) < ring.order(k).index(
+                   other.member_id)][:12]
+        one = [key_of(i) for i in range(100, 112)]  # on the holder alone
+        for key in two + one:
+            await holder.segment.put(key, sample_block(1))
+        holder.stored(two + one)
+        for key in two:
+            await other.segment.put(key, sample_block(1))
+        other.stored(two)
+        done = await repair.run_pass()
+        order = target.segment.stored_order  # type: ignore[attr-defined]
+        assert sorted(order[:12]) == sorted(one), "the least-replicated keys were not first"
+        assert sorted(order[12:]) == sorted(two)
+        assert done["under_replicated"] == 24
+    finally:
+        await repair.close()
+
+
+async def test_a_refill_is_pushed_once_not_by_every_holder(pool: Pool) -> None:
+    """replicas=3 of three members, one back empty: of its two co-owners only the first
+    holder in each key's ring order pushes, so each block travels once."""
+    members = [await pool.start() for _ in range(3)]
+    n = 60
+    async with PeerTier.from_url(_url(members, replicas=3)) as tier:
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])
+    survivors = [pool.servers[m] for m in members[1:]]
+    repairs = [await _repairer(s, members, replicas=3) for s in survivors]
+    for server in survivors:
+        server.stored(key_of(i) for i in range(n))
+    try:
+        await pool.restart_empty(members[0])
+        for repair in repairs:  # its probes may have seen it down for a moment
+            await _until_alive(repair.pool, members[0])
+        await asyncio.gather(*(repair.run_pass() for repair in repairs))
+        assert sum(r.counts["pushed"] for r in repairs) == n
+        held = await pool.servers[members[0]].segment.contains_many(
+            [key_of(i) for i in range(n)])
+        assert all(held)
+    finally:
+        for repair in repairs:
+            await repair.close()
+
+
+async def test_anti_entropy_pushes_at_most_its_byte_rate(pool: Pool) -> None:
+    members = [await pool.start() for _ in range(2)]
+    holder = pool.servers[members[0]]
+    n, rate = 16, 256 << 10  # 16 blocks of 64 KiB at 256 KiB/s: >= 3 s past the 1 s burst
+    repair = await _repairer(holder, members, replicas=2, batch=2, rate=rate)
+    try:
+        for i in range(n):
+            await holder.segment.put(key_of(i), sample_block(i, 64 << 10))
+        holder.stored(key_of(i) for i in range(n))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        done = await repair.run_pass()
+        took = loop.time() - started
+        assert done["pushed"] == n
+        assert took >= (done["pushed_bytes"] - rate) / rate * 0.95
+        assert repair.stats()["paced_s"] > 2.0
+    finally:
+        await repair.close()
+
+
+async def test_a_warm_restart_re_replicates_the_blocks_found_on_disk(
+        pool: Pool, tmp_path: Path) -> None:
+    """A node restarted on its LMDB segment (warm) walks the blocks it found on disk: the
+    member back empty gets them with nobody reading and nothing stored since the restart."""
+    from kvtier.tiers.lmdb import LMDBTier
+
+    n = 40
+    first = PeerServer(LMDBTier(tmp_path / "seg", capacity=64 << 20), token=TOKEN,
+                       close_segment=True)
+    await first.start()
+    warm_port = int(first.member_id.rpartition(":")[2])
+    for i in range(n):
+        await first.segment.put(key_of(i), sample_block(i))
+    await first.stop()  # closes the LMDB segment
+    empty = await pool.start()
+    warm = PeerServer(LMDBTier(tmp_path / "seg", capacity=64 << 20), token=TOKEN,
+                      close_segment=True, port=warm_port)
+    await warm.start()
+    pool.servers[warm.member_id] = warm
+    repair = AntiEntropy(warm, PeerTier.from_url(_url([empty, warm.member_id], replicas=2),
+                                                 self=warm.member_id, local=warm.segment),
+                         interval=3600)
+    try:
+        await repair.start()
+        await repair.run_pass()
+        held = await pool.servers[empty].segment.contains_many([key_of(i) for i in range(n)])
+        assert all(held), f"{held.count(False)} of {n} blocks on disk not re-replicated"
+        assert repair.counts["found_at_start"] == n
+    finally:
+        await repair.close()
+
+
+async def test_a_put_while_an_owner_is_down_reaches_it_when_it_returns(pool: Pool) -> None:
+    """Hinted handoff by the servers: with an owner stopped, puts land on a fallback member;
+    the owner restarts empty and its co-owners' anti-entropy (running on their own, nobody
+    reading) hands it every block it owns."""
+    members = [await pool.start() for _ in range(4)]
+    repairs = []
+    for member, server in pool.servers.items():
+        node = PeerTier.from_url(_url(members, replicas=2), self=member, local=server.segment)
+        repairs.append(AntiEntropy(server, node, interval=0.05))
+    for repair in repairs:
+        await repair.start()
+    down = members[0]
+    await repairs.pop(0).close()  # the stopped member's own pass stops with it
+    await pool.stop(down)
+    n = 40
+    try:
+        async with PeerTier.from_url(_url(members, replicas=2)) as tier:
+            await tier.members.check_health()
+            assert not tier.members.alive(down)
+            await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])
+            owned = [key_of(i) for i in range(n) if down in tier.members.ring.owners(
+                key_of(i), 2)]
+        assert owned
+        await pool.start(int(down.rpartition(":")[2]))  # back, empty
+        back = pool.servers[down].segment
+        for _ in range(100):
+            if all(await back.contains_many(owned)):
+                break
+            for repair in repairs:
+                repair.passed.clear()
+            waits = [asyncio.ensure_future(r.passed.wait()) for r in repairs]
+            await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+        assert all(await back.contains_many(owned)), "the owner back never got its blocks"
+        got = await back.get_many(owned)
+        assert all(np.array_equal(b, sample_block(int.from_bytes(k[:4], "big")))  # type: ignore[arg-type]
+                   for k, b in zip(owned, got, strict=True))
+    finally:
+        for repair in repairs:
+            await repair.close()
+
+
+async def test_a_pass_starts_soon_after_a_change_not_an_interval_later(pool: Pool) -> None:
+    """A member restarts empty: the survivor's passes start when its probes see the change,
+    although its interval (the retry spacing of a failed pass) is an hour."""
+    members = [await pool.start() for _ in range(2)]
+    survivor = pool.servers[members[1]]
+    repair = AntiEntropy(survivor, PeerTier.from_url(_url(members, replicas=2),
+                                                     self=survivor.member_id,
+                                                     local=survivor.segment), interval=3600)
+    try:
+        await repair.start()
+        await asyncio.wait_for(repair.passed.wait(), 20)  # the first pass, at start
+        await survivor.segment.put(key_of(1), sample_block(1))
+        survivor.stored([key_of(1)])
+        repair.passed.clear()
+        await pool.restart_empty(members[0])
+        back = pool.servers[members[0]].segment
+        for _ in range(10):  # it is seen down, then back: a pass follows each change
+            await asyncio.wait_for(repair.passed.wait(), 20)
+            repair.passed.clear()
+            if await back.contains_many([key_of(1)]) == [True]:
+                break
+        assert await back.contains_many([key_of(1)]) == [True]
+    finally:
+        await repair.close()

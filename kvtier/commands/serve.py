@@ -66,12 +66,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eviction policy of the segment's budgeted tiers whose URL names "
                              "none (default arc: best sessionless pool hit rate measured, see "
                              "docs/pooling-results.md)")
+    parser.add_argument("--pool", metavar="POOL_URL",
+                        help="the pool this node belongs to (peers://...; this node's self= "
+                             "defaults to its listen address): its anti-entropy re-replicates "
+                             "this node's blocks to their current owners after each membership "
+                             "change (on unless --no-repair)")
     parser.add_argument("--repair", metavar="POOL_URL",
-                        help="re-replicate this node's blocks to their current owners in the "
-                             "pool POOL_URL (peers://...; this node's self= defaults to its "
-                             "listen address) every --repair-interval seconds")
+                        help="same as --pool (kept for existing scripts)")
+    parser.add_argument("--no-repair", action="store_true",
+                        help="run no anti-entropy although --pool is given")
     parser.add_argument("--repair-interval", type=float, default=10.0, metavar="SECONDS",
-                        help="seconds between anti-entropy passes (default 10)")
+                        help="seconds between retries of an anti-entropy pass that failed "
+                             "(a pass starts as soon as a membership change is seen; "
+                             "default 10)")
+    parser.add_argument("--repair-rate", default="64MiB", metavar="SIZE",
+                        help="anti-entropy push budget per second, so a refill cannot starve "
+                             "clients (default 64MiB; 0: unpaced)")
 
 
 def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
@@ -171,7 +181,7 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
         await store.aclose()
         raise
     repair = None
-    if args.repair:
+    if (args.pool or args.repair) and not args.no_repair:
         repair = await _start_repair(args, server)
     if token is None:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
@@ -192,14 +202,20 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
 
 
 async def _start_repair(args: argparse.Namespace, server: Any) -> Any:
-    """The anti-entropy loop of ``--repair POOL_URL`` (see kvtier.peer.repair)."""
+    """The anti-entropy loop of ``--pool POOL_URL`` (see kvtier.peer.repair)."""
+    from kvtier.errors import ConfigError
     from kvtier.peer.repair import AntiEntropy
     from kvtier.peer.tier import PeerTier
+    from kvtier.urls import parse_size
 
-    own = {} if "self=" in args.repair else {"self": server.member_id}
+    if args.pool and args.repair and args.pool != args.repair:
+        raise ConfigError("--repair: names another pool than --pool (give one of them)")
+    url = args.pool or args.repair
+    rate = parse_size(args.repair_rate, "--repair-rate")
+    own = {} if "self=" in url else {"self": server.member_id}
     try:
-        pool = PeerTier.from_url(args.repair, local=server.segment, **own)
-        repair = AntiEntropy(server, pool, interval=args.repair_interval)
+        pool = PeerTier.from_url(url, local=server.segment, **own)
+        repair = AntiEntropy(server, pool, interval=args.repair_interval, rate=rate or None)
         await repair.start()
     except BaseException:
         await server.stop()

@@ -4,48 +4,100 @@ A put lands on a key's first live owners; when an owner is down it lands on the 
 member instead (a fallback copy), and a member that restarts empty, or one that joins,
 holds none of the keys it now owns. Reads walk past such holes and repair what they read
 (:class:`kvtier.peer.tier.PeerTier`), but a block nobody reads keeps fewer copies than
-``replicas`` until a second failure loses it. :class:`AntiEntropy` closes that gap: every
-``interval`` seconds it walks the keys this node's server has stored, asks each key's
-current owners (one batch-exists request per owner and batch) whether they hold it, and
-pushes the block to those that do not. ``kvtier serve --repair POOL_URL`` runs it. A pass
-runs only when the membership changed (a member failed, restarted, joined or left, as this
-node's health probes see it) since the last pass that reached every owner: a quiet pool
-costs nothing.
+``replicas`` until a second failure loses it. :class:`AntiEntropy` closes that gap: a pass
+walks the keys this node holds, asks each key's current owners (one batch-exists request per
+owner and batch) whether they hold it, and pushes the block to those that do not.
+``kvtier serve --pool POOL_URL`` runs it by default.
+
+* A pass runs only when the membership changed (a member failed, restarted, joined or left,
+  as this node's health probes see it) since the last pass that reached every owner: a quiet
+  pool costs nothing. A pass starts within a quarter second of a change; one that failed
+  (an owner did not answer) is retried every ``interval`` seconds until the next change.
+* It covers the blocks stored through this server since it started and the blocks its
+  segment found on disk when it started (a warm restart: an LMDB segment reopened).
+* The keys with the fewest copies go first: a pass checks every key, then pushes in order
+  of copies found (one copy left before two), so a second failure finds the most exposed
+  blocks already re-replicated.
+* Of the holders a pass finds, only the first in the key's ring order pushes (the others
+  see it holds the key and leave it): the refill of a member back empty is sent once.
+* Pushes are paced to a byte rate (``rate``), so a refill cannot starve client traffic.
+* Pushes only fill holes (``?fill=1``): a newer value that reached an owner stays.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from kvtier.codec import encode_frame
 
 if TYPE_CHECKING:
+    from kvtier.codec import EncodedFrame
     from kvtier.peer.server import PeerServer
     from kvtier.peer.tier import PeerTier
 
-__all__ = ["AntiEntropy"]
+__all__ = ["DEFAULT_REPAIR_RATE", "AntiEntropy", "BytePacer"]
 
 log = logging.getLogger("kvtier.peer.repair")
 
+#: Default push budget of a pass in bytes per second (``kvtier serve --repair-rate``).
+DEFAULT_REPAIR_RATE = 64 << 20
+_WATCH = 0.25  # seconds between looks at the membership's change count (a pass follows one)
+_PUSH_BYTES = 2 << 20  # most frame bytes per push request (each bounded by the pool timeout)
+_PROBE_KEY = b"\0kvtier-anti-entropy-probe"  # a presence check that opens a lazy tier
+
+
+class BytePacer:
+    """Paces sends to ``rate`` bytes per second, with up to one second of burst.
+
+    Parameters
+    ----------
+    rate
+        Bytes per second; ``None`` paces nothing.
+    """
+
+    def __init__(self, rate: float | None) -> None:
+        if rate is not None and not rate > 0:
+            raise ValueError(f"rate: expected > 0 bytes/s or None, got {rate!r}")
+        self.rate = rate
+        self._free_at = time.monotonic()
+        self.waited = 0.0  # seconds spent waiting for the budget
+
+    async def take(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more may be sent, and account for them."""
+        if self.rate is None:
+            return
+        now = time.monotonic()
+        start = max(self._free_at, now - 1.0)  # idle time banks at most one second
+        self._free_at = start + nbytes / self.rate
+        delay = start - now
+        if delay > 0:
+            self.waited += delay
+            await asyncio.sleep(delay)
+
 
 class AntiEntropy:
-    """Periodic re-replication of one node's blocks.
+    """Re-replication of one node's blocks, on each membership change.
 
     Parameters
     ----------
     server
         This node's server: its segment is read, and it records the keys it stores while
-        this object exists (the walk covers blocks stored since the server started).
+        this object exists (the walk covers those and the keys its segment held at
+        :meth:`start`).
     pool
         A ``peers://`` tier over the pool this node belongs to, with ``self_id`` set to
         this node's member id (so its own copies are never pushed to itself).
     interval
-        Seconds between passes.
+        Seconds between retries of a pass that failed (a pass starts within a quarter second
+        of each membership change).
     batch
-        Keys checked per batch-exists request.
+        Keys checked per batch-exists request, and read from the segment per push round.
+    rate
+        Push budget in bytes per second (``None``: unpaced).
 
     Notes
     -----
@@ -55,7 +107,7 @@ class AntiEntropy:
     """
 
     def __init__(self, server: PeerServer, pool: PeerTier, *, interval: float = 10.0,
-                 batch: int = 256) -> None:
+                 batch: int = 256, rate: float | None = DEFAULT_REPAIR_RATE) -> None:
         if not interval > 0:
             raise ValueError(f"interval: expected > 0, got {interval!r}")
         if batch < 1:
@@ -66,15 +118,41 @@ class AntiEntropy:
         self.pool = pool
         self.interval = interval
         self.batch = batch
+        self.pacer = BytePacer(rate)
         self.counts: dict[str, int] = defaultdict(int)
+        #: Set after every pass (cleared by whoever waits for the next one).
+        self.passed = asyncio.Event()
         server.track_keys()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Open the pool tier and start the periodic passes."""
+        """Note the keys the segment holds already, open the pool tier and start the passes."""
         if self._task is None:
+            await self.note_held_keys()
             await self.pool.open()
             self._task = asyncio.create_task(self._loop(), name="kvtier-anti-entropy")
+
+    async def note_held_keys(self) -> int:
+        """Add the keys the segment's tiers hold now (those that can list them) to the
+        walk; returns how many. A persistent tier reopened by a warm restart opens lazily,
+        so each tier is asked one presence check first."""
+        segment = self.server.segment
+        tiers = getattr(segment, "tiers", None)
+        found = 0
+        for tier in tiers if isinstance(tiers, list) else [segment]:
+            try:
+                await tier.contains_many([_PROBE_KEY])
+            except Exception as exc:  # a tier that cannot answer now lists nothing
+                log.warning("anti-entropy: cannot list the blocks of %r: %s",
+                            getattr(tier, "name", tier), exc)
+                continue
+            listed = getattr(tier, "resident_keys", None)
+            keys = listed() if callable(listed) else None
+            if keys:
+                self.server.stored(keys)
+                found += len(keys)
+        self.counts["found_at_start"] += found
+        return found
 
     async def close(self) -> None:
         """Stop the passes and close the pool tier."""
@@ -86,14 +164,18 @@ class AntiEntropy:
 
     async def _loop(self) -> None:
         clean_at = -1  # membership change count when the last pass with no failures began
+        tried_at = -1  # change count when the last pass began
+        began = -float("inf")  # when the last pass began
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(_WATCH)
             seen = self.pool.members.change_count
             if seen == clean_at:
                 # Nobody failed, restarted, joined or left since a pass that reached every
                 # owner: every put since then reached its owners too. Nothing to do.
-                self.counts["passes_skipped"] += 1
                 continue
+            if seen == tried_at and time.monotonic() - began < self.interval:
+                continue  # no new change since a pass that failed: it is retried later
+            tried_at, began = seen, time.monotonic()
             try:
                 done = await self.run_pass()
                 if not done.get("failed"):
@@ -104,10 +186,30 @@ class AntiEntropy:
                 log.exception("anti-entropy pass failed; retrying in %.1f s", self.interval)
 
     async def run_pass(self) -> dict[str, int]:
-        """Check every key this node holds once; returns this pass's counters."""
+        """Check every key this node holds, then push the missing copies, fewest copies
+        first; returns this pass's counters."""
+        done: dict[str, int] = defaultdict(int)
+        try:
+            work = await self._survey(done)
+            # Fewest copies first; a stable sort keeps ring-walk order among equals.
+            work.sort(key=lambda item: item[0])
+            for start in range(0, len(work), self.batch):
+                await self._push_round(work[start:start + self.batch], done)
+        finally:
+            done["passes"] = 1
+            for name, n in done.items():
+                self.counts[name] += n
+            self.passed.set()
+        if done["pushed"]:
+            log.info("anti-entropy: %d blocks checked, %d copies pushed (%d blocks below "
+                     "replicas)", done["checked"], done["pushed"], done["under_replicated"])
+        return dict(done)
+
+    async def _survey(self, done: dict[str, int]) -> list[tuple[int, bytes, list[str]]]:
+        """``(copies found, key, owners missing it)`` of each key this node should push."""
         held = self.server.stored_keys
         keys = list(held)
-        done: dict[str, int] = defaultdict(int)
+        work: list[tuple[int, bytes, list[str]]] = []
         for start in range(0, len(keys), self.batch):
             chunk = keys[start:start + self.batch]
             present = await self.server.segment.contains_many(chunk)
@@ -116,44 +218,91 @@ class AntiEntropy:
                     held.pop(key, None)
             chunk = [k for k, here in zip(chunk, present, strict=True) if here]
             done["checked"] += len(chunk)
-            await self._repair_chunk(chunk, done)
-        done["passes"] = 1
-        for name, n in done.items():
-            self.counts[name] += n
-        if done["pushed"]:
-            log.info("anti-entropy: %d blocks checked, %d copies pushed to their owners",
-                     done["checked"], done["pushed"])
-        return dict(done)
+            work += await self._check_chunk(chunk, done)
+        return work
 
-    async def _repair_chunk(self, chunk: list[bytes], done: dict[str, int]) -> None:
+    async def _check_chunk(self, chunk: list[bytes], done: dict[str, int]
+                           ) -> list[tuple[int, bytes, list[str]]]:
         members = self.pool.members
-        plan: dict[str, list[bytes]] = defaultdict(list)
+        me = members.self_id
+        owners = {key: members.live_owners(key, self.pool.replicas) for key in chunk}
+        asked: dict[str, list[bytes]] = defaultdict(list)
+        for key, found in owners.items():
+            for owner in found:
+                if owner != me:
+                    asked[owner].append(key)
+        answers = await asyncio.gather(*(self._holds(m, ks, done) for m, ks in asked.items()))
+        holds: dict[tuple[str, bytes], bool] = {}
+        for (member, ks), flags in zip(asked.items(), answers, strict=True):
+            for key, flag in zip(ks, flags, strict=True):
+                if flag is not None:  # None: the owner did not answer
+                    holds[member, key] = flag
+        work = []
         for key in chunk:
-            for owner in members.live_owners(key, self.pool.replicas):
-                if owner != members.self_id:
-                    plan[owner].append(key)
-        await asyncio.gather(*(self._repair_owner(m, ks, done) for m, ks in plan.items()))
-
-    async def _repair_owner(self, member: str, keys: list[bytes],
-                            done: dict[str, int]) -> None:
-        client = self.pool.members.client(member)
-        try:
-            flags = await client.exists_many(keys)
-            missing = [k for k, held in zip(keys, flags, strict=True) if not held]
+            found = owners[key]
+            holders = [m for m in found if m == me or holds.get((m, key), False)]
+            # An owner that did not answer counts as missing nothing (this pass skips it).
+            missing = [m for m in found if m != me and (m, key) in holds
+                       and not holds[m, key]]
             if not missing:
-                return
-            blocks = await self.server.segment.get_many(missing)
-            items = [(k, encode_frame(b, key=k)) for k, b in zip(missing, blocks, strict=True)
-                     if b is not None]
-            if items:  # fill=True: a newer value that reached the owner meanwhile stays
-                await client.put_many(items, fill=True)
-                done["pushed"] += len(items)
+                continue
+            if holders and holders[0] != me:
+                continue  # an earlier holder in ring order pushes this one
+            copies = 1 + sum(1 for m in found if m != me and holds.get((m, key), False))
+            if copies < self.pool.replicas:
+                done["under_replicated"] += 1
+            work.append((copies, key, missing))
+        return work
+
+    async def _holds(self, member: str, keys: list[bytes], done: dict[str, int]
+                     ) -> list[bool | None]:
+        try:
+            return list(await self.pool.members.client(member).exists_many(keys))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # this owner is skipped until the next pass
             done["failed"] += 1
             log.debug("anti-entropy: owner %s skipped: %s", member, exc)
+            return [None] * len(keys)
+
+    async def _push_round(self, work: list[tuple[int, bytes, list[str]]],
+                          done: dict[str, int]) -> None:
+        blocks = await self.server.segment.get_many([key for _, key, _ in work])
+        plan: dict[str, list[tuple[bytes, EncodedFrame]]] = defaultdict(list)
+        for (_, key, missing), block in zip(work, blocks, strict=True):
+            if block is None:
+                continue  # evicted since the survey
+            frame = encode_frame(block, key=key)
+            for member in missing:
+                plan[member].append((key, frame))
+        await asyncio.gather(*(self._push(m, items, done) for m, items in plan.items()))
+
+    async def _push(self, member: str, items: list[tuple[bytes, EncodedFrame]],
+                    done: dict[str, int]) -> None:
+        client = self.pool.members.client(member)
+        start = 0
+        while start < len(items):
+            # Requests of at most _PUSH_BYTES each, paced: one timeout bounds each request.
+            end, size = start + 1, items[start][1].nbytes
+            while end < len(items) and size + items[end][1].nbytes <= _PUSH_BYTES:
+                size += items[end][1].nbytes
+                end += 1
+            await self.pacer.take(size)
+            try:
+                # fill=True: a newer value that reached the owner meanwhile stays.
+                await client.put_many(items[start:end], fill=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # this owner is skipped until the next pass
+                done["failed"] += 1
+                log.debug("anti-entropy: push to %s failed: %s", member, exc)
+                return
+            done["pushed"] += end - start
+            done["pushed_bytes"] += size
+            start = end
 
     def stats(self) -> dict[str, Any]:
-        """Counters over every pass: ``passes``, ``checked``, ``pushed``, ``failed``."""
-        return dict(self.counts)
+        """Counters over every pass: ``passes``, ``checked``, ``pushed``, ``failed``,
+        ``under_replicated`` (keys found below ``replicas``), ``found_at_start``, and
+        ``paced_s`` (seconds pushes waited for the byte budget)."""
+        return {**self.counts, "paced_s": round(self.pacer.waited, 3)}
