@@ -81,6 +81,9 @@ class Membership:
         self.health_interval = health_interval
         self.dns_interval = dns_interval
         self.ring = HashRing(self._static or [], vnodes=vnodes, replicas=replicas)
+        # The key a block's owners are hashed by: its own key, or its chain's under chain
+        # placement (set by the tier, see kvtier.peer.chains).
+        self.placement_key: Callable[[bytes], bytes] = _own_key
         self.clients: dict[str, PeerClient] = {}
         self._dead: set[str] = set()
         self.health: dict[str, dict[str, Any]] = {}
@@ -140,8 +143,8 @@ class Membership:
         return {m for m, at in self._changes.items() if at >= since}
 
     def order(self, key: bytes) -> list[str]:
-        """Every member in ring order for ``key`` (primary first)."""
-        return self.ring.owners(key, len(self.ring))
+        """Every member in ring order for ``key``'s placement key (primary first)."""
+        return self.ring.owners(self.placement_key(key), len(self.ring))
 
     def live_owners(self, key: bytes, n: int) -> list[str]:
         """The first ``n`` live members in ring order (dead owners are skipped)."""
@@ -240,6 +243,10 @@ class Membership:
             client = self.clients.pop(member, None)
             if client is not None:
                 await client.close()
+
+
+def _own_key(key: bytes) -> bytes:
+    return key
 
 
 def _uptime(doc: dict[str, Any]) -> float:

@@ -23,6 +23,7 @@ from kvtier.codec import parse_compress as _compress_level
 from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError, PeerStatusError
 from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
+from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.client import PeerClient
 from kvtier.peer.frames import decode_from_peer
 from kvtier.peer.locate import LocalPrefix, locate_prefix
@@ -46,7 +47,7 @@ T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
-            "change_window", "repair_bytes"}
+            "change_window", "repair_bytes", "placement", "anchor_memo"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 
 
@@ -100,6 +101,14 @@ class PeerTier(Tier):
         Connections per peer.
     limits
         The servers' limits, used to split batches.
+    placement
+        Which key of a block's prefix chain picks its owners on the ring: ``"block"`` (its
+        own key), ``"anchor:R"`` (the chain's block R: a whole chain on one owner),
+        ``"chunk:N"`` or ``"root:R"`` (see :mod:`kvtier.peer.chains`). Every client and
+        server of a pool must use the same one.
+    anchor_memo
+        Keys whose chain position this client remembers (from :meth:`note_chain`) under a
+        chain placement; a key it does not know is placed by its own key.
 
     Examples
     --------
@@ -120,7 +129,8 @@ class PeerTier(Tier):
                  limits: proto.Limits | None = None, name: str | None = None,
                  tls_server_name: str | None = None,
                  min_copies: int | None = None, read_walk: int = 1,
-                 change_window: float = 300.0, repair_bytes: int = 256 << 20) -> None:
+                 change_window: float = 300.0, repair_bytes: int = 256 << 20,
+                 placement: str = "block", anchor_memo: int = 1 << 18) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -134,6 +144,10 @@ class PeerTier(Tier):
             raise ConfigError("local: requires self (this node's member id)")
         if members is not None and self_id is not None and self_id not in members:
             raise ConfigError(f"self: {self_id!r} is not one of the members {list(members)}")
+        try:
+            self.chains = ChainPlacement(placement, memo_keys=anchor_memo)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.replicas = replicas
         self.min_copies = min_copies
         self.read_walk = read_walk
@@ -155,6 +169,7 @@ class PeerTier(Tier):
                                                 ssl_context=ssl_context,
                                                 pool_limit=pool_limit, limits=self.limits,
                                                 tls_server_name=tls_server_name))
+        self.members.placement_key = self.chains.placement_key
         self._start_lock = asyncio.Lock()
         self._started = False
         self._background: set[asyncio.Task[bool]] = set()
@@ -215,6 +230,8 @@ class PeerTier(Tier):
             read_walk=parse_number(opts.get("read_walk", 1), "read_walk", int, 0),
             change_window=parse_number(opts.get("change_window", 300.0), "change_window", float, 0),
             repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
+            placement=str(opts.get("placement", "block")),
+            anchor_memo=parse_number(opts.get("anchor_memo", 1 << 18), "anchor_memo", int, 0),
         )
 
     @property
@@ -275,6 +292,15 @@ class PeerTier(Tier):
             self.members.mark_dead(member, exc)
             return "down"
         return "ok"
+
+    def note_chain(self, keys: Sequence[bytes], parent: bytes | None = None) -> None:
+        """Learn the chain positions of ``keys`` (see :meth:`Tier.note_chain`): under a chain
+        placement their owners are then those of their chain's placement key."""
+        self.chains.learn(keys, parent)
+
+    def owners(self, key: bytes) -> list[str]:
+        """The live members that own ``key`` under this pool's placement, primary first."""
+        return self.members.live_owners(key, self.replicas)
 
     def _is_local(self, member: str) -> bool:
         return self.local is not None and member == self.members.self_id
@@ -645,5 +671,6 @@ class PeerTier(Tier):
         return {**super().stats(), **self.counts, "members": list(self.members.members),
                 "dead": sorted(self.members.dead), "replicas": self.replicas,
                 "walk_limit": self.walk_limit(), "repairs_in_flight": len(self._repairs),
+                "placement": self.chains.mode, "anchors_known": len(self.chains),
                 "member_failures": self.members.failures,
                 "member_recoveries": self.members.recoveries}

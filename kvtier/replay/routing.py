@@ -29,14 +29,12 @@ from typing import Any
 
 from kvtier.replay.sim import Simulation
 from kvtier.replay.trace import Request
+from kvtier.routing import LOAD_BOUND, pick_node
 
 __all__ = ["LOAD_BOUND", "LOCATE_ROUTINGS", "LocateSimulation", "format_routing_table",
            "make_simulation", "routing_metrics"]
 
 LOCATE_ROUTINGS = ("locate", "locate-bounded")
-# A node takes a request only while its count stays under 1.25 x the mean: the bound of
-# Mirrokni et al.'s consistent hashing with bounded loads at epsilon = 0.25.
-LOAD_BOUND = 1.25
 
 
 class LocateSimulation(Simulation):
@@ -101,17 +99,7 @@ class LocateSimulation(Simulation):
 
     def _route(self, req: Request, keys: Sequence[bytes]) -> int:
         local = self.local_prefix(keys)
-        load = self.node_requests
-        limit = (None if self.load_bound is None
-                 else self.load_bound * (self.requests + 1) / self.nodes)
-        best = -1
-        for node in range(self.nodes):
-            # The least-loaded node is always within the bound (min <= mean).
-            if limit is not None and load[node] + 1 > limit and load[node] > min(load):
-                continue
-            if best < 0 or local[node] > local[best] or (
-                    local[node] == local[best] and load[node] < load[best]):
-                best = node
+        best = pick_node(local, self.node_requests, self.load_bound)
         self.local_blocks += local[best]
         return best
 
