@@ -214,22 +214,29 @@ class PeerClient:
             out += [frame for _, frame in entries]
         return out
 
-    async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]]) -> None:
-        """Store frames, split into requests that respect the batch and body limits."""
+    async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]],
+                       anchor: bytes | None = None) -> None:
+        """Store frames, split into requests that respect the batch and body limits.
+
+        ``anchor``: the placement key of every block here (chain placement, see
+        :mod:`kvtier.peer.chains`), recorded by the server for its anti-entropy pass."""
         start, size = 0, 4
         for i, (key, frame) in enumerate(items):
             entry = 2 + len(key) + 8 + frame.nbytes
             if i > start and (i - start >= self.limits.max_batch
                               or size + entry > self.limits.max_body_bytes):
-                await self._put_batch(items[start:i])
+                await self._put_batch(items[start:i], anchor)
                 start, size = i, 4
             size += entry
         if start < len(items):
-            await self._put_batch(items[start:])
+            await self._put_batch(items[start:], anchor)
 
-    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]]) -> None:
+    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]],
+                         anchor: bytes | None) -> None:
         body = BuffersPayload(proto.encode_blocks(list(items)))
-        await self._request("POST", proto.BATCH_PUT_PATH, body=body)
+        path = proto.BATCH_PUT_PATH if anchor is None else \
+            f"{proto.BATCH_PUT_PATH}?anchor={anchor.hex()}"
+        await self._request("POST", path, body=body)
 
     async def _flags(self, path: str, keys: Sequence[bytes]) -> list[bool]:
         out: list[bool] = []

@@ -146,9 +146,15 @@ class Membership:
         """Every member in ring order for ``key``'s placement key (primary first)."""
         return self.ring.owners(self.placement_key(key), len(self.ring))
 
+    def owners_of(self, placement_key: bytes, n: int) -> list[str]:
+        """The first ``n`` live members in ring order of a placement key (a block's own key,
+        or its chain's: see :mod:`kvtier.peer.chains`)."""
+        return [m for m in self.ring.owners(placement_key, len(self.ring))
+                if m not in self._dead][:n]
+
     def live_owners(self, key: bytes, n: int) -> list[str]:
         """The first ``n`` live members in ring order (dead owners are skipped)."""
-        return [m for m in self.order(key) if m not in self._dead][:n]
+        return self.owners_of(self.placement_key(key), n)
 
     def client(self, member: str) -> PeerClient:
         """The client of ``member`` (created on first use)."""

@@ -127,14 +127,20 @@ class AntiEntropy:
 
     async def _repair_chunk(self, chunk: list[bytes], done: dict[str, int]) -> None:
         members = self.pool.members
-        plan: dict[str, list[bytes]] = defaultdict(list)
+        held = self.server.stored_keys
+        # Under chain placement a key's owners are its chain's placement key's, as its
+        # writer sent it; a push carries it on, so the new copy can be repaired in turn.
+        plan: dict[tuple[str, bytes | None], list[bytes]] = defaultdict(list)
         for key in chunk:
-            for owner in members.live_owners(key, self.pool.replicas):
+            anchor = held.get(key)
+            for owner in members.owners_of(key if anchor is None else anchor,
+                                           self.pool.replicas):
                 if owner != members.self_id:
-                    plan[owner].append(key)
-        await asyncio.gather(*(self._repair_owner(m, ks, done) for m, ks in plan.items()))
+                    plan[owner, anchor].append(key)
+        await asyncio.gather(*(self._repair_owner(m, ks, anchor, done)
+                               for (m, anchor), ks in plan.items()))
 
-    async def _repair_owner(self, member: str, keys: list[bytes],
+    async def _repair_owner(self, member: str, keys: list[bytes], anchor: bytes | None,
                             done: dict[str, int]) -> None:
         client = self.pool.members.client(member)
         try:
@@ -146,7 +152,7 @@ class AntiEntropy:
             items = [(k, encode_frame(b, key=k)) for k, b in zip(missing, blocks, strict=True)
                      if b is not None]
             if items:
-                await client.put_many(items)
+                await client.put_many(items, anchor)
                 done["pushed"] += len(items)
         except asyncio.CancelledError:
             raise

@@ -166,7 +166,9 @@ class PeerServer:
         self.connections_refused = 0
         self.batch_truncated = 0
         self.handoffs = 0  # data-plane connections handed to aiohttp
-        self.stored_keys: dict[bytes, None] = {}  # insertion-ordered; only when tracked
+        # key -> the placement key it was stored under (None: its own key); insertion-
+        # ordered; only when tracked
+        self.stored_keys: dict[bytes, bytes | None] = {}
         self._track_keys = False
         self._accept_filter: AcceptErrorFilter | None = None
         self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
@@ -242,11 +244,12 @@ class PeerServer:
         anti-entropy pass, which prunes what the segment no longer holds)."""
         self._track_keys = True
 
-    def stored(self, keys: Iterable[bytes]) -> None:
-        """Note keys stored through this server (kept only after :meth:`track_keys`)."""
+    def stored(self, keys: Iterable[bytes], anchor: bytes | None = None) -> None:
+        """Note keys stored through this server, under the placement key ``anchor`` (chain
+        placement) or their own (kept only after :meth:`track_keys`)."""
         if self._track_keys:
             for key in keys:
-                self.stored_keys[key] = None
+                self.stored_keys[key] = anchor
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then close the segment if owned."""
@@ -515,9 +518,12 @@ class PeerServer:
                 raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
             decoded.append((key, await self.decode(key, frame)))
         del body, entries
+        # The chain's placement key (peers://?placement=anchor:R), for anti-entropy.
+        anchor = request.query.get("anchor")
+        placed = None if anchor is None else key_from_hex(anchor, "anchor")
         if decoded:
             await self.segment.put_many(decoded)
-            self.stored(k for k, _ in decoded)
+            self.stored((k for k, _ in decoded), placed)
             self._note_abandoned(request)
         return web.Response(status=204)
 

@@ -411,7 +411,11 @@ class PeerTier(Tier):
         HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it."""
         if self._is_local(target):
             return await self._call(target, op, lambda: self.local.put(key, block))  # type: ignore[union-attr]
-        return await self._call(target, op, partial(self.members.client(target).put, key, frame))
+        client = self.members.client(target)
+        if not self.chains.per_block:  # a batch put carries the chain's placement key
+            return await self._call(target, op, partial(
+                client.put_many, [(key, frame)], self.chains.placement_key(key)))
+        return await self._call(target, op, partial(client.put, key, frame))
 
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
                          order: list[str], used: set[str]) -> bool:
@@ -615,6 +619,14 @@ class PeerTier(Tier):
                           frames: list[EncodedFrame], idx: list[int]) -> None:
         if self._is_local(member):
             await self.local.put_many([items[i] for i in idx])  # type: ignore[union-attr]
+        elif not self.chains.per_block:
+            # One request per chain: the server records its placement key (anti-entropy).
+            chains: dict[bytes, list[int]] = defaultdict(list)
+            for i in idx:
+                chains[self.chains.placement_key(items[i][0])].append(i)
+            client = self.members.client(member)
+            for anchor, part in chains.items():
+                await client.put_many([(items[i][0], frames[i]) for i in part], anchor)
         elif len(idx) == 1:
             await self.members.client(member).put(items[idx[0]][0], frames[idx[0]])
         else:
