@@ -123,6 +123,7 @@ class Tally:
     puts: int = 0
     gets: int = 0
     acked: dict[bytes, float] = field(default_factory=dict)  # key -> ack time
+    chains: list[list[bytes]] = field(default_factory=list)  # acknowledged, with --chain > 1
     put_errors: int = 0
     get_errors: int = 0
     get_misses: int = 0
@@ -145,7 +146,9 @@ async def _workers(store: object, tally: Tally, args: argparse.Namespace, until:
         while time.monotonic() < until:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             next_at += interval
-            if not keys or rng.random() < 0.5:
+            if args.chain > 1:
+                await _chain_op(store, tally, args, rng, next(counter))
+            elif not keys or rng.random() < 0.5:
                 key = hashlib.blake2b(f"soak-{args.seed}-{next(counter)}".encode(),
                                       digest_size=16).digest()
                 t0 = time.perf_counter()
@@ -177,6 +180,44 @@ async def _workers(store: object, tally: Tally, args: argparse.Namespace, until:
                     tally.wrong_bytes += 1
 
     await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+
+
+async def _chain_op(store: object, tally: Tally, args: argparse.Namespace,
+                    rng: random.Random, serial: int) -> None:
+    """Half the time put a new prompt chain of ``--chain`` blocks (one ``put_many``), else
+    read an acknowledged chain back with ``get_many`` (as an engine loads a prompt)."""
+    if not tally.chains or rng.random() < 0.5:
+        chain = [hashlib.blake2b(f"soak-{args.seed}-{serial}-{i}".encode(),
+                                 digest_size=16).digest() for i in range(args.chain)]
+        t0 = time.perf_counter()
+        try:
+            await store.put_many([(k, block_for(k, args.block_bytes)) for k in chain])  # type: ignore[attr-defined]
+        except Exception as exc:
+            tally.put_errors += 1
+            tally.errors.append(f"put_many: {exc!r}"[:300])
+            return
+        tally.put_lat.append(time.perf_counter() - t0)
+        tally.puts += len(chain)
+        now = time.monotonic()
+        tally.acked.update((k, now) for k in chain)
+        tally.chains.append(chain)
+        return
+    chain = rng.choice(tally.chains)
+    t0 = time.perf_counter()
+    try:
+        got = await store.get_many(chain)  # type: ignore[attr-defined]
+    except Exception as exc:
+        tally.get_errors += 1
+        tally.errors.append(f"get_many: {exc!r}"[:300])
+        return
+    tally.get_lat.append(time.perf_counter() - t0)
+    tally.gets += len(chain)
+    for key, block in zip(chain, got, strict=True):
+        if block is None:
+            tally.get_misses += 1
+        elif not np.array_equal(np.asarray(block).view(np.uint8).ravel(),
+                                block_for(key, args.block_bytes)):
+            tally.wrong_bytes += 1
 
 
 async def _chaos(servers: list[Server], tally: Tally, args: argparse.Namespace, until: float,
@@ -240,7 +281,7 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
     ports = [_free_port() for _ in range(args.servers)]
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     pool = (f"peers://{members}?replicas={args.replicas}&token=file:{token}"
-            f"&timeout={args.timeout}&health_interval=0.5")
+            f"&timeout={args.timeout}&health_interval=0.5&placement={args.placement}")
     serve_args = ["--tier", "dram://?capacity=2GiB", "--token-file", str(token)]
     if args.repair_interval > 0:
         serve_args += ["--repair", pool, "--repair-interval", str(args.repair_interval)]
@@ -268,9 +309,11 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
         keys = list(tally.acked)
         unreadable: list[bytes] = []
         wrong_end = 0
+        # A chain is read as one prompt (a fresh client learns its placement from it).
+        batches = tally.chains if args.chain > 1 else [
+            keys[start:start + 64] for start in range(0, len(keys), 64)]
         async with await kvtier.open_store([pool]) as reader:
-            for start in range(0, len(keys), 64):
-                chunk = keys[start:start + 64]
+            for chunk in batches:
                 for key, got in zip(chunk, await reader.get_many(chunk), strict=True):
                     if got is None:
                         unreadable.append(key)
@@ -307,6 +350,7 @@ def table(r: dict[str, object]) -> str:
     rows = [
         ("duration (s), servers, replicas, concurrency",
          f"{r['wall']:.0f}, {a.servers}, {a.replicas}, {a.concurrency}"),
+        ("placement, blocks per put", f"{a.placement}, {a.chain}"),
         ("chaos: SIGKILL+restart empty / SIGSTOP+resume", f"{len(t.kills)} / {t.stops}"),
         ("operations: puts acknowledged / gets", f"{t.puts} / {t.gets}"),
         ("gets that missed during chaos", f"{t.get_misses}"),
@@ -354,6 +398,10 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settle", type=float, default=3.0,
                         help="seconds between the last fault and the read-back")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--placement", default="block",
+                        help="the pool's placement= (block, anchor:R)")
+    parser.add_argument("--chain", type=int, default=1,
+                        help="blocks per put: > 1 puts and reads whole prompt chains")
 
 
 def main(argv: list[str] | None = None) -> int:
