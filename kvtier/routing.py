@@ -10,12 +10,15 @@ request), the dry replay's ``locate-bounded`` and ``owner`` routings and the rea
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import Tier
 
 __all__ = ["LOAD_BOUND", "owner_runs", "pick_node", "route_by_owner"]
+
+T = TypeVar("T", bound=Hashable)
 
 # A node takes a request only while its load stays under 1.25 x the mean: the bound of
 # Mirrokni et al.'s consistent hashing with bounded loads at epsilon = 0.25.
@@ -63,7 +66,7 @@ def pick_node(runs: Sequence[int], loads: Sequence[float], bound: float | None =
     return best
 
 
-def owner_runs(owners: Iterable[Sequence[str]], candidates: Sequence[str]) -> list[int]:
+def owner_runs(owners: Iterable[Sequence[T]], candidates: Sequence[T]) -> list[int]:
     """Per candidate, how many leading blocks it owns, given each block's owners in order
     (consumed only until no candidate owns the next block)."""
     runs = dict.fromkeys(candidates, 0)

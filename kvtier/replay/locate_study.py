@@ -1,6 +1,6 @@
 """The routing study behind ``docs/pooling-results.md`` ("Routing by where a prefix lives"):
 for each trace and node count, one pass feeds per-node and pooled simulations under
-round-robin, session and locate routing, with per-block and chunk placement.
+round-robin, session, locate and owner routing, with per-block, chunk and anchor placement.
 
 Run ``python -m kvtier.replay.locate_study --out routing.json TRACE...``; prints
 Markdown tables (hit rate, remote blocks moved and read per request, load max/mean, shard
@@ -36,6 +36,8 @@ CONFIGS: tuple[tuple[str, str, str, str], ...] = (
     ("chunk:16 rr", "pooled", "rr", "chunk:16"),
     ("chunk:16 locate-b", "pooled", "locate-bounded", "chunk:16"),
     ("chunk:64 locate-b", "pooled", "locate-bounded", "chunk:64"),
+    ("anchor:1 locate-b", "pooled", "locate-bounded", "anchor:1"),
+    ("anchor:1 owner", "pooled", "owner", "anchor:1"),
 )
 
 
