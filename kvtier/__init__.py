@@ -1,10 +1,15 @@
-"""kvtier: one logical KV-block pool over HBM, DRAM, peers' DRAM, NVMe and filesystems."""
+"""kvtier: one logical KV-block pool over HBM, DRAM, peers' DRAM, NVMe and filesystems.
+
+The top level names what a base install provides. Tiers that need an extra are opened by
+URL (``redis://``, ``mooncake://``) or imported from their module
+(``kvtier.tiers.redis_tier.RedisTier``, ``kvtier.tiers.mooncake_tier.MooncakeTier``), so
+``from kvtier import *`` and ``hasattr(kvtier, name)`` never need an extra.
+"""
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvtier.blocking import BlockingStore
-from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import (
     BackendUnavailableError,
     BlockTooLargeError,
@@ -35,14 +40,11 @@ if TYPE_CHECKING:
     from kvtier.tiers.fsspec import FsspecTier
     from kvtier.tiers.hbm import HBMTier
     from kvtier.tiers.lmdb import LMDBTier
-    from kvtier.tiers.mooncake_tier import MooncakeTier
-    from kvtier.tiers.redis_tier import RedisTier
 
-# Tier classes whose modules pull in optional or heavy dependencies (aiohttp, lmdb, fsspec,
-# redis, mooncake) are imported on first access, so ``import kvtier`` stays light.
+# Tier classes whose modules pull in heavy dependencies (aiohttp, lmdb, fsspec; all in a
+# base install) are imported on first access, so ``import kvtier`` stays light.
 _LAZY = {"FsspecTier": "kvtier.tiers.fsspec", "HBMTier": "kvtier.tiers.hbm",
-         "LMDBTier": "kvtier.tiers.lmdb", "MooncakeTier": "kvtier.tiers.mooncake_tier",
-         "PeerTier": "kvtier.peer.tier", "RedisTier": "kvtier.tiers.redis_tier"}
+         "LMDBTier": "kvtier.tiers.lmdb", "PeerTier": "kvtier.peer.tier"}
 
 __version__ = "0.1.0"
 
@@ -62,12 +64,10 @@ __all__ = [
     "KeyNamespace",
     "LMDBTier",
     "LimitExceededError",
-    "MooncakeTier",
     "PeerError",
     "PeerStatusError",
     "PeerTier",
     "ProtocolError",
-    "RedisTier",
     "ShapeMismatchError",
     "Tier",
     "TierError",
@@ -76,8 +76,6 @@ __all__ = [
     "UnknownSchemeError",
     "WrongLoopError",
     "__version__",
-    "decode_frame",
-    "encode_frame",
     "open_store",
     "prefix_keys",
     "register_tier",

@@ -46,9 +46,13 @@ class BlockingStore:
     timeout
         Default per-call timeout in seconds (``None``: wait forever). Read calls (``get``,
         ``get_many``, ``get_many_into``, ``contains``, ``lookup_prefix``) pass it to the store
-        as its deadline, so a tier slower than that counts as a miss; every call also stops
-        waiting after it (plus one second of grace for reads), cancels the operation (which
-        leaves its full effect or none) and raises :class:`TimeoutError`.
+        as its deadline, so a tier slower than that counts as a miss; they, and the other
+        calls but the writes, also stop waiting after it (plus one second of grace for
+        reads), cancel the operation (which leaves its full effect or none) and raise
+        :class:`TimeoutError`. Writes (``put``, ``put_many``, ``delete``) pass it to the
+        store as their deadline and wait for its answer: the store raises ``TimeoutError``
+        once nothing the write started can still act (a worker thread reading the value may
+        keep it a little past the deadline).
     close_timeout
         How long :meth:`close` waits for calls in flight and for the store to flush.
     loop_factory
@@ -183,6 +187,14 @@ class BlockingStore:
     def _write(self, fn: Callable[[TieredStore], Awaitable[T]], timeout: float | None) -> T:
         return self._wait(self.submit(fn), self._timeout_of(timeout))
 
+    def _store_write(self, fn: Callable[[TieredStore, float | None], Awaitable[T]],
+                     timeout: float | None) -> T:
+        # The store applies the deadline and raises TimeoutError only once nothing the write
+        # started can act any more (read the caller's value, land over a later put); giving
+        # up here first would hand the caller back its buffer while a thread still reads it.
+        seconds = self._timeout_of(timeout)
+        return self._wait(self.submit(lambda s: fn(s, seconds)), None)
+
     # ------------------------------------------------------------------ reads
     def get(self, key: bytes, *, timeout: float | None = _UNSET) -> Block | None:
         """:meth:`TieredStore.get`: the block, or ``None`` on a miss."""
@@ -201,6 +213,11 @@ class BlockingStore:
     def contains(self, key: bytes, *, timeout: float | None = _UNSET) -> bool:
         """:meth:`TieredStore.contains` (refreshes no recency)."""
         return self._read(lambda s, t: s.contains(key, timeout=t), timeout)
+
+    def contains_many(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET
+                      ) -> list[bool]:
+        """:meth:`TieredStore.contains_many`: whether some tier holds each key."""
+        return self._read(lambda s, t: s.contains_many(keys, timeout=t), timeout)
 
     def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET) -> int:
         """:meth:`TieredStore.lookup_prefix`: how many leading keys some tier holds."""
@@ -235,19 +252,21 @@ class BlockingStore:
 
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, value: object, *, timeout: float | None = _UNSET) -> None:
-        """:meth:`TieredStore.put`."""
-        self._write(lambda s: s.put(key, value), timeout)
+        """:meth:`TieredStore.put` with ``timeout`` as its deadline."""
+        self._store_write(lambda s, t: s.put(key, value, timeout=t), timeout)
 
     def put_many(self, items: Iterable[tuple[bytes, object]], *,
                  timeout: float | None = _UNSET, parent: bytes | None = None) -> None:
-        """:meth:`TieredStore.put_many` (``items`` is materialised on the calling thread;
-        ``parent``: the key before the chain, for KV events)."""
+        """:meth:`TieredStore.put_many` with ``timeout`` as its deadline (``items`` is
+        materialised on the calling thread; ``parent``: the key before the chain, for KV
+        events)."""
         pairs = list(items)
-        self._write(lambda s: s.put_many(pairs, parent=parent), timeout)
+        self._store_write(lambda s, t: s.put_many(pairs, parent=parent, timeout=t), timeout)
 
     def delete(self, key: bytes, *, timeout: float | None = _UNSET) -> bool:
-        """:meth:`TieredStore.delete`: whether some tier held ``key``."""
-        return self._write(lambda s: s.delete(key), timeout)
+        """:meth:`TieredStore.delete` with ``timeout`` as its deadline: whether some tier
+        held ``key``."""
+        return self._store_write(lambda s, t: s.delete(key, timeout=t), timeout)
 
     def pin(self, keys: Sequence[bytes], *, tier: int | None = None,
             timeout: float | None = _UNSET) -> None:

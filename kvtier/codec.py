@@ -208,12 +208,33 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dec
 
 
+# Larger payloads are decompressed into a preallocated array in pieces of this size: a
+# one-shot decompress holds the GIL for long stretches (~24 ms measured for 64 MiB), which
+# stalls every other thread, the event loop's included, while a worker thread decodes.
+_DECOMPRESS_PIECE = 1 << 20
+
+
+def _decompress(payload: memoryview, raw_size: int) -> bytes | npt.NDArray[np.uint8]:
+    if raw_size <= _DECOMPRESS_PIECE:
+        return _decompressor().decompress(payload, max_output_size=raw_size)
+    out = np.empty(raw_size, dtype=np.uint8)
+    view = out.data
+    have = 0
+    with _decompressor().stream_reader(payload, read_across_frames=False) as reader:
+        while have < raw_size:
+            got = reader.readinto(view[have : have + _DECOMPRESS_PIECE])
+            if not got:
+                break
+            have += got
+    return out[:have]
+
+
 def _shuffle(raw: memoryview, itemsize: int) -> bytes:
     data = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize)
     return data.T.tobytes()
 
 
-def _unshuffle(data: bytes, itemsize: int) -> npt.NDArray[np.uint8]:
+def _unshuffle(data: bytes | npt.NDArray[np.uint8], itemsize: int) -> npt.NDArray[np.uint8]:
     planes = np.frombuffer(data, dtype=np.uint8).reshape(itemsize, -1)
     # One long strided copy per byte plane: ~8x faster than copying the transposed view,
     # whose inner loop is only ``itemsize`` bytes long (measured, benchmarks/bench_codec.py).
@@ -397,7 +418,7 @@ def decode_frame(buf: bytes | bytearray | memoryview, *,
         # the raw_size bounded above (our encoder always writes it).
         if zstandard.frame_content_size(payload) != head.raw_size:
             raise CorruptBlockError("frame: zstd content size != raw_size")
-        raw = _decompressor().decompress(payload, max_output_size=head.raw_size)
+        raw = _decompress(payload, head.raw_size)
     except zstandard.ZstdError as exc:
         raise CorruptBlockError(f"frame: zstd: {exc}") from None
     if len(raw) != head.raw_size:

@@ -162,13 +162,16 @@ class Subscription:
                 lost = 1
                 self.dropped += 1
             self._buffer.append(event)
+        self._wake_consumer()
+        return lost
+
+    def _wake_consumer(self) -> None:
         if threading.get_ident() == self._thread:
             self._wake.set()
         else:
             # RuntimeError: the consumer's loop is closed, nobody to wake.
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._wake.set)
-        return lost
 
     # -- consumer side --------------------------------------------------------------
     async def next_batch(self) -> list[KVEvent]:
@@ -220,14 +223,14 @@ class Subscription:
         return self._pending.pop()
 
     def close(self) -> None:
-        """Stop receiving; iteration ends once what is buffered has been taken."""
+        """Stop receiving; iteration ends once what is buffered has been taken. Any thread may
+        call it, also after the store (or its event loop) closed; a second call does nothing."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
         self._hub._unsubscribe(self)
-        if threading.get_ident() == self._thread:
-            self._wake.set()
-        else:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        self._wake_consumer()
 
     async def __aenter__(self) -> Subscription:
         return self
@@ -287,7 +290,8 @@ class EventHub:
         subs = self._subs  # an immutable snapshot: subscribe/close may run meanwhile
         if not subs:
             return
-        self.emitted += 1
+        with self._lock:  # producers may run on several threads
+            self.emitted += 1
         for sub in subs:
             lost = sub._offer(event)
             if lost:

@@ -17,7 +17,7 @@ from kvtier.promotion import Promotion
 from kvtier.singleflight import KeyRegistry, KeyState
 from kvtier.tierchain import NOT_HERE, TierChain, finish_even_if_cancelled, log
 from kvtier.tiers.base import Block, EvictionCallback
-from kvtier.writethrough import WriteThrough
+from kvtier.writethrough import WritesDone, WriteThrough
 
 __all__ = ["Placement"]
 
@@ -94,10 +94,11 @@ class Placement:
             await self._writes.enqueue(key, block, (placed if pool is None else pool) + 1)
 
     async def put_many(self, items: dict[bytes, tuple[Block, int]], count: int,
-                       parent: bytes | None = None) -> None:
+                       parent: bytes | None = None) -> WritesDone:
         """Place validated blocks (``key -> (block, first fitting tier)``); ``count`` is the
         number of puts the caller made (repeated keys included). The keys are taken as a
-        prefix chain after ``parent`` for the ``BlockStored`` events."""
+        prefix chain after ``parent`` for the ``BlockStored`` events. Returns the completion
+        of the write-through writes this call queued."""
         chain = self._chain
         chain.counters.puts += count
         for key in items:
@@ -106,7 +107,9 @@ class Placement:
         placed: dict[bytes, int] = {}
         if top:
             try:
-                await chain.tiers[0]._put_many(top)
+                # Tail first: a batch larger than the tier then evicts the chain's end, not
+                # its start (admitted head-first, the head was the oldest entry and went).
+                await chain.tiers[0]._put_many(top[::-1])
             except Exception as exc:
                 if not isinstance(exc, NOT_HERE):
                     chain.error(0, "put_many", exc)
@@ -114,7 +117,7 @@ class Placement:
                 chain.tier_counters[0].bytes_in += sum(b.nbytes for _, b in top)
                 placed.update((k, 0) for k, _ in top)
                 await chain.touch(0, [k for k, _ in top])
-        for key, (block, first) in items.items():
+        for key, (block, first) in reversed(items.items()):
             if key not in placed:
                 placed[key] = await self._place(key, block, first)
         keys = list(items)
@@ -130,11 +133,13 @@ class Placement:
             await finish_even_if_cancelled(self._pool_put(pool_items, pool))
         if per_pool and events:
             chain.stored_runs([self._pool_below[placed[k]] for k in keys], keys, parent)
+        done = WritesDone()
         if self._writes is not None:
             for key, (block, _) in items.items():
                 pool = self._pool_below[placed[key]]
                 await self._writes.enqueue(key, block,
-                                           (placed[key] if pool is None else pool) + 1)
+                                           (placed[key] if pool is None else pool) + 1, done)
+        return done
 
     async def _place(self, key: bytes, block: Block, first: int) -> int:
         """Put into the first tier from ``first`` that accepts; return its index."""

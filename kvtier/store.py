@@ -19,9 +19,10 @@ loop, and delegates to the parts it builds (see ``docs/architecture.md``):
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Self
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
@@ -38,10 +39,12 @@ from kvtier.singleflight import KeyRegistry
 from kvtier.stats import StoreCounters, store_stats
 from kvtier.tierchain import TierChain, check_positive_int, check_timeout, keys_list
 from kvtier.tiers.base import Block, Tier
-from kvtier.writethrough import WriteThrough
+from kvtier.writethrough import WritesDone, WriteThrough
 
 if TYPE_CHECKING:
     from kvtier.peer.locate import PrefixLocation
+
+T = TypeVar("T")
 
 __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 
@@ -49,6 +52,27 @@ __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 LOCATE_DEADLINE = 0.05
 
 WritePolicy = Literal["write_back", "write_through"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _in_flight(method: Callable[Concatenate[TieredStore, _P], Awaitable[_R]]
+               ) -> Callable[Concatenate[TieredStore, _P], Coroutine[Any, Any, _R]]:
+    """Count a call as in flight until it returns: :meth:`TieredStore.aclose` waits for it
+    before it closes the tiers the call may still be using (a demotion, a pool copy)."""
+
+    @functools.wraps(method)
+    async def call(self: TieredStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._in_flight += 1
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+
+    return call
 
 class TieredStore:
     """A chain of tiers behind one async API (``get``/``put``/batch/prefix forms).
@@ -154,6 +178,8 @@ class TieredStore:
         self._timeout = check_timeout(timeout)
         self._write_policy: WritePolicy = write_policy
         self._closed = False
+        self._in_flight = 0  # calls running now (see _in_flight)
+        self._idle: asyncio.Event | None = None  # set when they are done, while closing
         self._loop: asyncio.AbstractEventLoop | None = None
         misses = MissLedger(len(tiers), check_positive_int(miss_record_size, "miss_record_size"))
         self._chain = chain = TierChain(list(tiers), StoreCounters(), self._events,
@@ -225,6 +251,7 @@ class TieredStore:
         return TierChain.deadline(seconds)
 
     # ------------------------------------------------------------------ reads
+    @_in_flight
     async def get(self, key: bytes, *, timeout: float | None = None) -> Block | None:  # noqa: ASYNC109
         """Return the block stored under ``key``, or ``None`` on a miss.
 
@@ -249,6 +276,7 @@ class TieredStore:
         deadline = None if timeout is None and self._timeout is None else self._deadline(timeout)
         return await self._reads.get(key, deadline)
 
+    @_in_flight
     async def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                        ) -> list[Block | None]:
         """Batch :meth:`get`: one batch call per tier for the keys still missing.
@@ -268,6 +296,7 @@ class TieredStore:
         self._note_chain(key_list)
         return await self._reads.get_many(key_list, self._deadline(timeout))
 
+    @_in_flight
     async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Copy the block into caller-owned ``out``; ``False`` on a miss.
 
@@ -283,6 +312,7 @@ class TieredStore:
         validate_key(key)
         return await self._reads.get_into(key, out, self._deadline(timeout))
 
+    @_in_flight
     async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                             timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
         """Batch :meth:`get_into`; ``outs[i]`` receives ``keys[i]``.
@@ -304,18 +334,21 @@ class TieredStore:
                              f"got {len(outs)}")
         return await self._reads.get_many_into(key_list, list(outs), self._deadline(timeout))
 
+    @_in_flight
     async def contains(self, key: bytes, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Whether any tier holds ``key`` (refreshes no recency)."""
         self._enter()
         validate_key(key)
         return (await self._reads.contains_many([key], self._deadline(timeout)))[0]
 
+    @_in_flight
     async def contains_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                             ) -> list[bool]:
         """Batch :meth:`contains`: one batch call per tier for the keys not yet found."""
         self._enter()
         return await self._reads.contains_many(keys_list(keys), self._deadline(timeout))
 
+    @_in_flight
     async def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:  # noqa: ASYNC109
         """How many leading ``keys`` (a prefix chain) are present in some tier.
 
@@ -328,6 +361,7 @@ class TieredStore:
         self._note_chain(key_list)
         return await self._reads.lookup_prefix(key_list, self._deadline(timeout))
 
+    @_in_flight
     async def explain(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                       ) -> list[Explanation]:
         """Where each key was looked for, and where it hits or why it misses.
@@ -355,7 +389,9 @@ class TieredStore:
                                   self._deadline(timeout))
 
     # ------------------------------------------------------------------ writes
-    async def put(self, key: bytes, value: object) -> None:
+    @_in_flight
+    async def put(self, key: bytes, value: object, *, timeout: float | None = None  # noqa: ASYNC109
+                  ) -> None:
         """Store ``value`` under ``key`` in the top tier that can hold it.
 
         The block goes into the first tier (top-down) whose capacity fits it; if that tier
@@ -371,6 +407,10 @@ class TieredStore:
             ``bytes`` of 1..128 bytes.
         value
             A C-contiguous numpy array of a fixed-size dtype, or a bytes-like object.
+        timeout
+            Deadline in seconds for the whole call (``None``, the default, or ``math.inf``:
+            none). The store's ``timeout`` bounds reads only: it is sized for reads a
+            scheduler waits on, where a miss is cheap, while a write past it is lost work.
 
         Raises
         ------
@@ -380,15 +420,22 @@ class TieredStore:
             If the block exceeds every tier's capacity (nothing is written).
         TierError
             If every tier that could hold the block failed, or the pool copy failed.
+        TimeoutError
+            If ``timeout`` passed first. The block may or may not be stored, but nothing the
+            put started acts after this is raised: a write a tier had begun has ended (it
+            no longer reads ``value``), and none lands over a later put of ``key``.
         """
         self._enter()
+        seconds = check_timeout(timeout)
         validate_key(key)
         block = as_block(value)
         first = self._placement.first_fitting(block.nbytes, "value")
-        await self._placement.put(key, block, first)
+        await self._within(seconds, "put", self._placement.put(key, block, first))
 
+    @_in_flight
     async def put_many(self, items: Iterable[tuple[bytes, object]], *,
-                       parent: bytes | None = None) -> None:
+                       parent: bytes | None = None,
+                       timeout: float | None = None) -> WritesDone:  # noqa: ASYNC109
         """Store ``(key, value)`` pairs; all are validated before anything is written.
 
         Blocks that fit the top tier go there in one batch call, and the chain's recency is
@@ -402,6 +449,16 @@ class TieredStore:
         parent
             The key chained before the first item's (for KV events' ``parent``; ``None``:
             unknown or the prompt's start).
+        timeout
+            Deadline in seconds for the whole call, as for :meth:`put`.
+
+        Returns
+        -------
+        kvtier.writethrough.WritesDone
+            The completion of the write-through writes this call queued (``write_through``;
+            already done with ``write_back``): ``await`` it to wait for these blocks to be
+            written to the tiers below without waiting for other callers' writes, as
+            :meth:`flush` would. Dropping it is fine.
 
         Raises
         ------
@@ -409,8 +466,12 @@ class TieredStore:
             For a bad item (nothing is written); the message names it (``items[i]``).
         TierError
             If every tier that could hold one of the blocks failed, or the pool copy failed.
+        TimeoutError
+            If ``timeout`` passed first (as for :meth:`put`: some blocks may be stored,
+            nothing acts later).
         """
         self._enter()
+        seconds = check_timeout(timeout)
         if parent is not None:
             validate_key(parent, "parent")
         if isinstance(items, bytes | str | Mapping) or not isinstance(items, Iterable):
@@ -431,29 +492,63 @@ class TieredStore:
             last[key] = (block, first)
             chain.append(key)
             count += 1
-        if last:
-            self._note_chain(chain, parent)
-            await self._placement.put_many(last, count, parent)
+        if not last:
+            return WritesDone()
+        self._note_chain(chain, parent)
+        return await self._within(seconds, "put_many",
+                                  self._placement.put_many(last, count, parent))
 
+    @_in_flight
     async def flush(self) -> None:
-        """Wait until every queued write-through write has been attempted."""
+        """Wait until every write-through write queued before this call has been attempted.
+
+        Writes queued meanwhile are not waited for, so ``flush`` returns under a steady stream
+        of puts; to wait for one batch's writes only, await what :meth:`put_many` returned.
+        """
         self._enter()
         await self._writes.flush()
 
-    async def delete(self, key: bytes) -> bool:
+    @_in_flight
+    async def delete(self, key: bytes, *, timeout: float | None = None  # noqa: ASYNC109
+                     ) -> bool:
         """Remove ``key`` from every tier; returns whether any tier held it.
 
         Once started, a delete completes even if the caller is cancelled (the cancellation
         is raised afterwards), so no older value is ever exposed.
+
+        Parameters
+        ----------
+        key
+            ``bytes`` of 1..128 bytes.
+        timeout
+            Deadline in seconds, as for :meth:`put`. A delete is never left half done:
+            past the deadline it still finishes in every tier, then raises
+            ``TimeoutError`` (the key is gone), so it never removes a later put's block.
         """
         self._enter()
+        seconds = check_timeout(timeout)
         validate_key(key)
-        return (await self._placement.delete([key]))[0]
+        return (await self._within(seconds, "delete", self._placement.delete([key])))[0]
 
-    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Batch :meth:`delete`; one batch call per tier."""
+    @_in_flight
+    async def delete_many(self, keys: Sequence[bytes], *,
+                          timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
+        """Batch :meth:`delete`; one batch call per tier (``timeout`` as for :meth:`delete`)."""
         self._enter()
-        return await self._placement.delete(keys_list(keys))
+        seconds = check_timeout(timeout)
+        return await self._within(seconds, "delete_many",
+                                  self._placement.delete(keys_list(keys)))
+
+    @staticmethod
+    async def _within(seconds: float | None, op: str, call: Awaitable[T]) -> T:
+        """``call`` under a write's deadline (checked seconds; ``None``: none)."""
+        if seconds is None:
+            return await call
+        try:
+            async with asyncio.timeout(seconds):
+                return await call
+        except TimeoutError:
+            raise TimeoutError(f"{op}: did not finish within {seconds} s") from None
 
     # ------------------------------------------------------------------ routers
     def events(self, *, buffer: int | None = None) -> Subscription:
@@ -479,6 +574,7 @@ class TieredStore:
         self._enter()
         return self._events.subscribe(buffer=buffer)
 
+    @_in_flight
     async def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                             ) -> PrefixLocation:
         """Where the leading blocks of a prefix can be served without a network fetch.
@@ -493,8 +589,9 @@ class TieredStore:
         keys
             A prefix chain, in order.
         timeout
-            Seconds to wait for answers (default: the store's ``timeout``, else 0.05). A
-            member that has not answered by then is left out of ``nodes``.
+            Seconds to wait for answers (default: the store's ``timeout``, else 0.05;
+            ``math.inf``: no limit, each pool member then bounded by its pool tier's
+            ``timeout``). A member that has not answered by then is left out of ``nodes``.
 
         Returns
         -------
@@ -507,8 +604,9 @@ class TieredStore:
         self._enter()
         key_list = keys_list(keys)
         self._note_chain(key_list)
-        seconds = check_timeout(timeout) if timeout is not None else None
-        seconds = seconds or self._timeout or LOCATE_DEADLINE
+        # An explicit timeout is taken as given (math.inf: no limit, as for every verb).
+        seconds = (self._timeout or LOCATE_DEADLINE) if timeout is None \
+            else check_timeout(timeout)
         deadline = TierChain.deadline(seconds)
 
         async def leading() -> int:
@@ -576,13 +674,22 @@ class TieredStore:
         tier
             Index of the one tier to pin in; ``None`` (default) pins in every tier, so a
             block stays in whichever tier holds it and is kept when promoted.
+
+        Notes
+        -----
+        A tier that fails to pin is counted in its ``errors`` and logged, not raised (the
+        other tiers still pin): a pin only protects from eviction, so a failed one can cost
+        a recompute, never a wrong block, and raising would make an engine give up a request
+        whose blocks are still readable. Bad ``keys`` or ``tier`` raise.
         """
         await self._pin_op("pin", keys, tier)
 
     async def unpin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:
-        """Release one pin of each key (in the same tier(s) :meth:`pin` used)."""
+        """Release one pin of each key (in the same tier(s) :meth:`pin` used); tier failures
+        are counted, not raised, as for :meth:`pin`."""
         await self._pin_op("unpin", keys, tier)
 
+    @_in_flight
     async def _pin_op(self, op: str, keys: Sequence[bytes], tier: int | None) -> None:
         self._enter()
         key_list = keys_list(keys)
@@ -634,16 +741,20 @@ class TieredStore:
                 "events_dropped": self._events.dropped}
 
     async def aclose(self) -> None:
-        """Flush write-through writes, copy volatile tiers into persistent ones (bounded,
-        see ``close_flush``), then close every tier (an ``AllBlocksCleared`` event each) and
-        end the :meth:`events` subscriptions. Calling it again does nothing."""
+        """Let the calls in flight finish (calls made from now on raise ``ClosedError``),
+        flush write-through writes, copy volatile tiers into persistent ones (bounded, see
+        ``close_flush``), then close every tier (an ``AllBlocksCleared`` event each) and end
+        the :meth:`events` subscriptions. Calling it again does nothing."""
         if self._closed:
             return
         loop = asyncio.get_running_loop()
         if self._loop is not None and loop is not self._loop:
             self._bind(loop)  # raises WrongLoopError: the tiers' resources live on that loop
-        self._closed = True
+        self._closed = True  # calls from now on raise ClosedError
         try:
+            if self._in_flight:
+                self._idle = asyncio.Event()
+                await self._idle.wait()
             await self._writes.aclose()
             if self._close_flush is not None and self._close_flush.active:
                 await self._close_flush.run()

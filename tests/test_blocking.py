@@ -28,6 +28,7 @@ def test_verbs_round_trip(tmp_path: Path) -> None:
         bs.put(keys[0], np.arange(8, dtype=np.uint16))
         bs.put_many([(k, np.full(8, i, np.uint16)) for i, k in enumerate(keys[1:], 1)])
         assert bs.contains(keys[0]) and not bs.contains(_key(99))
+        assert bs.contains_many([keys[1], _key(99)]) == [True, False]
         assert bs.lookup_prefix([*keys, _key(99), keys[0]]) == 4
         got = bs.get_many(keys)
         assert [int(b[0]) for b in got if b is not None] == [0, 1, 2, 3]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from kvtier.testing.chain import make_chain_machine
@@ -14,6 +15,8 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.lmdb import LMDBTier
+
+pytestmark = pytest.mark.slow  # six hypothesis machines, tens of seconds together
 
 KB = 1024
 _HEADER = 43

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvtier.commands import demo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,6 +35,7 @@ def test_rows_differ_only_in_what_each_row_is_about() -> None:
             assert dataclasses.replace(config, mode=base.mode, routing=base.routing) == base
 
 
+@pytest.mark.slow
 def test_demo_quick_prints_the_honest_table() -> None:
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--quick",
                            "--no-progress"], cwd=REPO, capture_output=True, text=True,

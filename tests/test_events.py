@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import pytest
 
-from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, EventHub, medium_of
+from kvtier.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventHub,
+    Subscription,
+    medium_of,
+)
 
 K = [bytes([i]) * 16 for i in range(8)]
 
@@ -120,3 +128,53 @@ async def test_drain_nowait_takes_what_is_buffered() -> None:
     assert [e.keys[0] for e in rest if isinstance(e, BlockRemoved)] == [K[0], K[1]]
     assert sub.drain_nowait() == []
     sub.close()
+
+
+def test_close_from_a_thread_after_the_store_closed() -> None:
+    """A thread polling a BlockingStore's subscription closes it after the store closed
+    (issue 20 bug 7: ``RuntimeError: Event loop is closed``); closing twice is fine too."""
+    from kvtier.blocking import BlockingStore
+    from kvtier.tiers.dram import DRAMTier
+
+    store = BlockingStore([DRAMTier()])
+    sub = store.events()
+    store.put(K[0], b"block")
+    store.close()  # ends the subscription on the store's loop, then closes that loop
+    assert [type(e) for e in sub.drain_nowait()] == [BlockStored, AllBlocksCleared]
+    sub.close()
+    sub.close()
+
+    hub = EventHub("n")
+    other = asyncio.run(_subscribe(hub))  # that loop is closed now; the hub is not
+    other.close()
+    assert hub.subscribers == 0
+
+
+async def _subscribe(hub: EventHub) -> Subscription:
+    return hub.subscribe()
+
+
+def test_counts_are_exact_with_producers_on_many_threads() -> None:
+    """``emitted`` and ``dropped`` count every event when producers race on threads."""
+    hub = EventHub("n", buffer=8)
+    sub = asyncio.run(_subscribe(hub))
+    threads, per_thread = 4, 5_000
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        workers = [threading.Thread(target=_emit_many, args=(hub, per_thread))
+                   for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert hub.emitted == threads * per_thread
+    assert hub.dropped == sub.dropped == threads * per_thread - 8
+    assert len(sub.drain_nowait()) == 8
+
+
+def _emit_many(hub: EventHub, n: int) -> None:
+    for _ in range(n):
+        hub.removed(K[:1], tier="dram", medium="cpu")

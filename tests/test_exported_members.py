@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+import textwrap
 
 import kvtier
 from kvtier import errors
@@ -13,11 +16,11 @@ def test_all_is_pinned() -> None:
         "BackendUnavailableError", "BlockingStore",
         "BlockTooLargeError", "ClosedError", "ConfigError", "CorruptBlockError",
         "DRAMTier", "DirectoryLockedError", "FsspecTier", "HBMTier", "InvalidKeyError",
-        "KVTierError", "KeyNamespace", "LMDBTier", "LimitExceededError", "MooncakeTier",
-        "PeerError", "PeerStatusError", "PeerTier", "RedisTier", "ProtocolError",
+        "KVTierError", "KeyNamespace", "LMDBTier", "LimitExceededError",
+        "PeerError", "PeerStatusError", "PeerTier", "ProtocolError",
         "ShapeMismatchError", "Tier", "TierError",
         "TierFullError", "TieredStore", "UnknownSchemeError", "WrongLoopError",
-        "__version__", "decode_frame", "encode_frame", "open_store", "prefix_keys",
+        "__version__", "open_store", "prefix_keys",
         "register_tier", "tier_from_url",
     ])
     for name in kvtier.__all__:
@@ -30,3 +33,23 @@ def test_every_error_class_is_exported_and_under_kvtier_error() -> None:
     assert classes == set(errors.__all__)
     assert classes <= set(kvtier.__all__)
     assert all(issubclass(getattr(errors, name), kvtier.KVTierError) for name in classes)
+
+
+def test_top_level_imports_on_a_base_install_without_extras() -> None:
+    """``from kvtier import *`` and ``hasattr`` work without the redis and mooncake extras
+    (issue 20 bug 4: both raised ImportError). The extras are hidden from a fresh
+    interpreter, so this checks a base install whatever this environment has."""
+    script = textwrap.dedent("""
+        import sys
+        for name in ("redis", "mooncake"):  # as if the extras were not installed
+            sys.modules[name] = None
+        import kvtier
+        namespace = {}
+        exec("from kvtier import *", namespace)
+        assert set(kvtier.__all__) <= set(namespace), set(kvtier.__all__) - set(namespace)
+        assert not hasattr(kvtier, "RedisTier") and not hasattr(kvtier, "MooncakeTier")
+        assert hasattr(kvtier, "LMDBTier") and hasattr(kvtier, "PeerTier")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr

@@ -3,6 +3,7 @@ torch is installed), plus what is specific to slots, URLs and device outputs."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -18,6 +19,7 @@ from kvtier.errors import (
 )
 from kvtier.testing.conformance import BLOCK_BYTES, TierConformance, key_of, sample_block
 from kvtier.testing.fakes import DLPackOnly
+from kvtier.testing.slow import slow_worker_threads
 from kvtier.tiers.base import Tier
 from kvtier.tiers.hbm import HBMTier
 from kvtier.tiers.registry import tier_from_url
@@ -45,6 +47,17 @@ class TestHBMTorchCPUConformance(TestHBMNumpyConformance):
     @pytest.fixture(autouse=True)
     def _need_torch(self) -> None:
         pytest.importorskip("torch")
+
+
+class TestHBMThreadedCopiesConformance(TestHBMNumpyConformance):
+    """Copies in a worker thread, as on a CUDA device (a copy there is waited for off the
+    loop); the numpy pool makes the path run on any machine."""
+
+    async def make_tier(self, capacity: int | None) -> Tier:
+        tier = await super().make_tier(capacity)
+        assert isinstance(tier, HBMTier)
+        tier._inline_copies = False  # what _copies_are_synchronous says of a CUDA backend
+        return tier
 
 
 async def test_block_metadata_and_slot_accounting() -> None:
@@ -118,6 +131,28 @@ async def test_get_into_torch_tensor_from_numpy_pool() -> None:
     raw = torch.zeros(block.nbytes, dtype=torch.uint8)
     assert await tier.get_into(key_of(1), raw) is True
     assert raw.numpy().tobytes() == block.tobytes()
+
+
+async def test_abandoned_device_get_into_ends_before_it_returns() -> None:
+    """A copy into a device buffer cannot be taken back once queued: with copies in a worker
+    thread (a CUDA pool), a get_into that is given up on returns only after its copy ended,
+    so the buffer the caller then reuses is never written afterwards."""
+    torch = pytest.importorskip("torch")
+    threads = slow_worker_threads()
+    tier = HBMTier(4 * 1024, block_bytes=1024, backend="torch")
+    tier._inline_copies = False  # what _copies_are_synchronous says of a CUDA backend
+    block = sample_block(4, dtype="<f2").reshape(8, 64)
+    await tier.put(key_of(1), block)
+    out = torch.zeros((8, 64), dtype=torch.float16)
+    threads.delay = 0.3
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await tier.get_into(key_of(1), out)
+    threads.delay = 0.0
+    out.fill_(7)  # the caller reuses its buffer
+    await threads.idle()
+    assert bool((out == 7).all())
+    await tier.aclose()
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])

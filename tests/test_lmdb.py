@@ -37,6 +37,16 @@ class TestLMDBCompressedConformance(TestLMDBConformance):
                         compress_level=3, shuffle=True)
 
 
+class TestLMDBThreadedReadsConformance(TestLMDBConformance):
+    """Every read in a worker thread (``inline_reads=False``): what a read of a value not in
+    the page cache, or larger than ``INLINE_READ_BYTES``, does."""
+
+    async def make_tier(self, capacity: int | None) -> Tier:
+        path = self.tmp_path / f"lmdbt{len(self._created)}"
+        return LMDBTier(path, capacity=capacity if capacity is not None else 64 << 20,
+                        inline_reads=False)
+
+
 def _du(path: Path) -> int:
     out = subprocess.run(["du", "-s", "-B1", str(path)], capture_output=True, text=True,
                          check=True)

@@ -71,6 +71,7 @@ def _run_and_kill(path: Path, capacity: int, compress: int, start: int, acks: in
     return acked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compress", [0, 1], ids=["raw", "zstd"])
 async def test_sigkill_mid_put_loop_loses_no_acknowledged_put(tmp_path: Path,
                                                               compress: int) -> None:

@@ -153,3 +153,35 @@ async def test_read_buffers_are_reused_but_never_under_a_held_block(tmp_path: Pa
         assert np.array_equal(view, block(0)[BLOCK // 2:])
     assert tier.stats()["read_slots_reused"] > 0
     await tier.aclose()
+
+
+@pytest.mark.parametrize("call", ["get", "get_many", "get_into"])
+async def test_a_large_block_being_evicted_is_read_in_a_thread(tmp_path: Path,
+                                                               call: str) -> None:
+    """A victim left the policy while it is demoted (still readable): its size comes from
+    the eviction, so a block too large for the loop is still read in a worker thread."""
+    big = np.random.default_rng(7).integers(0, 256, 5 << 20, dtype=np.uint8)
+    tier = LMDBTier(tmp_path / "db", capacity=(5 << 20) + 4096)
+    demoting = asyncio.Event()
+    release = asyncio.Event()
+
+    async def on_evict(k: bytes, b: np.ndarray) -> None:
+        demoting.set()
+        await release.wait()
+
+    tier.on_evict = on_evict
+    await tier.put(key(0), big)
+    put = asyncio.create_task(tier.put(key(1), big[::-1].copy()))
+    await demoting.wait()  # key 0 is leaving: out of the policy, still readable
+    if call == "get":
+        got = await tier.get(key(0))
+    elif call == "get_many":
+        got = (await tier.get_many([key(0)]))[0]
+    else:
+        got = np.zeros_like(big)
+        assert await tier.get_into(key(0), got)
+    assert got is not None and np.array_equal(got, big)
+    assert tier.stats()["reads_inline"] == 0
+    release.set()
+    await put
+    await tier.aclose()

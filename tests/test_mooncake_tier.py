@@ -5,6 +5,7 @@ corrupt objects, and the dram -> mooncake -> file chain machine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import shutil
@@ -21,7 +22,8 @@ from hypothesis import HealthCheck, settings
 from kvtier.errors import ConfigError, TierError
 from kvtier.store import open_store
 from kvtier.testing.chain import make_chain_machine
-from kvtier.testing.conformance import TierConformance, key_of, sample_block
+from kvtier.testing.conformance import SLOW_SECONDS, TierConformance, key_of, sample_block
+from kvtier.testing.slow import SlowWorkerThreads
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.fsspec import FsspecTier
@@ -76,7 +78,25 @@ class TestMooncakeConformance(TierConformance):
         self.url = pool[0]
 
     async def make_tier(self, capacity: int | None) -> Tier:
-        return tier_from_url(self.url, prefix=_prefix())
+        tier = tier_from_url(self.url, prefix=_prefix())
+        assert isinstance(tier, MooncakeTier)
+        # The tier's own worker threads, slowed by slow_backend like the loop's.
+        tier._executor.shutdown(wait=False)
+        tier._executor = SlowWorkerThreads(tier.batch_concurrency)
+        return tier
+
+    @contextlib.contextmanager
+    def slow_backend(self, tier: Tier) -> Iterator[None]:
+        assert isinstance(tier, MooncakeTier) and isinstance(tier._executor, SlowWorkerThreads)
+        tier._executor.delay = SLOW_SECONDS
+        try:
+            yield
+        finally:
+            tier._executor.delay = 0.0
+
+    async def backend_idle(self, tier: Tier) -> None:
+        assert isinstance(tier, MooncakeTier) and isinstance(tier._executor, SlowWorkerThreads)
+        await tier._executor.idle()
 
 
 @pytest.mark.parametrize(("url", "message"), [

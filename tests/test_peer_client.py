@@ -210,7 +210,7 @@ class ImpostorPeer(RawPeer):
                         frame = self.frame_of(key)
                         out.append(struct.pack("<H", klen) + key
                                    + struct.pack("<Q", len(frame)) + frame)
-                    writer.write(_http_ok(b"".join(out)))
+                    writer.write(self._ok(b"".join(out)))
                 else:
                     writer.write(self._answer(head))
                 await writer.drain()
@@ -220,7 +220,10 @@ class ImpostorPeer(RawPeer):
             writer.close()
 
     def _answer(self, head: bytes) -> bytes:
-        return _http_ok(self.frame_of(_requested_key(head)))
+        return self._ok(self.frame_of(_requested_key(head)))
+
+    def _ok(self, body: bytes) -> bytes:
+        return _http_ok(body)
 
 
 async def test_a_valid_frame_of_another_key_is_a_miss(real: PeerServer) -> None:
@@ -239,10 +242,19 @@ async def test_a_valid_frame_of_another_key_is_a_miss(real: PeerServer) -> None:
             assert tier.stats()["corrupt"] == 7
 
 
-async def test_an_unbound_frame_from_a_peer_is_a_miss() -> None:
-    # Version-1 frames carry no key binding: a peer must not answer with them.
+class Protocol2Impostor(ImpostorPeer):
+    """An impostor that announces protocol 2, whose answers must be key-bound frames."""
+
+    def _ok(self, body: bytes) -> bytes:
+        return (b"HTTP/1.1 200 OK\r\nKvtier-Protocol: 2\r\nContent-Length: %d\r\n\r\n"
+                % len(body) + body)
+
+
+async def test_an_unbound_frame_from_a_protocol_2_peer_is_a_miss() -> None:
+    # Version-1 frames carry no key binding: a peer of protocol 2 must not answer with them
+    # (a peer of protocol 1 may: tests/test_peer_versions.py).
     unbound = encode_frame(sample_block(1)).to_bytes()
-    async with ImpostorPeer(lambda _key: unbound) as member:
+    async with Protocol2Impostor(lambda _key: unbound) as member:
         tier = PeerTier.from_url(f"peers://{member}?token={TOKEN}&timeout=2")
         async with tier:
             assert await tier.get(key_of(1)) is None

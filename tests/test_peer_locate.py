@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from kvtier.peer.locate import (
     locate_prefix,
 )
 from kvtier.peer.server import PeerServer
+from kvtier.peer.tier import PeerTier
 from kvtier.store import TieredStore
+from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.lmdb import LMDBTier
 
@@ -157,3 +160,22 @@ async def test_a_stalled_body_gets_408_and_bodies_past_the_inflight_budget_503()
                 assert resp.status == 503 and resp.headers["Retry-After"] == "1"
         finally:
             server.budget.give(server.budget.limit - 50)
+
+
+async def test_infinite_timeout_is_no_limit_not_the_default_deadline() -> None:
+    """``timeout=math.inf`` means no limit, as for every other verb (issue 20 bug 6: it was
+    the 50 ms default, so a tier slower than that left this node out)."""
+    slow = LatencyTier(DRAMTier(), delay=0.15)
+    async with TieredStore([slow], node="solo") as store:
+        await slow.inner.put(K[0], BLOCK)
+        found = await store.locate_prefix(K[:2], timeout=math.inf)
+        assert found.nodes == {"solo": LocalPrefix(1, slow.name, {slow.name: 1})}
+        assert found.pool == 1
+
+
+async def test_infinite_timeout_asks_pool_members_within_the_pool_timeout(
+        pool: list[tuple[PeerServer, TieredStore]]) -> None:
+    members = [server.member_id for server, _ in pool]
+    async with TieredStore([PeerTier(members, token=TOKEN, timeout=5)], node="router") as store:
+        found = await store.locate_prefix(K, timeout=math.inf)
+    assert found.nodes[members[0]].blocks == 4 and found.nodes[members[1]].blocks == 1

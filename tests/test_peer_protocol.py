@@ -151,7 +151,7 @@ async def test_health_and_metrics(served: tuple[PeerServer, aiohttp.ClientSessio
         assert r.status == 204
     async with http.get("/v1/health") as r:
         doc = json.loads(await r.read())
-    assert doc["node_id"] == server.member_id and doc["protocol"] == 1
+    assert doc["node_id"] == server.member_id and doc["protocol"] == 2
     assert doc["used"] == 4 and doc["blocks"] == 1 and doc["capacity"] is None
     assert doc["uptime_s"] >= 0 and doc["limits"]["max_batch"] == 8
     async with http.get("/metrics") as r:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from kvtier.peer.repair import AntiEntropy
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
+from kvtier.tiers.base import Block
 from kvtier.tiers.dram import DRAMTier
 
 
@@ -203,3 +204,70 @@ async def test_kvtier_serve_repair_refills_a_node_restarted_empty(tmp_path: Path
     finally:
         for proc in procs:
             proc.stop()
+
+
+def _owned_by(tier: PeerTier, member: str) -> bytes:
+    """A key whose first owner is ``member``."""
+    return next(key_of(i) for i in range(1000) if tier.members.order(key_of(i))[0] == member)
+
+
+async def test_read_repair_never_overwrites_a_newer_value_on_the_owner(pool: Pool) -> None:
+    """A read finds an old copy away from the owner and repairs the owner in the background;
+    a newer value written to the owner meanwhile stays (the repair only fills a hole)."""
+    members = [await pool.start() for _ in range(2)]
+    async with PeerTier.from_url(_url(members, replicas=1, read_walk=1)) as tier:
+        owner, other = members
+        key = _owned_by(tier, owner)
+        await pool.servers[other].segment.put(key, sample_block(1))  # an old fallback copy
+        got = await tier.get(key)
+        assert got is not None and np.array_equal(got, sample_block(1))  # repair queued
+        await pool.servers[owner].segment.put(key, sample_block(2))  # a newer put lands
+        await tier.flush()
+        now = await pool.servers[owner].segment.get(key)
+        assert now is not None and np.array_equal(now, sample_block(2))
+        assert tier.stats()["read_repairs"] == 1  # the hole was there when it was found
+
+
+class _HeldReads(DRAMTier):
+    """A DRAM segment whose batch reads wait until ``release`` is set (``reading`` tells
+    when one started)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        self.reading.set()
+        await self.release.wait()
+        return await super()._get_many(keys)
+
+
+async def test_anti_entropy_never_overwrites_a_newer_value_on_the_owner(pool: Pool) -> None:
+    """Between the pass's presence check and its push, a newer value reaches the owner: the
+    push leaves it (it only fills holes)."""
+    owner = await pool.start()
+    holder = PeerServer(_HeldReads(), token=TOKEN)
+    await holder.start()
+    members = [owner, holder.member_id]
+    node = PeerTier.from_url(_url(members, replicas=1), self=holder.member_id,
+                             local=holder.segment)
+    repair = AntiEntropy(holder, node, interval=3600)
+    try:
+        await repair.pool.open()
+        key = _owned_by(node, owner)
+        async with PeerTier.from_url(_url([holder.member_id], replicas=1)) as only_holder:
+            await only_holder.put(key, sample_block(1))  # the holder's (older) copy
+        held = holder.segment
+        assert isinstance(held, _HeldReads)
+        passing = asyncio.ensure_future(repair.run_pass())
+        await asyncio.wait_for(held.reading.wait(), 5)  # owner checked: it lacked the key
+        await pool.servers[owner].segment.put(key, sample_block(2))  # a newer put lands
+        held.release.set()
+        await asyncio.wait_for(passing, 10)
+        now = await pool.servers[owner].segment.get(key)
+        assert now is not None and np.array_equal(now, sample_block(2))
+    finally:
+        await repair.close()
+        await holder.stop()
+        await holder.segment.aclose()

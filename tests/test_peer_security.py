@@ -240,6 +240,7 @@ def _http_request(rng: random.Random) -> tuple[str, str, bytes | None, dict[str,
     return method, path, body, headers
 
 
+@pytest.mark.slow
 async def test_fuzz_malformed_requests(tmp_path: Path) -> None:
     proc = ServeProcess(["--tier", "dram://?capacity=32MiB", "--max-body", "1MiB",
                          "--max-block-bytes", "256KiB", "--max-batch", "64"],

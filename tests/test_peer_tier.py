@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
@@ -11,7 +14,8 @@ from peer_helpers import TOKEN, peer_servers
 from kvtier.errors import ConfigError
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
-from kvtier.testing.conformance import TierConformance, key_of, sample_block
+from kvtier.testing.conformance import SLOW_SECONDS, TierConformance, key_of, sample_block
+from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.registry import tier_from_url
@@ -28,10 +32,30 @@ class TestPeerConformance(TierConformance):
             await server.stop()
 
     async def make_tier(self, capacity: int | None) -> Tier:
-        server = PeerServer(DRAMTier(capacity), token=TOKEN, close_segment=True)
+        # The served segment takes no time until slow_backend slows it down.
+        server = PeerServer(LatencyTier(DRAMTier(capacity), delay=0.0), token=TOKEN,
+                            close_segment=True)
         await server.start()
         self.servers.append(server)
         return tier_from_url(f"peers://{server.member_id}?token={TOKEN}&timeout=2")
+
+    @contextlib.contextmanager
+    def slow_backend(self, tier: Tier) -> Iterator[None]:
+        segments = [s.segment for s in self.servers if isinstance(s.segment, LatencyTier)]
+        for segment in segments:
+            segment.delay = SLOW_SECONDS
+        try:
+            yield
+        finally:
+            for segment in segments:
+                segment.delay = 0.0
+            self._slow_until = time.monotonic() + SLOW_SECONDS
+
+    async def backend_idle(self, tier: Tier) -> None:
+        # Every server call slowed started before slow_backend closed, so it has finished
+        # its delay by then; one more round trip lets the server finish what follows.
+        await asyncio.sleep(max(0.0, self._slow_until - time.monotonic()) + 0.05)
+        await tier.contains(b"k" * 16)
 
 
 @pytest.fixture

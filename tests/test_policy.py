@@ -296,7 +296,7 @@ class LRUModel(RuleBasedStateMachine):
             size for key, size in self.sizes.items() if self.pins.get(key))
 
 
-TestLRUModel = LRUModel.TestCase
+TestLRUModel = pytest.mark.slow(LRUModel.TestCase)
 TestLRUModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 

@@ -5,6 +5,7 @@ TTLs, kill/restart faults, a cluster failover, and the dram -> redis -> lmdb cha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import shutil
 import tempfile
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from kvtier.errors import ConfigError, TierError
 from kvtier.store import TieredStore, open_store
 from kvtier.testing.chain import make_chain_machine
-from kvtier.testing.conformance import TierConformance, key_of, sample_block
+from kvtier.testing.conformance import SLOW_SECONDS, TierConformance, key_of, sample_block
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.lmdb import LMDBTier
@@ -27,6 +28,9 @@ from kvtier.tiers.registry import tier_from_url
 redis_servers = pytest.importorskip("redis_servers", reason="redis-py not installed")
 if redis_servers.MISSING:
     pytest.skip(redis_servers.MISSING, allow_module_level=True)
+
+import redis  # noqa: E402
+import redis.asyncio as aioredis  # noqa: E402
 
 from kvtier.tiers.redis_tier import RedisTier  # noqa: E402
 
@@ -55,23 +59,50 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis_servers.
         c.stop()
 
 
-class TestRedisConformance(TierConformance):
+class _PausedServers(TierConformance):
+    """The worker-thread cases against a slow server: ``CLIENT PAUSE`` holds every client's
+    commands on each node for :data:`SLOW_SECONDS` (the commands arrive and wait, as on a
+    busy server), then runs them in arrival order."""
+
+    nodes: list[redis_servers.RedisServer]
+
+    @contextlib.contextmanager
+    def slow_backend(self, tier: Tier) -> Iterator[None]:
+        for node in self.nodes:
+            with redis.Redis(host=redis_servers.HOST, port=node.port) as admin:
+                admin.execute_command("CLIENT", "PAUSE", int(SLOW_SECONDS * 1000), "ALL")
+        self._paused_until = time.monotonic() + SLOW_SECONDS
+        yield
+
+    async def backend_idle(self, tier: Tier) -> None:
+        await asyncio.sleep(max(0.0, self._paused_until - time.monotonic()))
+        for node in self.nodes:  # answered after every command held by the pause
+            client = aioredis.Redis(host=redis_servers.HOST, port=node.port)
+            try:
+                await client.ping()
+            finally:
+                await client.aclose()
+
+
+class TestRedisConformance(_PausedServers):
     bounded = False  # the server's maxmemory-policy evicts, not the tier
 
     @pytest.fixture(autouse=True)
     def _server(self, server: redis_servers.RedisServer) -> None:
         self.url = f"redis://{server.address}/0?timeout=5"
+        self.nodes = [server]
 
     async def make_tier(self, capacity: int | None) -> Tier:
         return tier_from_url(self.url, prefix=_prefix())
 
 
-class TestRedisClusterConformance(TierConformance):
+class TestRedisClusterConformance(_PausedServers):
     bounded = False
 
     @pytest.fixture(autouse=True)
     def _cluster(self, cluster: redis_servers.RedisCluster) -> None:
         self.url = f"redis+cluster://{cluster.url_hosts}?timeout=5"
+        self.nodes = cluster.nodes
 
     async def make_tier(self, capacity: int | None) -> Tier:
         return tier_from_url(self.url, prefix=_prefix())
@@ -95,6 +126,20 @@ class TestRedisClusterConformance(TierConformance):
 def test_bad_urls_rejected(url: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         tier_from_url(url)
+
+
+async def test_a_tier_that_fails_to_pin_is_counted_not_raised() -> None:
+    """Store pins are hints about eviction: a tier's failure is counted and logged (the
+    other tiers still pin), unlike a put's (``docs/architecture.md``, Pins)."""
+    dead = f"{redis_servers.HOST}:{redis_servers._free_port(False)}"  # nothing listens
+    dram = DRAMTier(1 << 20)
+    store = TieredStore([dram, tier_from_url(f"redis://{dead}/0?ttl=60&timeout=0.5")])
+    await store.pin([key_of(1)])
+    assert dram._policy.is_pinned(key_of(1))
+    assert store.stats()["tiers"][1]["errors"] == 1
+    await store.unpin([key_of(1)])
+    assert not dram._policy.is_pinned(key_of(1))
+    await store.aclose()
 
 
 async def test_url_options_reach_the_client(monkeypatch: pytest.MonkeyPatch) -> None:

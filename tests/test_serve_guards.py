@@ -49,7 +49,9 @@ async def test_guard_flags_reach_the_server(tmp_path: Path) -> None:
     # would pass or hang differently under them.
     proc = ServeProcess(["--tier", "dram://", "--max-block-bytes", "1MiB", "--max-body", "2MiB",
                          "--max-inflight", "2MiB", "--max-connections", "2",
-                         "--idle-timeout", "1", "--body-timeout", "3"], token_file(tmp_path))
+                         "--idle-timeout", "1", "--body-timeout", "3",
+                         # The held body must stall on --body-timeout, not the rate floor.
+                         "--min-body-rate", "0"], token_file(tmp_path))
     member = await asyncio.to_thread(proc.start)
     writers: list[asyncio.StreamWriter] = []
     try:

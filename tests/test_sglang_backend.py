@@ -3,8 +3,11 @@ host pool with the attributes SGLang's backends use; and one keyspace shared wit
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +17,8 @@ import pytest
 
 from kvtier import ConfigError
 from kvtier.integrations.sglang import KVTierHiCacheStorage, sglang_available
+from kvtier.tiers import registry
+from kvtier.tiers.dram import DRAMTier
 from tests.vllm_fakes import BLOCK, FakeEngine, Request
 
 PAGE = 4
@@ -244,3 +249,40 @@ def test_default_layouts_keep_the_engines_apart(tmp_path: Path) -> None:
         assert sgl.batch_exists(sglang_page_names(prompt, PAGE)) == 0
     finally:
         sgl.close()
+
+
+class StuckContainsTier(DRAMTier):
+    """A DRAM tier whose presence checks never answer (a pool that hangs); ``waiting``
+    counts the checks still running."""
+
+    scheme = "stuckcontains"
+    waiting = 0
+
+    async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        type(self).waiting += 1
+        try:
+            await asyncio.Event().wait()
+        finally:
+            type(self).waiting -= 1
+        raise AssertionError("unreachable")
+
+
+def test_a_set_that_gave_up_leaves_no_check_running(
+        extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``batch_set_v1`` against a pool whose checks hang: each call gives up after
+    ``timeout_s`` and its check is cancelled, instead of piling up behind the pool."""
+    monkeypatch.setitem(registry._registered, StuckContainsTier.scheme, StuckContainsTier)
+    extra = {**extra, "tiers": ["stuckcontains://"], "timeout_s": 0.1,
+             "store_options": {"close_timeout": 1.0}}
+    pool = FakeHostPool(64)
+    backend = load_backend(extra, pool)
+    try:
+        names = sglang_page_names(TOKENS, PAGE)
+        for _ in range(3):
+            backend.batch_set_v1(names[:2], np.arange(0, 8))
+        deadline = time.monotonic() + 5
+        while StuckContainsTier.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert StuckContainsTier.waiting == 0
+    finally:
+        backend.close()

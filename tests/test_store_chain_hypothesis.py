@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from kvtier.testing.chain import make_chain_machine
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
+
+pytestmark = pytest.mark.slow  # 400 examples of 50 steps: the suite's longest test
 
 KB = 1024
 

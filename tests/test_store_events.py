@@ -136,8 +136,8 @@ async def test_a_slow_consumer_loses_the_oldest_events_and_they_are_counted() ->
 async def test_nothing_is_emitted_without_a_subscriber() -> None:
     store = TieredStore([DRAMTier(2 * N, name="ram")])
     async with store:
-        await store.put_many([(k, BLOCK) for k in K[:4]])
-        await store.delete(K[3])
+        await store.put_many([(k, BLOCK) for k in K[:4]])  # the chain's head K0, K1 stay
+        await store.delete(K[1])
         assert store.stats()["events_emitted"] == 0
         sub = store.events()
         await store.put(K[5], BLOCK)  # fits: one event

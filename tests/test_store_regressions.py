@@ -250,3 +250,19 @@ def test_store_used_from_another_event_loop_raises_clear_error() -> None:
     with pytest.raises(KVTierError, match="BlockingStore") as info:
         asyncio.run(get())
     assert isinstance(info.value, kvtier.WrongLoopError)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "arc"])
+async def test_put_many_of_a_chain_larger_than_the_tiers_keeps_its_head(
+        tmp_path: Path, policy: str) -> None:
+    # A chain missing its start is worthless: a put_many that overflows every tier must drop
+    # the chain's end, not its first block (it evicted the head: lookup_prefix was 0).
+    block = np.ones(1024, np.float64)  # 8 KiB
+    keys = [key_of(i) for i in range(6)]
+    urls = ["dram://?capacity=24KiB", f"file://{tmp_path}?capacity=24KiB&policy={policy}"]
+    async with open_store(urls) as store:
+        await store.put_many([(k, block) for k in keys])
+        await store.flush()
+        held = [await store.contains(k) for k in keys]
+        assert held[0], held
+        assert await store.lookup_prefix(keys) == held.index(False)

@@ -50,9 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="refuse a request whose body sends no byte for this long with "
                              "408 (default 10)")
+    parser.add_argument("--min-body-rate", default="256KiB", metavar="SIZE",
+                        help="bytes per second a request body must average from 1 s after "
+                             "its head, else 408 (default 256KiB; 0: off)")
     parser.add_argument("--max-connections", type=int, default=4096, metavar="N",
                         help="open connections served at once; more get 503 and are closed "
-                             "(default 4096)")
+                             "(default 4096; clamped to the open-files limit less 128)")
     parser.add_argument("--no-data-plane", action="store_true",
                         help="serve every request through aiohttp (by default block "
                              "GET/PUT and batch get take the data plane, docs/peer-pool.md)")
@@ -156,6 +159,7 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
                             insecure_no_auth=args.insecure_no_auth, close_segment=True,
                             max_inflight_bytes=max_inflight, idle_timeout=args.idle_timeout,
                             body_timeout=args.body_timeout,
+                            min_body_rate=parse_size(args.min_body_rate, "--min-body-rate"),
                             max_connections=args.max_connections,
                             data_plane=not args.no_data_plane)
         bound_host, bound_port = await server.start()

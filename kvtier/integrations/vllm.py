@@ -226,7 +226,7 @@ class WorkerSide:
             keys = self._keys(plan)
             items = [(key, layers.gather(block_id))
                      for key, block_id in zip(keys, plan.block_ids, strict=True)]
-            future = self.store.submit(partial(_put_and_flush, items=items))
+            future = self.store.submit(partial(_put_and_wait_written, items=items))
             for key in keys:
                 self._saving[key] = future
             self._req_saves.setdefault(plan.req_id, []).append(future)
@@ -295,8 +295,8 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
     The scheduler-side object opens a :class:`~kvtier.BlockingStore` over
     ``scheduler_tiers`` (when there are any); each worker opens one over ``tiers``. Only
     full blocks are stored; one kvtier block is one vLLM block across all layers. Saves copy
-    each block out of vLLM's pages, then ``put_many`` and flush the write-through queue in the
-    background; a request with saves reports ``True`` from :meth:`request_finished`, and the
+    each block out of vLLM's pages, then ``put_many`` and wait for its write-through writes in
+    the background; a request with saves reports ``True`` from :meth:`request_finished`, and the
     workers report it from :meth:`get_finished` once those writes reached every tier, so a
     finished request's blocks are readable by other processes sharing a pool or persistent
     tier.
@@ -437,9 +437,11 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
 
-async def _put_and_flush(store: TieredStore, *, items: list[tuple[bytes, Any]]) -> None:
-    await store.put_many(items)
-    await store.flush()
+async def _put_and_wait_written(store: TieredStore, *, items: list[tuple[bytes, Any]]) -> None:
+    # Waits for this save's write-through writes only: a flush of the whole queue would also
+    # wait for every other request's saves queued before it.
+    written = await store.put_many(items)
+    await written
 
 
 async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -> list[bool]:

@@ -108,6 +108,9 @@ class PeerClient:
         self.timeout = timeout
         self.limits = limits or proto.Limits()
         self.max_answer_bytes = max_answer_bytes
+        # The protocol version the member's last block answer announced: a member of the
+        # previous version may answer frames not bound to their key (see frames.py).
+        self.protocol = proto.VERSION
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._server_hostname = tls_server_name if ssl_context is not None else None
         host, _, port = member.rpartition(":")
@@ -134,7 +137,8 @@ class PeerClient:
         """A hot-path request through :class:`RawPool`: the body, or ``None`` if missing."""
         try:
             async with asyncio.timeout(self.timeout):
-                status, data = await self._raw.request(method, path, body, max_body=max_body)
+                status, data, version = await self._raw.request(method, path, body,
+                                                                max_body=max_body)
         except TimeoutError:
             raise PeerError(f"peer {self.member}: {method} timed out after "
                             f"{self.timeout}s") from None
@@ -144,6 +148,8 @@ class PeerClient:
             raise PeerError(f"peer {self.member}: {method} failed: {exc}") from None
         if status == missing:
             return None
+        if status == 200:  # an answer of frames (block or batch get) announces the version
+            self.protocol = version
         if status != ok:
             text = bytes(data[:200]).decode("utf-8", "replace").strip()
             raise PeerStatusError(f"peer {self.member}: {method} {path[:60]} -> {status} {text}",
@@ -184,9 +190,11 @@ class PeerClient:
         return await self._read("GET", proto.block_path(key), missing=404,
                                 max_body=self.limits.max_frame_bytes)
 
-    async def put(self, key: bytes, frame: EncodedFrame) -> None:
-        """Store one frame."""
-        await self._read("PUT", proto.block_path(key), frame.buffers, ok=204)
+    async def put(self, key: bytes, frame: EncodedFrame, *, fill: bool = False) -> None:
+        """Store one frame (``fill``: only if the peer does not hold ``key``)."""
+        path = proto.block_path(key)
+        await self._read("PUT", f"{path}?{proto.FILL_QUERY}" if fill else path, frame.buffers,
+                         ok=204)
 
     async def delete(self, key: bytes) -> bool:
         """Delete one block; whether it was present."""
@@ -214,28 +222,28 @@ class PeerClient:
             out += [frame for _, frame in entries]
         return out
 
-    async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]],
-                       anchor: bytes | None = None) -> None:
-        """Store frames, split into requests that respect the batch and body limits.
-
-        ``anchor``: the placement key of every block here (chain placement, see
-        :mod:`kvtier.peer.chains`), recorded by the server for its anti-entropy pass."""
+    async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]], *,
+                       fill: bool = False, anchor: bytes | None = None) -> None:
+        """Store frames, split into requests that respect the batch and body limits
+        (``fill``: only those the peer does not hold; ``anchor``: the placement key of every
+        block here under chain placement, see :mod:`kvtier.peer.chains`, recorded by the
+        server for its anti-entropy pass)."""
         start, size = 0, 4
+        query = "&".join(([proto.FILL_QUERY] if fill else [])
+                         + ([f"anchor={anchor.hex()}"] if anchor is not None else []))
+        path = f"{proto.BATCH_PUT_PATH}?{query}" if query else proto.BATCH_PUT_PATH
         for i, (key, frame) in enumerate(items):
             entry = 2 + len(key) + 8 + frame.nbytes
             if i > start and (i - start >= self.limits.max_batch
                               or size + entry > self.limits.max_body_bytes):
-                await self._put_batch(items[start:i], anchor)
+                await self._put_batch(items[start:i], path)
                 start, size = i, 4
             size += entry
         if start < len(items):
-            await self._put_batch(items[start:], anchor)
+            await self._put_batch(items[start:], path)
 
-    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]],
-                         anchor: bytes | None) -> None:
+    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]], path: str) -> None:
         body = BuffersPayload(proto.encode_blocks(list(items)))
-        path = proto.BATCH_PUT_PATH if anchor is None else \
-            f"{proto.BATCH_PUT_PATH}?anchor={anchor.hex()}"
         await self._request("POST", path, body=body)
 
     async def _flags(self, path: str, keys: Sequence[bytes]) -> list[bool]:

@@ -10,14 +10,22 @@ by the kernel straight into the buffer the frame is decoded from.
 
 Everything else is aiohttp's: a request that is not a plain, authorized HTTP/1.1 block or
 batch-get request (another route, a query string, ``Transfer-Encoding``, ``Expect``,
-``Upgrade``, ``Connection: close``, HTTP/1.0, a repeated framing header, a head that does not
-parse or grows past 16 KiB, a body over its limit or past the in-flight budget) makes this
+``Upgrade``, ``Connection: close``, HTTP/1.0, a repeated framing header, a missing or
+repeated ``Host``, more than 32 header lines, a head that does not parse or passes 8 KiB, a
+body over its limit or past the in-flight budget) makes this
 protocol hand the connection to aiohttp's handler at that request's first byte, and the
 connection stays there. Requests are served one at a time, so that point is always a
 request boundary. So every refusal (401, 413, 503 busy, 400 for a bad key) and every other
 route keeps one implementation, aiohttp's; what the data plane answers itself are outcomes
 of serving (200, 204, 404, and the failure statuses of
 :meth:`~kvtier.peer.server.PeerServer.failure`).
+
+Memory per connection is what its request needs: a connection owns no receive buffer (every
+read lands in one scratch buffer per server and is copied out at once, so an idle or
+unauthenticated connection costs only the bytes it sent), a PUT body is received into a
+pooled buffer (:class:`~kvtier.peer.buffers.BodyBuffers`) and must keep
+``min_body_rate`` on average, so a dripping body is refused (408) instead of holding the
+in-flight budget.
 """
 
 from __future__ import annotations
@@ -25,55 +33,48 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Callable, Sequence
-from http import HTTPStatus
 from typing import TYPE_CHECKING, cast
 
 import httptools
+from aiohttp.http_parser import SINGLETON_HEADERS
 
 from kvtier.errors import KVTierError
 from kvtier.keys import key_from_hex
 from kvtier.peer import protocol as proto
-from kvtier.peer.fastread import BodyBuffers
+from kvtier.peer.answers import TEXT, answer_head
+from kvtier.peer.buffers import BodyBuffers
 
 if TYPE_CHECKING:
     from kvtier.peer.server import PeerServer
 
 __all__ = ["DataPlaneProtocol"]
 
-_HEAD_MAX = 16 << 10  # aiohttp refuses heads past 8 KiB a line; hand those to it
-_RECV = 256 << 10  # scratch buffer for heads (and a pipelined request behind them)
+# Heads the data plane takes: well within aiohttp's limits (8190 bytes a line, 128 header
+# lines), so that aiohttp, which gets every other head, alone decides what is too large.
+_HEAD_MAX = 8 << 10
+_HEADERS_MAX = 32
+RECV_SCRATCH = 256 << 10  # per server: every read of a head (or of pipelined requests)
 _PENDING_MAX = 1 << 20  # bytes queued behind a request in progress before reading pauses
 _BLOCKS_PREFIX = proto.API_PREFIX.encode() + b"/blocks/"
 _BATCH_GET = proto.BATCH_GET_PATH.encode()
 _HEX = frozenset(b"0123456789abcdef")
-# Headers the data plane reads or must see at most once to frame a request unambiguously.
-_SINGLE = (b"content-length", b"authorization", b"transfer-encoding")
+# Headers that must appear at most once: what aiohttp refuses to see twice (400), and the
+# bearer token.
+_SINGLE = frozenset(h.encode() for h in SINGLETON_HEADERS) | {b"authorization"}
+_VERSION_LINE = f"{proto.VERSION_HEADER}: {proto.VERSION}\r\n".encode()
 _WRITE_SLICE = 1 << 20  # see PeerServer._send: a drain per slice, not per 256 KiB
 _JOIN_MAX = 64 << 10  # leading buffers up to this many bytes are joined with the head
-
-
-def _answer_head(status: int, content_type: str, length: int, *, close: bool) -> bytes:
-    """Status line and headers of an answer (a ``204`` carries no length, RFC 9110)."""
-    try:
-        reason = HTTPStatus(status).phrase
-    except ValueError:
-        reason = "Client Closed Request" if status == 499 else "Error"
-    lines = [f"HTTP/1.1 {status} {reason}"]
-    if status != 204:
-        lines += [f"Content-Type: {content_type}", f"Content-Length: {length}"]
-    if close:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 class _Head:
     """httptools callbacks: the URL and the headers of one request head."""
 
-    __slots__ = ("complete", "headers", "keep_alive", "parser", "repeated", "url")
+    __slots__ = ("complete", "count", "headers", "keep_alive", "parser", "repeated", "url")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: dict[bytes, bytes] = {}
+        self.count = 0
         self.repeated = False
         self.complete = False
         self.keep_alive = False
@@ -84,6 +85,7 @@ class _Head:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
+        self.count += 1
         if name in self.headers and name in _SINGLE:
             self.repeated = True
         self.headers[name] = value
@@ -118,22 +120,28 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         Makes aiohttp's protocol for this connection (the ``aiohttp.web.Server``).
     bodies
         Reusable PUT body buffers, shared by the server's connections.
+    scratch
+        The server's receive buffer for heads, shared by its connections: a read lands in it
+        and is copied out before the next read (the event loop calls ``get_buffer`` and
+        ``buffer_updated`` back to back), so a connection holds only the bytes it sent.
     """
 
     def __init__(self, server: PeerServer, fallback: Callable[[], asyncio.BaseProtocol],
-                 bodies: BodyBuffers) -> None:
+                 bodies: BodyBuffers, scratch: memoryview) -> None:
         self._server = server
         self._fallback = fallback
         self._bodies = bodies
         self._transport: asyncio.Transport | None = None
-        self._scratch = bytearray(_RECV)
+        self._scratch = scratch
         self._pending = bytearray()
         self._request: _Request | None = None  # set from its head to the end of its answer
         self._task: asyncio.Task[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._idle_since: float | None = None  # None while a request is in progress
         self._body_timer: asyncio.TimerHandle | None = None
-        self._body_seen = 0
+        self._body_seen = 0  # bytes of the body at its last progress, and when that was
+        self._body_progress = 0.0
+        self._body_started = 0.0
         self._drained: asyncio.Future[None] | None = None
         self._reading = True
         self._stopping = False
@@ -173,7 +181,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         request = self._request
         if request is not None and request.body is not None and self._task is None:
             return request.body[request.have :]  # the kernel writes the body in place
-        return memoryview(self._scratch)
+        return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
         request = self._request
@@ -182,9 +190,11 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             if request.have == request.body.nbytes:
                 self._start(request)
             return
-        self._pending += memoryview(self._scratch)[:nbytes]
+        self._pending += self._scratch[:nbytes]
         if self._request is None:
             self._next()
+            if not self._pending:
+                self._pending = bytearray()  # what a burst of pipelined heads grew goes
         elif len(self._pending) > _PENDING_MAX and self._transport is not None:
             self._transport.pause_reading()  # a client pipelining far ahead waits
             self._reading = False
@@ -203,12 +213,15 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             del pending[: len(pending) - len(pending.lstrip(b"\r\n"))]  # (RFC 9112 2.2)
         if not pending:
             return
-        end = pending.find(b"\r\n\r\n")
+        end = pending.find(b"\r\n\r\n", 0, _HEAD_MAX + 1)
         if end < 0:
             if len(pending) > _HEAD_MAX or b"\n\n" in pending:
                 self._hand_off()  # aiohttp answers a head it cannot take
             return
         end += 4
+        if end > _HEAD_MAX:
+            self._hand_off()
+            return
         head = _Head()
         parser = head.parser = httptools.HttpRequestParser(head)
         try:
@@ -233,13 +246,15 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if request.have == body.nbytes:
             self._start(request)
         else:
-            self._body_seen = -1
-            self._check_body()
+            now = asyncio.get_running_loop().time()
+            self._body_seen, self._body_progress, self._body_started = request.have, now, now
+            self._arm_body_check(now)
 
     def _route(self, parser: httptools.HttpRequestParser, head: _Head) -> _Request | None:
         """The request if the data plane serves it, else ``None`` (aiohttp's then)."""
         headers = head.headers
-        if (not head.complete or head.repeated or parser.get_http_version() != "1.1"
+        if (not head.complete or head.repeated or head.count > _HEADERS_MAX
+                or b"host" not in headers or parser.get_http_version() != "1.1"
                 or not head.keep_alive or b"transfer-encoding" in headers
                 or b"expect" in headers or b"upgrade" in headers):
             return None
@@ -314,7 +329,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 status, text, headers = server.failure(exc, request.method,
                                                        self._route_of(request))
                 if status != 499:  # 499: the client is gone (counted), nobody to answer
-                    await self._answer(status, [text.encode()], "text/plain; charset=utf-8",
+                    await self._answer(status, [text.encode()], TEXT,
                                        close=headers.get("Connection") == "close")
         except ConnectionResetError:
             server.client_gone += 1
@@ -327,14 +342,15 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
 
     async def _get(self, request: _Request) -> int:
         server = self._server
+        head_only = request.method == "HEAD"
         block = await server.segment.get(request.key)
         if block is None:
-            await self._answer(404, [b"no such block"], "text/plain; charset=utf-8")
+            await self._answer(404, [b"no such block"], TEXT, head_only=head_only)
             return 404
         frame = server.frames.encode(request.key, block)  # bound to its key
         del block
         server.bytes_out += await self._answer(200, frame.buffers, proto.CONTENT_TYPE,
-                                               head_only=request.method == "HEAD")
+                                               head_only=head_only, extra=_VERSION_LINE)
         return 200
 
     def _take_body(self, request: _Request) -> memoryview:
@@ -348,9 +364,10 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     async def _put(self, request: _Request) -> int:
         server = self._server
         body = self._take_body(request)
-        block = await server.decode(request.key, body)
-        del body
-        await server.segment.put(request.key, block)
+        async with server.write_order.turn((request.key,)):
+            block = await server.decode(request.key, body)
+            del body
+            await server.segment.put(request.key, block)
         server.stored((request.key,))
         transport = self._transport
         if transport is None or transport.is_closing():
@@ -363,23 +380,25 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         body = self._take_body(request)
         keys = proto.decode_keys(body, server.limits.max_batch)
         del body
-        buffers, reserved = await server.batch_get_answer(keys)
-        request.reserved += reserved
-        server.bytes_out += await self._answer(200, buffers, proto.CONTENT_TYPE)
+        answer = await server.batch_get_answer(keys)
+        request.reserved += answer.reserved
+        server.bytes_out += await self._answer(200, answer.buffers, proto.CONTENT_TYPE,
+                                               extra=_VERSION_LINE)
         return 200
 
     # ------------------------------------------------------------------- answers
     async def _answer(self, status: int, buffers: Sequence[bytes | memoryview],
                       content_type: str, *, head_only: bool = False,
-                      close: bool = False) -> int:
-        """Write an answer; the body bytes sent (0 for HEAD)."""
+                      close: bool = False, extra: bytes = b"") -> int:
+        """Write an answer (``extra``: more header lines); the body bytes sent (0 for
+        HEAD, whose answer is the GET's head without its body)."""
         transport = self._transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("client closed the connection")
         total = sum(memoryview(b).nbytes for b in buffers)
         if close:
             self._stopping = True
-        head = _answer_head(status, content_type, total, close=close)
+        head = answer_head(status, content_type, total, close=close, extra=extra)
         if head_only:
             transport.write(head)
             return 0
@@ -462,26 +481,38 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             self._idle.cancel()
             self._idle = None
 
+    def _arm_body_check(self, now: float) -> None:
+        """Check the body again when it would have stalled or fallen below the rate floor."""
+        server = self._server
+        when = min(self._body_progress + server.body_timeout,
+                   server.body_rate_deadline(self._body_started, self._body_seen))
+        self._body_timer = asyncio.get_running_loop().call_at(max(when, now), self._check_body)
+
     def _check_body(self) -> None:
-        """Refuse the body with 408 once ``body_timeout`` passes without a byte of it."""
+        """Refuse the body with 408 once ``body_timeout`` passes without a byte of it, or
+        once it falls below ``min_body_rate`` on average (a dripping client would otherwise
+        hold its in-flight budget for as long as it likes)."""
         self._body_timer = None
         request = self._request
         if request is None or request.body is None or self._task is not None:
             return
+        server = self._server
+        now = asyncio.get_running_loop().time()
         if request.have != self._body_seen:
-            self._body_seen = request.have
-            self._body_timer = asyncio.get_running_loop().call_later(
-                self._server.body_timeout, self._check_body)
+            self._body_seen, self._body_progress = request.have, now
+        stalled = now >= self._body_progress + server.body_timeout
+        too_slow = now >= server.body_rate_deadline(self._body_started, request.have)
+        if not stalled and not too_slow:
+            self._arm_body_check(now)
             return
-        status, text, _ = self._server.failure(TimeoutError(), request.method,
-                                               self._route_of(request))
+        status, text, _ = server.failure(server.body_timeout_error(too_slow and not stalled),
+                                         request.method, self._route_of(request))
         self._count(request, status)
         self._finish(request)
         self._request = None
         if self._transport is not None:
             body = text.encode()
-            self._transport.write(_answer_head(status, "text/plain; charset=utf-8", len(body),
-                                               close=True) + body)
+            self._transport.write(answer_head(status, TEXT, len(body), close=True) + body)
             self._transport.close()
 
     def _cancel_body_timer(self) -> None:

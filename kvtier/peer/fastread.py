@@ -18,68 +18,28 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import sys
 from collections.abc import Sequence
-from typing import NoReturn, cast
+from typing import NamedTuple, NoReturn, cast
 
 import httptools
-import numpy as np
-import numpy.typing as npt
 
 from kvtier.errors import PeerError
+from kvtier.peer import protocol as proto
+from kvtier.peer.buffers import BodyBuffers
 
-__all__ = ["BodyBuffers", "RawPool"]
+__all__ = ["Answer", "RawPool"]
 
 _HEAD_MAX = 64 << 10
-# Bodies at least this large go into reusable buffers; smaller ones are cheap to allocate.
-_REUSE_MIN = 256 << 10
-Buffer = npt.NDArray[np.uint8]
+_VERSION_HEADER = proto.VERSION_HEADER.lower().encode()
 
 
-def _refs(held: list[Buffer], i: int) -> int:
-    return sys.getrefcount(held[i])
+class Answer(NamedTuple):
+    """One answer: its status, its body, and the protocol version the server announced
+    (:func:`kvtier.peer.protocol.version_of`)."""
 
-
-# What _refs() reports for a buffer only ``held`` references, measured rather than assumed
-# (interpreters differ in the temporary references they count).
-_ALONE = _refs([np.empty(1, dtype=np.uint8)], 0)
-
-
-class BodyBuffers:
-    """Response body buffers, reused once nothing references them any more.
-
-    A fresh multi-MiB buffer costs a page fault per 4 KiB page when the socket first writes
-    it, which at 16-64 MiB batch answers is a large part of the read. Every body (and every
-    array decoded from it) is a view of its buffer, and any live view keeps a reference to
-    it, so a buffer whose only reference is this list is provably unused: a caller's array
-    never changes under it. At most ``budget`` bytes are held; the oldest go first.
-    """
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.reused = 0
-        self._held: list[Buffer] = []
-
-    def take(self, length: int) -> memoryview:
-        """A writable buffer of exactly ``length`` bytes (contents undefined)."""
-        if length < _REUSE_MIN:
-            # np.empty: no zero-fill of a buffer the socket overwrites anyway.
-            return np.empty(length, dtype=np.uint8).data.cast("B")
-        best = -1
-        for i in range(len(self._held)):
-            size = self._held[i].nbytes
-            if size >= length and _refs(self._held, i) == _ALONE \
-                    and (best < 0 or size < self._held[best].nbytes):
-                best = i
-        if best >= 0:
-            self.reused += 1
-            buf = self._held.pop(best)
-        else:
-            buf = np.empty(length, dtype=np.uint8)
-        self._held.append(buf)
-        while sum(b.nbytes for b in self._held) > self.budget:
-            self._held.pop(0)
-        return buf.data.cast("B")[:length]
+    status: int
+    body: memoryview
+    version: int
 
 
 class _Refused(Exception):
@@ -111,6 +71,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._have = 0
         self._status = 0
         self._keep_alive = True
+        self._version: bytes | None = None
         self._fut: asyncio.Future[tuple[int, memoryview]] | None = None
 
     # ------------------------------------------------------------- protocol
@@ -158,6 +119,8 @@ class _Conn(asyncio.BufferedProtocol):
         if lower == b"content-length":
             # llhttp already refuses repeated or non-numeric values.
             self._length = int(value)
+        elif lower == _VERSION_HEADER:
+            self._version = value
         elif lower == b"transfer-encoding":
             self._refuse("Transfer-Encoding is not supported (a Content-Length is required)")
 
@@ -221,13 +184,14 @@ class _Conn(asyncio.BufferedProtocol):
 
     # -------------------------------------------------------------- request
     async def request(self, head: bytes, body: Sequence[bytes | memoryview],
-                      max_body: int) -> tuple[int, memoryview]:
+                      max_body: int) -> Answer:
         if self.transport is None or self.closed:
             raise PeerError("connection is closed")
         self._parser = httptools.HttpResponseParser(self)
         self._head_bytes, self._max_body, self._length = 0, max_body, -1
         self._framing_error, self._message_done = "", False
         self._body, self._have, self._status, self._keep_alive = None, 0, 0, True
+        self._version = None
         self._fut = asyncio.get_running_loop().create_future()
         self.transport.write(head)
         for buf in body:
@@ -239,7 +203,7 @@ class _Conn(asyncio.BufferedProtocol):
             raise
         if not self._keep_alive:
             self.close()
-        return result
+        return Answer(*result, proto.version_of(self._version))
 
 
 class RawPool:
@@ -284,8 +248,8 @@ class RawPool:
         return conn
 
     async def request(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
-                      *, max_body: int) -> tuple[int, memoryview]:
-        """Send one request; returns ``(status, body)``. The caller bounds it with a timeout.
+                      *, max_body: int) -> Answer:
+        """Send one request; returns its answer. The caller bounds it with a timeout.
 
         Raises
         ------
@@ -318,7 +282,8 @@ class RawPool:
             self._idle.append(conn)
 
     def close(self) -> None:
-        """Close every idle connection."""
+        """Close every idle connection and drop the held buffers."""
         idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+        self.buffers.clear()

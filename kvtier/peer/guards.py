@@ -1,5 +1,5 @@
-"""Server resource guards: a byte budget for request bodies in flight, a connection cap,
-the open-files limit, and a rate limit on accept-error logging.
+"""Server resource guards: a byte budget for request bodies in flight, a connection cap
+within the open-files limit, and a rate limit on accept-error logging.
 
 A peer server is reachable by every member of the pool and, by mistake or malice, by more:
 each guard turns one way of exhausting the process (memory for declared bodies, file
@@ -14,7 +14,8 @@ import resource
 import time
 from typing import cast
 
-__all__ = ["AcceptErrorFilter", "BodyBudget", "RefuseProtocol", "raise_open_files_limit"]
+__all__ = ["FD_RESERVE", "AcceptErrorFilter", "BodyBudget", "RefuseProtocol",
+           "connection_limit", "raise_open_files_limit"]
 
 log = logging.getLogger("kvtier.peer.server")
 
@@ -87,6 +88,24 @@ def raise_open_files_limit() -> tuple[int, int]:
         log.warning("cannot raise the open-files limit from %d to %d: %s", soft, want, exc)
         return soft, hard
     return want, hard
+
+
+# Descriptors never given to connections: the listener, the event loop's own, the segment's
+# files (LMDB, file tiers), logs, and every connection past the cap while its 503 is written.
+FD_RESERVE = 128
+
+
+def connection_limit(max_connections: int, open_files: int) -> int:
+    """``max_connections`` clamped to ``open_files`` (the soft ``RLIMIT_NOFILE``) less
+    :data:`FD_RESERVE`: with descriptors left over, a connection past the cap is accepted
+    and answered ``503``; with none, ``accept()`` fails and clients are reset or left
+    hanging in the backlog."""
+    if open_files == resource.RLIM_INFINITY or max_connections <= open_files - FD_RESERVE:
+        return max_connections
+    limit = max(1, open_files - FD_RESERVE)
+    log.warning("max_connections %d clamped to %d: the open-files limit is %d (%d kept "
+                "for other descriptors)", max_connections, limit, open_files, FD_RESERVE)
+    return limit
 
 
 class AcceptErrorFilter(logging.Filter):

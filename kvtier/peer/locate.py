@@ -316,16 +316,17 @@ async def locate_prefix(members: Sequence[str], keys: Sequence[bytes], *, token:
 class _PoolTier(Protocol):
     local: Any
 
-    async def locate(self, keys: Sequence[bytes], deadline: float
+    async def locate(self, keys: Sequence[bytes], deadline: float | None
                      ) -> dict[str, LocalPrefix]: ...
 
 
-async def locate_in_pool(node: str, tiers: Sequence[Any], keys: list[bytes], deadline: float,
-                         pool_count: Awaitable[int]) -> PrefixLocation:
+async def locate_in_pool(node: str, tiers: Sequence[Any], keys: list[bytes],
+                         deadline: float | None, pool_count: Awaitable[int]) -> PrefixLocation:
     """Locate ``keys`` for a store whose chain is ``tiers``: its own answer (its local tiers,
     plus the segment it serves to the pool), every member of its pool tiers (``locate``),
     and ``pool_count`` (the store's leading run over all its tiers), concurrently, within
-    ``deadline`` seconds. Anything late is left out (``pool`` then counts 0)."""
+    ``deadline`` seconds (``None``: no limit but each pool tier's own). Anything late is left
+    out (``pool`` then counts 0)."""
     own: list[Any] = local_tiers(tiers)
     pools: list[_PoolTier] = [t for t in tiers if callable(getattr(t, "locate", None))]
     for pool_tier in pools:

@@ -1,4 +1,5 @@
-"""The peer wire format: paths, limits and the binary batch bodies (see docs/peer-protocol.md).
+"""The peer wire format: paths, versions, limits and the binary batch bodies (see
+docs/peer-protocol.md).
 
 Single-block requests carry one codec frame as the whole body. Batch bodies are
 length-prefixed, little-endian::
@@ -33,8 +34,12 @@ __all__ = [
     "BATCH_PUT_PATH",
     "BLOCK_PATH",
     "CONTENT_TYPE",
+    "FILL_QUERY",
     "HEALTH_PATH",
     "METRICS_PATH",
+    "PREVIOUS_VERSION",
+    "VERSION",
+    "VERSION_HEADER",
     "LimitExceededError",
     "Limits",
     "ProtocolError",
@@ -45,6 +50,7 @@ __all__ = [
     "encode_blocks",
     "encode_flags",
     "encode_keys",
+    "version_of",
 ]
 
 API_PREFIX = "/v1"
@@ -56,6 +62,17 @@ BATCH_DELETE_PATH = f"{API_PREFIX}/batch/delete"
 HEALTH_PATH = f"{API_PREFIX}/health"
 METRICS_PATH = "/metrics"
 CONTENT_TYPE = "application/octet-stream"
+#: Query of a block PUT or batch put that only fills holes: the server stores only the
+#: blocks its segment does not hold, so a read repair or an anti-entropy push never
+#: overwrites a newer value that reached the owner meanwhile.
+FILL_QUERY = "fill=1"
+# Protocol versions (docs/peer-protocol.md, "Versions"): a server of version 2 says so in
+# VERSION_HEADER on every block answer, and answers only key-bound (version-2) frames. A
+# server without it is of version 1, whose early releases answered frames not bound to
+# their key: a client reads those from it, and only key-bound ones from a server of 2.
+VERSION = 2
+PREVIOUS_VERSION = 1
+VERSION_HEADER = "Kvtier-Protocol"
 
 _COUNT = struct.Struct("<I")
 _KEY_LEN = struct.Struct("<H")
@@ -93,6 +110,15 @@ class Limits:
     def max_frame_bytes(self) -> int:
         """Largest single-block frame: a block of ``max_block_bytes`` plus its header."""
         return self.max_block_bytes + MAX_HEADER_BYTES
+
+
+def version_of(value: str | bytes | None) -> int:
+    """The protocol version a peer announced in :data:`VERSION_HEADER`; a peer that sent
+    none (or anything but a number) is of :data:`PREVIOUS_VERSION`."""
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    if text is None or not text.strip().isdigit() or len(text.strip()) > 6:
+        return PREVIOUS_VERSION
+    return int(text)
 
 
 def block_path(key: bytes) -> str:

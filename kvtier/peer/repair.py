@@ -151,8 +151,8 @@ class AntiEntropy:
             blocks = await self.server.segment.get_many(missing)
             items = [(k, encode_frame(b, key=k)) for k, b in zip(missing, blocks, strict=True)
                      if b is not None]
-            if items:
-                await client.put_many(items, anchor)
+            if items:  # fill=True: a newer value that reached the owner meanwhile stays
+                await client.put_many(items, fill=True, anchor=anchor)
                 done["pushed"] += len(items)
         except asyncio.CancelledError:
             raise

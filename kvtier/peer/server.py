@@ -22,27 +22,24 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
-from kvtier.codec import FLAG_ZSTD, EncodedFrame, decode_frame, parse_header
-from kvtier.errors import (
-    BlockTooLargeError,
-    ConfigError,
-    CorruptBlockError,
-    InvalidKeyError,
-    TierFullError,
-)
+from kvtier.codec import FLAG_ZSTD, decode_frame, parse_header
+from kvtier.errors import BlockTooLargeError, ConfigError, CorruptBlockError
 from kvtier.keys import key_from_hex
 from kvtier.peer import protocol as proto
-from kvtier.peer.dataplane import DataPlaneProtocol
-from kvtier.peer.fastread import BodyBuffers
+from kvtier.peer.answers import BatchAnswer, batch_get_answer, failure_of
+from kvtier.peer.buffers import BodyBuffers, new_buffer
+from kvtier.peer.dataplane import RECV_SCRATCH, DataPlaneProtocol
 from kvtier.peer.guards import (
     AcceptErrorFilter,
     BodyBudget,
     RefuseProtocol,
+    connection_limit,
     raise_open_files_limit,
 )
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
 from kvtier.peer.metrics import Family, miss_families, render, store_families
+from kvtier.peer.writeorder import WriteOrder
 
 __all__ = ["PeerServer", "Segment"]
 
@@ -57,6 +54,9 @@ _WRITE_SLICE = 1 << 20
 # Request metrics are keyed by method: any other method a client invents counts as OTHER
 # (the key is taken before auth, so it must not grow with what strangers send).
 _METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
+# A body must arrive at min_body_rate on average, measured from this many seconds after its
+# head (a connection's first round trips and TCP slow start are not held against it).
+BODY_RATE_GRACE = 1.0
 
 
 class Segment(Protocol):
@@ -66,7 +66,7 @@ class Segment(Protocol):
     async def put(self, key: bytes, value: object) -> None: ...
     async def delete(self, key: bytes) -> bool: ...
     async def get_many(self, keys: Sequence[bytes]) -> list[Block | None]: ...
-    async def put_many(self, items: Iterable[tuple[bytes, object]]) -> None: ...
+    async def put_many(self, items: Iterable[tuple[bytes, object]]) -> object: ...  # result unused
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]: ...
     async def aclose(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
@@ -108,8 +108,16 @@ class PeerServer:
         closed.
     body_timeout
         Seconds a request body may go without a byte arriving before it is refused (408).
+    min_body_rate
+        Bytes per second a request body must arrive at on average, from
+        ``BODY_RATE_GRACE`` (1 s) after its head; a slower body is refused with ``408``, so
+        a client dripping its body cannot hold the in-flight budget. ``0`` turns the floor
+        off (``body_timeout`` still bounds the gap between bytes).
     max_connections
-        Open connections served at once; more are answered ``503`` and closed.
+        Open connections served at once; more are answered ``503`` and closed. Clamped at
+        :meth:`start` to the open-files limit less a reserve (see
+        :func:`~kvtier.peer.guards.connection_limit`), so that past the cap a connection is
+        still accepted and answered ``503`` instead of reset.
     data_plane
         Serve block GET/HEAD/PUT and batch get with :class:`~kvtier.peer.dataplane.
         DataPlaneProtocol` (every other request, and every refusal, is aiohttp's either
@@ -126,7 +134,8 @@ class PeerServer:
                  ssl_context: ssl.SSLContext | None = None, insecure_no_auth: bool = False,
                  close_segment: bool = False, max_inflight_bytes: int = 1 << 30,
                  idle_timeout: float = 15.0, body_timeout: float = 10.0,
-                 max_connections: int = 4096, data_plane: bool = True) -> None:
+                 min_body_rate: float = 256 << 10, max_connections: int = 4096,
+                 data_plane: bool = True) -> None:
         if token is None and not insecure_no_auth:
             raise ConfigError("token: a bearer token is required (or pass insecure_no_auth=True)")
         if token is not None and not token:
@@ -135,6 +144,8 @@ class PeerServer:
         self.limits = limits or proto.Limits()
         if not idle_timeout > 0 or not body_timeout > 0:
             raise ConfigError("idle_timeout, body_timeout: expected > 0 seconds")
+        if not min_body_rate >= 0 or min_body_rate == float("inf"):
+            raise ConfigError(f"min_body_rate: expected >= 0 bytes/s, got {min_body_rate!r}")
         if max_connections < 1:
             raise ConfigError(f"max_connections: expected >= 1, got {max_connections!r}")
         if max_inflight_bytes < self.limits.max_body_bytes:
@@ -144,13 +155,16 @@ class PeerServer:
         self._reserved: dict[int, int] = {}  # budget bytes held, by id(request)
         self.idle_timeout = idle_timeout
         self.body_timeout = body_timeout
+        self.min_body_rate = min_body_rate
         self.max_connections = max_connections
+        self.connection_limit = max_connections  # clamped by start()
         self.host, self.port = host, port
         self.node_id = node_id
         self.auth_header = None if token is None else f"Bearer {token}".encode()
         self.data_plane = data_plane
         self.dataplane_connections: set[DataPlaneProtocol] = set()
         self._bodies = BodyBuffers(budget=64 << 20)  # PUT bodies of the data plane
+        self._scratch = memoryview(bytearray(RECV_SCRATCH))  # every data-plane read of a head
         self._ssl = ssl_context
         self._close_segment = close_segment
         self._runner: web.AppRunner | None = None
@@ -172,6 +186,7 @@ class PeerServer:
         self._track_keys = False
         self._accept_filter: AcceptErrorFilter | None = None
         self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
+        self.write_order = WriteOrder()  # a PUT its client gave up on never lands late
         self.app = self._build_app()
 
     # ----------------------------------------------------------------- lifecycle
@@ -194,7 +209,8 @@ class PeerServer:
         """Bind and start serving; returns the bound ``(host, port)``."""
         if self._runner is not None:
             raise RuntimeError("PeerServer already started")
-        raise_open_files_limit()
+        soft, _ = raise_open_files_limit()
+        self.connection_limit = connection_limit(self.max_connections, soft)
         self._accept_filter = AcceptErrorFilter.install()
         # A refused body is drained for at most 1 s (not aiohttp's 10 s) before closing.
         # keepalive_timeout also bounds the time to receive a request head: aiohttp's timer
@@ -232,11 +248,11 @@ class PeerServer:
 
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self._runner.server if self._runner is not None else None
-        if server is None or self._open_connections() >= self.max_connections:
+        if server is None or self._open_connections() >= self.connection_limit:
             self.connections_refused += 1
             return RefuseProtocol()
         if self.data_plane:
-            return DataPlaneProtocol(self, server, self._bodies)
+            return DataPlaneProtocol(self, server, self._bodies, self._scratch)
         return server()
 
     def track_keys(self) -> None:
@@ -260,6 +276,7 @@ class PeerServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        self._bodies.clear()
         if self._close_segment:
             await self.segment.aclose()
 
@@ -300,24 +317,17 @@ class PeerServer:
 
     def failure(self, exc: Exception, method: str, path: str) -> tuple[int, str, dict[str, str]]:
         """The answer to a request that raised ``exc``: status, text and extra headers
-        (counted and, for a server-side failure, logged). One mapping for aiohttp's routes
-        and the data plane's."""
-        if isinstance(exc, BlockTooLargeError | proto.LimitExceededError):
-            return 413, str(exc), {}
-        if isinstance(exc, InvalidKeyError | proto.ProtocolError | CorruptBlockError):
-            return 400, str(exc), {}
-        if isinstance(exc, TierFullError):
-            return 507, str(exc), {}
-        if isinstance(exc, TimeoutError):
+        (counted and, for a server-side failure, logged); the mapping is
+        :func:`kvtier.peer.answers.failure_of`, for aiohttp's routes and the data plane's."""
+        failure = failure_of(exc, self.body_timeout)
+        if failure.kind == "timeout":
             self.body_timeouts += 1
-            return 408, f"no body bytes for {self.body_timeout} s", {"Connection": "close"}
-        if isinstance(exc, ConnectionError):
-            # The client went away mid-request (e.g. a truncated body): nobody to answer.
+        elif failure.kind == "gone":
             self.client_gone += 1
-            return 499, "client closed request", {}
-        # A bug or a failing segment, never a client error: log it and stay up.
-        log.error("peer server: %s %s failed", method, path, exc_info=exc)
-        return 503, "internal error, see server log", {}
+        elif failure.kind == "server":
+            # A bug or a failing segment, never a client error: log it and stay up.
+            log.error("peer server: %s %s failed", method, path, exc_info=exc)
+        return failure.status, failure.text, {"Connection": "close"} if failure.close else {}
 
     @web.middleware
     async def _auth_mw(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -359,13 +369,21 @@ class PeerServer:
         """The body of a request with a ``Content-Length`` (already checked against the limit),
         copied chunk by chunk into one buffer of that size: ``request.read()`` would copy it
         into a growing bytearray and then once more into ``bytes``."""
-        # np.empty: no zero-fill of memory the body overwrites anyway.
-        body = np.empty(length, dtype=np.uint8).data.cast("B")
+        # No zero-fill of memory the body overwrites anyway; a large body in a mapping of its
+        # own, returned to the operating system as soon as the request is done.
+        body = new_buffer(length).data.cast("B")
         have = 0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             while have < length:
-                async with asyncio.timeout(self.body_timeout):
-                    chunk, _ = await request.content.readchunk()
+                gap_end = loop.time() + self.body_timeout
+                rate_end = self.body_rate_deadline(started, have)
+                try:
+                    async with asyncio.timeout_at(min(gap_end, rate_end)):
+                        chunk, _ = await request.content.readchunk()
+                except TimeoutError:
+                    raise self.body_timeout_error(rate_end < gap_end) from None
                 if not chunk:
                     break
                 end = have + len(chunk)
@@ -384,6 +402,21 @@ class PeerServer:
             raise ConnectionResetError(f"body: {have} of {length} bytes before end of stream")
         self.bytes_in += length
         return body
+
+    def body_rate_deadline(self, started: float, have: int) -> float:
+        """The loop time by which a body that started arriving at ``started`` and holds
+        ``have`` bytes must hold more: it keeps ``min_body_rate`` on average from
+        ``BODY_RATE_GRACE`` seconds after its head."""
+        if not self.min_body_rate:
+            return float("inf")
+        return started + BODY_RATE_GRACE + have / self.min_body_rate
+
+    def body_timeout_error(self, too_slow: bool) -> TimeoutError:
+        """The error a stalled (``too_slow=False``) or too slow body is refused with."""
+        if too_slow:
+            return TimeoutError(f"body arrived at under min_body_rate "
+                                f"{self.min_body_rate:.0f} bytes/s")
+        return TimeoutError(f"no body bytes for {self.body_timeout} s")
 
     async def decode(self, key: bytes, frame: bytes | memoryview) -> Block:
         """The block in ``frame``, verified under ``key`` (large or compressed frames are
@@ -409,7 +442,8 @@ class PeerServer:
                     status: int = 200) -> web.StreamResponse:
         # Header and payload go out as separate writes: the payload is never joined/copied.
         total = sum(memoryview(b).nbytes for b in buffers)
-        response = web.StreamResponse(status=status, headers={"Content-Type": proto.CONTENT_TYPE})
+        response = web.StreamResponse(status=status, headers={
+            "Content-Type": proto.CONTENT_TYPE, proto.VERSION_HEADER: str(proto.VERSION)})
         response.content_length = total
         try:
             await response.prepare(request)
@@ -442,9 +476,12 @@ class PeerServer:
     async def _put_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
         body = await self._read_body(request, self.limits.max_frame_bytes)
-        block = await self.decode(key, body)
-        del body
-        await self.segment.put(key, block)
+        async with self.write_order.turn((key,)):
+            block = await self.decode(key, body)
+            del body
+            if _fills(request) and (await self.segment.contains_many([key]))[0]:
+                return web.Response(status=204)  # fills holes only: the value held here stays
+            await self.segment.put(key, block)
         self.stored((key,))
         self._note_abandoned(request)
         return web.Response(status=204)
@@ -459,7 +496,9 @@ class PeerServer:
         key = key_from_hex(request.match_info["key"])
         self.stored_keys.pop(key, None)
         self.frames.forget(key)
-        if await self.segment.delete(key):
+        async with self.write_order.turn((key,)):
+            found = await self.segment.delete(key)
+        if found:
             return web.Response(status=204)
         raise web.HTTPNotFound(text="no such block")
 
@@ -473,56 +512,39 @@ class PeerServer:
 
     async def _batch_get(self, request: web.Request) -> web.StreamResponse:
         keys = await self._read_keys(request)
-        buffers, reserved = await self.batch_get_answer(keys)
-        self._reserved[id(request)] = self._reserved.get(id(request), 0) + reserved
-        return await self._send(request, buffers)
+        answer = await self.batch_get_answer(keys)
+        self._reserved[id(request)] = self._reserved.get(id(request), 0) + answer.reserved
+        return await self._send(request, answer.buffers)
 
-    async def batch_get_answer(self, keys: Sequence[bytes]
-                               ) -> tuple[list[bytes | memoryview], int]:
-        """The batch get answer for ``keys`` and the in-flight budget bytes it took (the
-        caller gives them back once the answer is sent).
-
-        Blocks in request order. A key repeated in one request is served once (later
-        repeats answer as missing), and the answer stops growing at ``max_body_bytes`` and
-        at the in-flight budget: the keys past that point answer as missing, and the client
-        asks for them again."""
-        unique = list(dict.fromkeys(keys))
-        blocks = await self.segment.get_many(unique) if unique else []
-        found = {k: b for k, b in zip(unique, blocks, strict=True) if b is not None}
-        room = self.limits.max_body_bytes
-        reserved = 0
-        items: list[tuple[bytes, EncodedFrame | None]] = []
-        for key in keys:
-            block = found.pop(key, None)  # pop: a repeat finds nothing
-            frame = None if block is None else self.frames.encode(key, block)
-            if frame is not None:
-                size = 2 + len(key) + 8 + frame.nbytes
-                if size > room or not self.budget.try_take(frame.nbytes):
-                    self.batch_truncated += 1
-                    found.clear()  # the rest answer as missing
-                    frame = None
-                else:
-                    room -= size
-                    reserved += frame.nbytes
-            items.append((key, frame))
-        del blocks, found
-        return proto.encode_blocks(items), reserved
+    async def batch_get_answer(self, keys: Sequence[bytes]) -> BatchAnswer:
+        """The batch get answer for ``keys`` (:func:`kvtier.peer.answers.batch_get_answer`);
+        the caller gives its ``reserved`` budget bytes back once the answer is sent."""
+        answer = await batch_get_answer(self.segment.get_many, self.frames, keys, self.limits,
+                                        self.budget)
+        self.batch_truncated += answer.truncated
+        return answer
 
     async def _batch_put(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request, self.limits.max_body_bytes)
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
-        # Every frame is verified before anything is stored: a bad batch changes nothing.
-        decoded: list[tuple[bytes, object]] = []
-        for key, frame in entries:
-            if frame is None:
-                raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
-            decoded.append((key, await self.decode(key, frame)))
-        del body, entries
         # The chain's placement key (peers://?placement=anchor:R), for anti-entropy.
         anchor = request.query.get("anchor")
         placed = None if anchor is None else key_from_hex(anchor, "anchor")
+        async with self.write_order.turn(k for k, _ in entries):
+            # Every frame is verified before anything is stored: a bad batch changes nothing.
+            decoded: list[tuple[bytes, object]] = []
+            for key, frame in entries:
+                if frame is None:
+                    raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
+                decoded.append((key, await self.decode(key, frame)))
+            del body, entries
+            if decoded and _fills(request):  # fills holes only: the values held here stay
+                present = await self.segment.contains_many([k for k, _ in decoded])
+                decoded = [item for item, here in zip(decoded, present, strict=True)
+                           if not here]
+            if decoded:
+                await self.segment.put_many(decoded)
         if decoded:
-            await self.segment.put_many(decoded)
             self.stored((k for k, _ in decoded), placed)
             self._note_abandoned(request)
         return web.Response(status=204)
@@ -537,7 +559,8 @@ class PeerServer:
         for key in keys:
             self.stored_keys.pop(key, None)
             self.frames.forget(key)
-        flags = [await self.segment.delete(k) for k in keys]
+        async with self.write_order.turn(keys):
+            flags = [await self.segment.delete(k) for k in keys]
         return await self._send(request, [proto.encode_flags(flags)])
 
     def health(self) -> dict[str, Any]:
@@ -551,7 +574,7 @@ class PeerServer:
             "status": "ok",
             "node_id": self.node_id,
             "version": __version__,
-            "protocol": 1,
+            "protocol": proto.VERSION,
             "capacity": capacity,
             "used": sum(int(t.get("used") or 0) for t in tiers),
             "blocks": sum(int(t.get("blocks") or 0) for t in tiers),
@@ -621,6 +644,12 @@ class PeerServer:
         server = self._runner.server if self._runner is not None else None
         aiohttp_connections = 0 if server is None else len(server.connections)
         return aiohttp_connections + len(self.dataplane_connections)
+
+
+def _fills(request: web.Request) -> bool:
+    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`). The data
+    plane hands any request with a query to aiohttp, so only these routes see it."""
+    return request.query_string == proto.FILL_QUERY
 
 
 def _error(cls: type[web.HTTPException], text: str, **kwargs: Any) -> web.HTTPException:

@@ -25,7 +25,7 @@ from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
 from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.client import PeerClient
-from kvtier.peer.frames import decode_from_peer
+from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
@@ -47,7 +47,7 @@ T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
-            "change_window", "repair_bytes", "placement", "anchor_memo"}
+            "change_window", "repair_bytes", "block_bytes", "placement", "anchor_memo"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 
 
@@ -101,6 +101,10 @@ class PeerTier(Tier):
         Connections per peer.
     limits
         The servers' limits, used to split batches.
+    block_bytes
+        The size every block of this pool has, when it has one (KV blocks of one model and
+        block size do): a frame from a peer that declares another size is a miss, refused
+        before it is decompressed (``None``: any size up to ``limits.max_block_bytes``).
     placement
         Which key of a block's prefix chain picks its owners on the ring: ``"block"`` (its
         own key), ``"anchor:R"`` (the chain's block R: a whole chain on one owner),
@@ -130,7 +134,8 @@ class PeerTier(Tier):
                  tls_server_name: str | None = None,
                  min_copies: int | None = None, read_walk: int = 1,
                  change_window: float = 300.0, repair_bytes: int = 256 << 20,
-                 placement: str = "block", anchor_memo: int = 1 << 18) -> None:
+                 block_bytes: int | None = None, placement: str = "block",
+                 anchor_memo: int = 1 << 18) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -162,6 +167,10 @@ class PeerTier(Tier):
         self.compress_level = compress_level
         self.local = local
         self.limits = limits or proto.Limits()
+        if block_bytes is not None and not 0 < block_bytes <= self.limits.max_block_bytes:
+            raise ConfigError(f"block_bytes: expected 1..max_block_bytes "
+                              f"({self.limits.max_block_bytes}), got {block_bytes!r}")
+        self.block_bytes = block_bytes
         self.members = Membership(
             members, dns=dns, vnodes=vnodes, replicas=replicas, self_id=self_id,
             health_interval=health_interval, dns_interval=dns_interval,
@@ -229,6 +238,8 @@ class PeerTier(Tier):
             if opts.get("min_copies") not in (None, "") else None,
             read_walk=parse_number(opts.get("read_walk", 1), "read_walk", int, 0),
             change_window=parse_number(opts.get("change_window", 300.0), "change_window", float, 0),
+            block_bytes=parse_size(str(opts["block_bytes"]), "block_bytes")
+            if opts.get("block_bytes") not in (None, "") else None,
             repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
             placement=str(opts.get("placement", "block")),
             anchor_memo=parse_number(opts.get("anchor_memo", 1 << 18), "anchor_memo", int, 0),
@@ -325,16 +336,24 @@ class PeerTier(Tier):
             log.debug("peer %s: %s failed: %s", member, op, exc)
             return _FAILED
 
+    def _accept(self, member: str) -> Accept:
+        """What this tier accepts as a block from ``member`` (frames.py)."""
+        return Accept(self.limits.max_block_bytes, self.block_bytes,
+                      unbound=self.members.client(member).protocol < proto.VERSION)
+
+    def _refused(self, member: str, key: bytes, exc: Exception) -> None:
+        self.counts["corrupt"] += 1
+        log.warning("peer %s sent a bad frame: %s", member, exc)
+        self._report_miss((key,), MissReason.CORRUPT, f"from {member}: {exc}")
+
     async def _decode(self, member: str, key: bytes,
                       frame: bytes | memoryview | None) -> Block | None:
         if frame is None:
             return None
         try:
-            return await decode_from_peer(frame, key, self.limits.max_block_bytes)
+            return await decode_from_peer(frame, key, self._accept(member))
         except (CorruptBlockError, MemoryError) as exc:  # corrupt, foreign or a bomb: a miss
-            self.counts["corrupt"] += 1
-            log.warning("peer %s sent a bad frame: %s", member, exc)
-            self._report_miss((key,), MissReason.CORRUPT, f"from {member}: {exc}")
+            self._refused(member, key, exc)
             return None
 
     def _next(self, order: list[str], tried: set[str]) -> str | None:
@@ -406,16 +425,23 @@ class PeerTier(Tier):
             self.counts["copies_made"] += 1
 
     async def _put_to(self, target: str, op: str, key: bytes, block: Block,
-                      frame: EncodedFrame) -> object:
+                      frame: EncodedFrame, *, fill: bool = False) -> object:
         """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
-        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it."""
+        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it. ``fill``: only if
+        ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
         if self._is_local(target):
-            return await self._call(target, op, lambda: self.local.put(key, block))  # type: ignore[union-attr]
+            return await self._call(target, op, partial(self._put_local, key, block, fill))
         client = self.members.client(target)
         if not self.chains.per_block:  # a batch put carries the chain's placement key
             return await self._call(target, op, partial(
-                client.put_many, [(key, frame)], self.chains.placement_key(key)))
-        return await self._call(target, op, partial(client.put, key, frame))
+                client.put_many, [(key, frame)], fill=fill,
+                anchor=self.chains.placement_key(key)))
+        return await self._call(target, op, partial(client.put, key, frame, fill=fill))
+
+    async def _put_local(self, key: bytes, block: Block, fill: bool) -> None:
+        local = cast(Segment, self.local)
+        if not fill or not (await local.contains_many([key]))[0]:
+            await local.put(key, block)
 
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
                          order: list[str], used: set[str]) -> bool:
@@ -514,8 +540,12 @@ class PeerTier(Tier):
         blocks: dict[bytes, Block | None] = {}
         while ask:
             frames = await client.get_many(ask)
-            for key, frame in zip(ask, frames, strict=True):
-                blocks[key] = await self._decode(member, key, frame)
+            decoded = await decode_batch_from_peer(frames, ask, self._accept(member))
+            for key, block in zip(ask, decoded, strict=True):
+                if isinstance(block, CorruptBlockError):  # corrupt, foreign or a bomb: a miss
+                    self._refused(member, key, block)
+                    block = None
+                blocks[key] = block
             # A server ends a batch answer at its body limit and answers the remaining keys
             # as missing: while answers come back that full, ask again for the missing ones.
             sent = sum(len(f) for f in frames if f is not None)
@@ -558,7 +588,8 @@ class PeerTier(Tier):
     async def _repair_copies(self, key: bytes, block: Block, targets: list[str]) -> None:
         frame = await self._encode(key, block)
         for target in targets:
-            if await self._put_to(target, "repair", key, block, frame) is not _FAILED:
+            if await self._put_to(target, "repair", key, block, frame, fill=True) \
+                    is not _FAILED:
                 self.counts["read_repairs"] += 1
 
     async def _exists(self, member: str, keys: list[bytes]) -> list[bool]:
@@ -626,7 +657,7 @@ class PeerTier(Tier):
                 chains[self.chains.placement_key(items[i][0])].append(i)
             client = self.members.client(member)
             for anchor, part in chains.items():
-                await client.put_many([(items[i][0], frames[i]) for i in part], anchor)
+                await client.put_many([(items[i][0], frames[i]) for i in part], anchor=anchor)
         elif len(idx) == 1:
             await self.members.client(member).put(items[idx[0]][0], frames[idx[0]])
         else:
@@ -654,13 +685,15 @@ class PeerTier(Tier):
         return out
 
     # ------------------------------------------------------------------ close
-    async def locate(self, keys: Sequence[bytes], deadline: float
+    async def locate(self, keys: Sequence[bytes], deadline: float | None
                      ) -> dict[str, LocalPrefix]:
         """Ask every other member (``POST /v1/locate``, concurrently, within ``deadline``
-        seconds) how many leading ``keys`` it serves locally; late or failing members are
-        left out. See :func:`kvtier.peer.locate.locate_prefix`."""
+        seconds; ``None``: this tier's ``timeout``) how many leading ``keys`` it serves
+        locally; late or failing members are left out. See
+        :func:`kvtier.peer.locate.locate_prefix`."""
         others = [m for m in self.members.members if m != self.members.self_id]
-        return await locate_prefix(others, keys, token=self._token, deadline=deadline,
+        return await locate_prefix(others, keys, token=self._token,
+                                   deadline=self.timeout if deadline is None else deadline,
                                    ssl_context=self._ssl_context,
                                    tls_server_name=self._tls_server_name)
 

@@ -8,25 +8,38 @@ Subclass :class:`TierConformance` in a test module (the subclass name must start
             return DRAMTier(capacity=capacity)
 
 Tests that need a byte budget skip when the subclass sets ``bounded = False``.
+
+The worker-thread cases (``test_abandoned_*``) slow the tier's backend down with
+:meth:`TierConformance.slow_backend`, give up on a call after a tiny deadline, then reuse the
+buffer or write a newer value, and check that nothing the abandoned call started acts later.
+By default the event loop's worker threads start late (:mod:`kvtier.testing.slow`); a tier
+with threads or a server of its own overrides :meth:`~TierConformance.slow_backend` and
+:meth:`~TierConformance.backend_idle`. A case skips when the call finished on time anyway
+(nothing of the tier waited on the slowed backend).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import pytest
 
-from kvtier.errors import BlockTooLargeError, ClosedError, ShapeMismatchError
+from kvtier.errors import BlockTooLargeError, ClosedError, ShapeMismatchError, TierError
+from kvtier.testing.slow import SlowWorkerThreads, slow_worker_threads
 from kvtier.tiers.base import Block, Tier
 
 __all__ = ["TierConformance", "sample_block"]
 
 BLOCK_BYTES = 1024
+#: How late a slowed backend call starts, and how long the caller waits before it gives up.
+SLOW_SECONDS = 0.2
+GIVE_UP_SECONDS = 0.03
 
 
 def sample_block(seed: int, nbytes: int = BLOCK_BYTES, dtype: str = "<u2") -> Block:
@@ -63,9 +76,29 @@ class TierConformance(abc.ABC):
     async def _kvtier_tiers(self, tmp_path: Path) -> AsyncIterator[None]:
         self.tmp_path = tmp_path
         self._created: list[Tier] = []
+        # Before any tier exists, so every worker-thread call of the test goes through it.
+        self.worker_threads: SlowWorkerThreads = slow_worker_threads()
         yield
         for tier in self._created:
             await tier.aclose()
+
+    @contextlib.contextmanager
+    def slow_backend(self, tier: Tier) -> Iterator[None]:
+        """While open, ``tier``'s backend calls start :data:`SLOW_SECONDS` late.
+
+        Default: the event loop's worker threads start late (:mod:`kvtier.testing.slow`).
+        Override for a tier whose blocking calls run elsewhere (its own thread pool, a
+        server), delaying the real backend, never replacing the tier's code.
+        """
+        self.worker_threads.delay = SLOW_SECONDS
+        try:
+            yield
+        finally:
+            self.worker_threads.delay = 0.0
+
+    async def backend_idle(self, tier: Tier) -> None:
+        """Wait until every backend call slowed by :meth:`slow_backend` has ended."""
+        await self.worker_threads.idle()
 
     async def tier(self, capacity: int | None = None) -> Tier:
         """Create a tier through :meth:`make_tier` and close it after the test."""
@@ -287,6 +320,89 @@ class TierConformance(abc.ABC):
         present = await tier.contains_many([key_of(i) for i in range(64)])
         assert 1 <= sum(present) <= 8
 
+    # ------------------------------------------------------- worker threads
+    async def _give_up(self, tier: Tier, *calls: Awaitable[object]) -> int:
+        """Run ``calls`` at once against the slowed backend, each given up on after
+        :data:`GIVE_UP_SECONDS` (or the tier's own timeout); how many were given up on
+        before they finished."""
+        async def one(call: Awaitable[object]) -> bool:
+            try:
+                async with asyncio.timeout(GIVE_UP_SECONDS):
+                    await call
+            except (TimeoutError, TierError):
+                return True
+            return False
+
+        with self.slow_backend(tier):
+            return sum(await asyncio.gather(*(one(c) for c in calls)))
+
+    async def test_abandoned_get_into_never_writes_the_buffer_later(self) -> None:
+        tier = await self.tier()
+        block = sample_block(3, dtype="<f2").reshape(8, 64)
+        await tier.put(key_of(1), block)
+        out = np.zeros((8, 64), dtype="<f2")
+        if not await self._give_up(tier, tier.get_into(key_of(1), out)):
+            await self.backend_idle(tier)
+            pytest.skip("get_into finished before the deadline: nothing waited on the backend")
+        out[...] = 7  # the caller reuses its buffer (recomputes the block)
+        await self.backend_idle(tier)
+        assert np.all(out == 7), "a get_into that gave up wrote into the buffer afterwards"
+        assert await tier.get_into(key_of(1), out) is True
+        assert out.tobytes() == block.tobytes()
+
+    async def test_abandoned_put_never_lands_over_a_newer_value(self) -> None:
+        tier = await self.tier(self.capacity_for(4) if self.bounded else None)
+        await tier.put(key_of(9), sample_block(9))  # set up (opened, connected)
+        older = sample_block(1)
+        gave_up = await self._give_up(tier, tier.put(key_of(1), older))
+        older[...] = 0  # the caller reuses its buffer
+        await tier.put(key_of(1), sample_block(2))
+        await self.backend_idle(tier)
+        if not gave_up:
+            pytest.skip("put finished before the deadline: nothing waited on the backend")
+        got = await tier.get(key_of(1))
+        assert got is not None and got.tobytes() == sample_block(2).tobytes(), \
+            "an abandoned put landed over the newer value"
+
+    async def test_abandoned_put_never_reads_the_buffer_later(self) -> None:
+        tier = await self.tier(self.capacity_for(4) if self.bounded else None)
+        await tier.put(key_of(9), sample_block(9))  # set up (opened, connected)
+        buffer = sample_block(3)
+        gave_up = await self._give_up(tier, tier.put(key_of(3), buffer))
+        buffer[...] = 0  # the caller reuses its buffer
+        await self.backend_idle(tier)
+        if not gave_up:
+            pytest.skip("put finished before the deadline: nothing waited on the backend")
+        got = await tier.get(key_of(3))  # stored or not, never the reused buffer
+        assert got is None or got.tobytes() == sample_block(3).tobytes(), \
+            "an abandoned put stored what its caller wrote after giving up"
+
+    async def test_abandoned_puts_are_counted_or_gone(self) -> None:
+        self._need_budget()
+        capacity = self.capacity_for(4)
+        tier = await self.tier(capacity)
+        await tier.put(key_of(9), sample_block(9))  # set up (opened, connected)
+        buffers = [sample_block(i) for i in range(8)]
+        gave_up = await self._give_up(tier, *(tier.put(key_of(i), b)
+                                              for i, b in enumerate(buffers)))
+        for buffer in buffers:
+            buffer[...] = 0  # the callers reuse their buffers
+        await self.backend_idle(tier)
+        if not gave_up:
+            pytest.skip("puts finished before the deadline: nothing waited on the backend")
+        keys = [key_of(i) for i in range(8)]
+        held = sum(await tier.contains_many([*keys, key_of(9)]))
+        assert tier.used <= capacity
+        assert tier.used >= held * BLOCK_BYTES, "abandoned puts landed uncounted"
+        for i in range(8):  # whatever landed is the value put, never the reused buffer
+            got = await tier.get(key_of(i))
+            assert got is None or got.tobytes() == sample_block(i).tobytes(), \
+                f"block {i} holds what its caller wrote after giving up"
+        if self.lru_visible:  # and it is evictable: newer blocks push it out
+            for i in range(8, 16):
+                await tier.put(key_of(i), sample_block(i))
+            assert not any(await tier.contains_many(keys))
+
     # ------------------------------------------------------------------ close
     async def test_close_is_idempotent_and_final(self) -> None:
         tier = await self.make_tier(None)
@@ -298,3 +414,14 @@ class TierConformance(abc.ABC):
             await tier.get(key_of(1))
         with pytest.raises(ClosedError):
             await tier.put(key_of(2), sample_block(2))
+
+    async def test_concurrent_aclose_returns_once_closed(self) -> None:
+        tier = await self.make_tier(None)
+        await tier.put(key_of(1), sample_block(1))
+        first = asyncio.ensure_future(tier.aclose())
+        await asyncio.sleep(0)
+        await tier.aclose()  # a second close returns only once the first has finished
+        assert first.done()
+        await first
+        await tier.aclose()
+        assert tier.closed

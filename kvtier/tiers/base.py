@@ -29,8 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BATCH_CONCURRENCY",
     "BatchTier", "Block", "DropCallback", "EvictionCallback", "MissCallback", "Tier",
-    "check_output_buffer",
-    "check_output_spec", "copy_into",
+    "check_output_buffer", "check_output_spec", "copy_into", "run_to_end",
 ]
 
 Block = npt.NDArray[np.generic]
@@ -109,6 +108,29 @@ def copy_into(block: Block, out: object, name: str = "out") -> None:
         np.copyto(target, block.reshape(-1).view(np.uint8), casting="no")
 
 
+async def run_to_end(future: asyncio.Future[_Result]) -> _Result:
+    """Await ``future`` to its end even if the caller is cancelled meanwhile; the
+    cancellation is raised after it.
+
+    For a worker-thread call that reads the caller's memory or changes storage: no
+    cancellation stops a thread, so a caller that left early would see it act after the call
+    returned (read a buffer it reuses, land an older value over a newer one). Waiting costs
+    at most the call's own duration.
+    """
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():
+                raise  # the work itself was cancelled (the loop is shutting down)
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
+
+
 class Tier(abc.ABC):
     """Base class of every tier.
 
@@ -123,6 +145,11 @@ class Tier(abc.ABC):
 
     The default batch implementations run at most :data:`BATCH_CONCURRENCY` operations at
     once.
+
+    A call that has returned never acts later: worker threads read into memory the tier
+    owns (the copy into a caller's buffer happens on the loop after the await), and a
+    thread that writes is waited for (:func:`run_to_end`) or ordered before later writes
+    of its keys (``docs/writing-a-tier.md``).
 
     Parameters
     ----------
@@ -149,6 +176,7 @@ class Tier(abc.ABC):
         self.evictions = 0
         self.eviction_errors = 0
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None
 
     # ----------------------------------------------------------------- contract
     @property
@@ -320,11 +348,12 @@ class Tier(abc.ABC):
         await self._unpin(_validate_keys(keys))
 
     async def aclose(self) -> None:
-        """Close the tier; calling it again does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        await self._aclose()
+        """Close the tier. Calling it again does nothing more: it returns once the first
+        close has finished (raising what that one raised)."""
+        if self._closing is None:
+            self._closed = True
+            self._closing = asyncio.ensure_future(self._aclose())
+        await run_to_end(self._closing)
 
     async def __aenter__(self) -> Self:
         return self

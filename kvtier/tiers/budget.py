@@ -12,7 +12,8 @@ Eviction in three steps (cachetools' one hook, diskcache's bounded steps):
    Other puts choose other victims and demote at the same time.
 3. **drop and commit**: victims pinned meanwhile are kept (back into the policy, and the put
    chooses again); the others are dropped in the same step that writes the new blocks
-   (:meth:`BudgetedTier._commit`), which runs shielded unless it cannot yield. From the
+   (:meth:`BudgetedTier._commit`), which a cancelled put waits for (it reads the put's
+   block, maybe in a worker thread) unless it cannot yield. From the
    moment their drop begins they are no longer claimed (``Leaving.dropping``): storage may
    lose them before the tier hears back (an LMDB commit in a worker thread, a file removed
    before the new blocks are written), and a tier must never claim a block it cannot read.
@@ -34,7 +35,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.policy import ARCPolicy, Clock, RecencyPolicy, S3FIFOPolicy
-from kvtier.tiers.base import Block, Tier
+from kvtier.tiers.base import Block, Tier, run_to_end
 
 __all__ = ["POLICIES", "STEP_BLOCKS", "STEP_BYTES", "BudgetedTier", "Leaving", "Policy",
            "make_policy", "parse_policy"]
@@ -359,11 +360,13 @@ class BudgetedTier(Tier):
         if self._atomic_commit:
             await finish
             return
-        # Shielded: a cancelled put must not leave storage and accounting apart.
+        # Run to its end even if the put is cancelled: storage and accounting must not come
+        # apart, and the commit reads the caller's block (in a worker thread, maybe), which
+        # the caller may reuse as soon as the put returns.
         task = asyncio.ensure_future(finish)
         self._commits.add(task)
         task.add_done_callback(self._commit_done)
-        await asyncio.shield(task)
+        await run_to_end(task)
 
     def _commit_done(self, task: asyncio.Future[None]) -> None:
         self._commits.discard(task)

@@ -35,7 +35,7 @@ from kvtier.codec import (
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.misses import MissReason
 from kvtier.policy import Clock
-from kvtier.tiers.base import Block
+from kvtier.tiers.base import Block, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.mounts import check_local, read_mountinfo
@@ -114,6 +114,10 @@ class FsspecTier(BudgetedTier):
         protocols. ``True``/``False`` (or ``1``/``0``) force it.
     timeout
         Seconds after which one storage operation is abandoned (a miss or a put error).
+        Writes and deletes that run in a worker thread (``file://``, ``memory://`` and
+        other synchronous filesystems) are never abandoned: a thread cannot be stopped, and
+        one left running would land after a newer value or uncounted. On a hung mount
+        they wait with it, and so do their callers, even cancelled ones.
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -247,8 +251,14 @@ class FsspecTier(BudgetedTier):
         return self.path_of(key)
 
     # ---------------------------------------------------------------- contract
-    async def _io(self, op: Callable[[Backend], Awaitable[T]]) -> T:
+    async def _io(self, op: Callable[[Backend], Awaitable[T]], *, changes: bool = False) -> T:
+        """``op`` within :attr:`timeout`. Except an ``op`` that ``changes`` storage in a
+        worker thread: no timeout stops a thread, so one that gave up would see its write
+        land later (after a newer one, uncounted) or its delete remove a newer block. It is
+        waited for to its end, even by a cancelled caller."""
         backend = await self._ready()
+        if changes and not backend.cancellable:
+            return await run_to_end(asyncio.ensure_future(op(backend)))
         async with asyncio.timeout(self.timeout):
             return await op(backend)
 
@@ -263,7 +273,7 @@ class FsspecTier(BudgetedTier):
             log.warning("%s tier: corrupt block %s deleted: %s", self.name, path, exc)
             self._report_miss((key,), MissReason.CORRUPT, str(exc))
             try:
-                await self._io(lambda b: b.delete(path))
+                await self._io(lambda b: b.delete(path), changes=True)
             except _IO_ERRORS as del_exc:  # a read-only mount cannot delete it: still a miss
                 log.warning("%s tier: cannot delete corrupt %s: %s", self.name, path, del_exc)
             self._policy.remove(key)
@@ -317,7 +327,7 @@ class FsspecTier(BudgetedTier):
             return frames[-1]
 
         try:
-            await self._io(lambda b: b.write(path, encode))
+            await self._io(lambda b: b.write(path, encode), changes=True)
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
@@ -343,7 +353,7 @@ class FsspecTier(BudgetedTier):
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
         try:
-            found = await self._io(lambda b: b.delete(path))
+            found = await self._io(lambda b: b.delete(path), changes=True)
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: delete of {path} failed: {exc!r}") from exc

@@ -48,6 +48,10 @@ _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 class Backend(Protocol):
     """What the tier needs from a storage back end."""
 
+    #: Whether cancelling an operation stops it (a coroutine) rather than only the wait for
+    #: it (a worker thread, which runs on regardless).
+    cancellable: bool
+
     async def read(self, path: str, decode: Decode) -> Block | None:
         """Read and decode one object; ``None`` if it does not exist."""
 
@@ -80,6 +84,8 @@ class LocalBackend:
         disk with a warm directory tree but waits for the server on NFS: the tier turns it
         on for local filesystems only (``nowait=auto``, :mod:`kvtier.tiers.mounts`).
     """
+
+    cancellable = False
 
     def __init__(self, *, fsync: bool = False, nowait: bool = False) -> None:
         self.fsync = fsync
@@ -225,6 +231,8 @@ class LocalBackend:
 class SyncFsBackend:
     """A synchronous fsspec filesystem, called from worker threads."""
 
+    cancellable = False
+
     def __init__(self, fs: Any) -> None:
         self.fs = fs
 
@@ -260,6 +268,8 @@ class SyncFsBackend:
 
 class AsyncFsBackend:
     """An async fsspec filesystem (created with ``asynchronous=True`` on the running loop)."""
+
+    cancellable = True
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs

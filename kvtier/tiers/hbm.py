@@ -32,7 +32,7 @@ import numpy as np
 from kvtier.backends import DeviceBackend, backend_for, get_backend
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.policy import Clock
-from kvtier.tiers.base import Block, check_output_spec
+from kvtier.tiers.base import Block, check_output_spec, run_to_end
 from kvtier.tiers.budget import BudgetedTier, Leaving, make_policy, parse_policy
 from kvtier.urls import merge_options, parse_size, parse_tier_url
 
@@ -341,7 +341,18 @@ class HBMTier(BudgetedTier):
         if entry is None:
             return False
         target = check_output_spec(entry.dtype, entry.shape, out)
-        await self._device(self._get_into_sync, entry, target)
+        if self._inline_copies:
+            self._get_into_sync(entry, target)
+        elif isinstance(target, np.ndarray):
+            # The thread copies into host memory of the tier's own; the copy into ``out``
+            # happens here, so a caller that gave up never finds ``out`` written later.
+            host = await asyncio.to_thread(self._read_sync, entry)
+            np.copyto(target.reshape(-1).view(np.uint8), host.reshape(-1).view(np.uint8))
+        else:
+            # A device copy into ``out`` cannot be taken back once queued: the call returns
+            # only after it finished, even when cancelled (a copy of one block is short).
+            await run_to_end(asyncio.ensure_future(
+                asyncio.to_thread(self._get_into_sync, entry, target)))
         self._policy.touch(key)
         return True
 

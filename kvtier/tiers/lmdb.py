@@ -17,15 +17,14 @@ URL form: ``lmdb:///nvme/kvtier?capacity=500GiB&compress=zstd:1&shuffle=1&sync=0
 - Recency lives in memory (:class:`~kvtier.policy.RecencyPolicy`) and is persisted lazily in
   the ``recency`` database (with every write transaction, every ``touch_flush`` hits, and at
   close), so a reopen restores contents, usage and LRU order without reading any value.
-- One process owns a directory (``flock`` on ``kvtier.lock``); a second opener gets
+- One process owns a directory (``flock`` on ``kvtier.lock``, :mod:`kvtier.tiers.lmdb_dir`,
+  with the crash marker and ``writemap`` preallocation); a second opener gets
   :class:`DirectoryLockedError`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import fcntl
 import logging
 import os
 import time
@@ -46,8 +45,14 @@ from kvtier.errors import (
 )
 from kvtier.misses import MissReason
 from kvtier.policy import Clock, RecencyPolicy
-from kvtier.tiers.base import Block
+from kvtier.tiers.base import Block, copy_into, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
+from kvtier.tiers.lmdb_dir import (
+    check_unclean_shutdown,
+    lock_directory,
+    mark_clean_close,
+    preallocate,
+)
 from kvtier.tiers.lmdb_env import BlockEnv, Durability, NotResident, PendingPut
 from kvtier.tiers.residency import mincore_available
 from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
@@ -65,9 +70,6 @@ INLINE_READ_BYTES = (4 << 20) + 4096
 _UNBOUNDED_MAP_SIZE = 1 << 40
 _MAX_ROOM_ATTEMPTS = 64
 _MAP_FULL_RETRIES = 2
-_LOCK_NAME = "kvtier.lock"
-_DIRTY_NAME = "kvtier.open"
-_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 _SYNC_VALUES = {"0": "0", "false": "0", "off": "0", "no": "0", "meta": "meta",
                 "1": "1", "true": "1", "on": "1", "yes": "1"}
 
@@ -75,40 +77,6 @@ _SYNC_VALUES = {"0": "0", "false": "0", "off": "0", "no": "0", "meta": "meta",
 class _MapFull(Exception):
     """LMDB has no page left for a commit although the budget has room (its victims are
     deleted; the put evicts more and retries)."""
-
-
-def _boot_id() -> str | None:
-    try:
-        return _BOOT_ID.read_text(encoding="ascii").strip() or None
-    except OSError:
-        return None
-
-
-def _read_marker(marker: Path) -> str | None:
-    """The boot id recorded in the open marker; ``None`` if absent or unreadable."""
-    try:
-        text = marker.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):  # FileNotFoundError: a clean close
-        return None
-    if not text or text == "unknown" or not all(c in "0123456789abcdef-" for c in text):
-        return None
-    return text
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(errno.ENOSPC, "short write", str(tmp))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def default_overhead(capacity: int) -> int:
@@ -119,23 +87,6 @@ def default_overhead(capacity: int) -> int:
     commits, which LMDB cannot reuse yet.
     """
     return capacity // 8 + DEFAULT_OVERHEAD_FIXED
-
-
-def _lock_directory(path: Path) -> int:
-    fd = os.open(path / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise DirectoryLockedError(
-                f"path: LMDB directory {str(path)!r} is already open (holder pid {holder}); "
-                "one process owns a directory - give each process its own path") from None
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 class LMDBTier(BudgetedTier):
@@ -195,7 +146,7 @@ class LMDBTier(BudgetedTier):
         self._policy = make_policy(policy, capacity, clock)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = _lock_directory(self.path)
+        self._lock_fd: int | None = lock_directory(self.path)
         page = os.sysconf("SC_PAGE_SIZE")
         if capacity is None:
             map_size = _UNBOUNDED_MAP_SIZE
@@ -287,63 +238,21 @@ class LMDBTier(BudgetedTier):
             self._opening = None  # nothing opened: the next call tries again
 
     def _open_env(self) -> tuple[BlockEnv, list[tuple[bytes, int, float]]]:
-        self._check_unclean_shutdown()
+        if check_unclean_shutdown(self.path, sync=self.sync, name=self.name):
+            self.discarded_after_os_crash = True
         env = BlockEnv(self.path, map_size=self.map_size, durability=self.sync,
                        writemap=self.writemap)
         if self.writemap:
             try:
-                self._preallocate()
+                preallocate(self.path, self.map_size)
             except BaseException:
                 env.close()
                 raise
         return env, env.load_index()
 
-    def _preallocate(self) -> None:
-        """With ``writemap`` LMDB writes into a shared mapping of a sparse file, and a write
-        that finds the disk full is a SIGBUS. Reserve the whole map on disk before the first
-        write (the file exists: LMDB created its meta pages)."""
-        data = self.path / "data.mdb"
-        fd = os.open(data, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, self.map_size)
-        except OSError as exc:
-            raise ConfigError(
-                f"writemap: cannot preallocate {self.map_size} bytes for {str(data)!r} "
-                f"({exc.strerror}); writemap=1 needs the whole map reserved on disk (a full "
-                "disk would otherwise kill the process with SIGBUS) - free space, lower "
-                "capacity, or use writemap=0") from None
-        finally:
-            os.close(fd)
-
     def _close_env(self, env: BlockEnv) -> None:
         env.close()  # flushes to disk whatever sync= says
-        (self.path / _DIRTY_NAME).unlink(missing_ok=True)  # a clean shutdown
-
-    def _check_unclean_shutdown(self) -> None:
-        """With ``sync=0`` an OS crash or power loss may leave ``data.mdb`` inconsistent
-        (LMDB's own warning for ``MDB_NOSYNC``), and a damaged B-tree can crash a reader.
-        A marker holding the kernel boot id exists while the tier is open; finding one from
-        an earlier boot means the machine went down with the tier open, so the cache is
-        discarded. A marker from this boot is only a process crash: committed pages were in
-        the page cache and survive, so the data is kept. A marker that cannot be read (empty,
-        garbled, unreadable) proves nothing and keeps the data too. The marker is replaced
-        atomically; when it cannot be written (a full disk) the tier opens anyway."""
-        marker = self.path / _DIRTY_NAME
-        boot = _boot_id()
-        recorded = _read_marker(marker)
-        if (self.sync == "0" and recorded is not None and boot is not None
-                and recorded != boot):
-            log.warning("lmdb tier %s: %s was open (sync=0) when the machine went down; "
-                        "discarding the cache", self.name, self.path)
-            for name in ("data.mdb", "lock.mdb"):
-                (self.path / name).unlink(missing_ok=True)
-            self.discarded_after_os_crash = True
-        try:
-            _write_atomically(marker, (boot or "unknown").encode("ascii"))
-        except OSError as exc:
-            log.warning("lmdb tier %s: cannot write the open marker %s (%s); an OS crash "
-                        "before the next clean close will not be detected", self.name,
-                        marker, exc)
+        mark_clean_close(self.path)
 
     def _live_env(self) -> BlockEnv:
         if self._env is None:
@@ -359,19 +268,14 @@ class LMDBTier(BudgetedTier):
         fut.add_done_callback(self._inflight.discard)
         return await asyncio.shield(fut)
 
-    async def _read(self, fn: Callable[..., T], keys: Sequence[bytes], *args: Any) -> T:
-        """``fn(*args)`` (a :class:`BlockEnv` read of ``keys``) on the loop when the values
-        are small, uncompressed and resident, else in a worker thread."""
-        if self.inline_reads and sum(self._policy.size_of(k) or 0 for k in keys) \
-                <= INLINE_READ_BYTES:
-            try:
-                result = fn(*args, resident_only=True)
-            except NotResident:
-                pass
-            else:
-                self.reads_inline += 1
-                return result
-        return await self._in_thread(fn, *args)
+    def _frame_bytes(self, key: bytes) -> int:
+        """Stored bytes of a held block: from the policy, or from its eviction while it is
+        leaving (out of the policy, still readable)."""
+        size = self._policy.size_of(key)
+        if size is None:
+            entry = self._leaving.get(key)
+            size = entry.size if entry is not None else INLINE_READ_BYTES + 1
+        return size
 
     async def _read_blocks(self, env: BlockEnv, keys: list[bytes]) -> list[Any]:
         """``env.read(keys)``: resident groups of at most ``INLINE_READ_BYTES`` on the loop,
@@ -383,7 +287,7 @@ class LMDBTier(BudgetedTier):
         while self.inline_reads and start < len(keys):
             end, size = start, 0
             while end < len(keys):
-                grown = size + (self._policy.size_of(keys[end]) or 0)
+                grown = size + self._frame_bytes(keys[end])
                 if grown > INLINE_READ_BYTES:
                     break
                 size, end = grown, end + 1
@@ -402,7 +306,9 @@ class LMDBTier(BudgetedTier):
         return out
 
     async def _locked(self, coro: Awaitable[T]) -> T:
-        """Run ``coro`` under the writer lock as a shielded, tracked task (see above)."""
+        """Run ``coro`` under the writer lock as a tracked task that a cancelled caller
+        waits for (a write transaction cannot be stopped, and one left running would act
+        after the call returned)."""
         async def run() -> T:
             async with self._lock:
                 return await coro
@@ -410,7 +316,7 @@ class LMDBTier(BudgetedTier):
         task = asyncio.ensure_future(run())
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
-        return await asyncio.shield(task)
+        return await run_to_end(task)
 
     # ---------------------------------------------------------------- contract
     def __len__(self) -> int:
@@ -461,7 +367,7 @@ class LMDBTier(BudgetedTier):
             self.misses += 1
             return False
         try:
-            res = await self._read(env.read_into, (key,), key, out)
+            res = await self._read_into(env, key, out)
         except lmdb.Error as exc:
             self.io_errors += 1
             raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
@@ -479,6 +385,28 @@ class LMDBTier(BudgetedTier):
         self._touched.add(key)
         if len(self._touched) >= self._touch_flush:
             await self._locked(self._flush_touches_locked())
+        return True
+
+    async def _read_into(self, env: BlockEnv, key: bytes, out: Block
+                         ) -> bool | CorruptBlockError:
+        """Copy ``key`` into ``out``: straight from the map when it can be read on the loop;
+        else a worker thread reads it into memory of the tier's own (a read-arena slot) and
+        the copy into ``out`` happens here, after the await, so a caller that gave up (a
+        store deadline) never finds ``out`` written later."""
+        if self.inline_reads and self._frame_bytes(key) <= INLINE_READ_BYTES:
+            try:
+                found = env.read_into(key, out, resident_only=True)
+            except NotResident:
+                pass
+            else:
+                self.reads_inline += 1
+                return found
+        res = (await self._in_thread(env.read, [key]))[0]
+        if res is None:
+            return False
+        if isinstance(res, CorruptBlockError):
+            return res
+        copy_into(res, out)  # checks ``out`` first: a mismatch raises before any write
         return True
 
     async def _contains(self, key: bytes) -> bool:
@@ -622,11 +550,16 @@ class LMDBTier(BudgetedTier):
                         await asyncio.to_thread(env.tick)
                 else:
                     raise _MapFull
-            except lmdb.Error as exc:
-                self.io_errors += 1
+            except BaseException as exc:
+                # Nothing was written, whatever failed (an LMDB error, a worker thread out of
+                # memory): the victims, demoted already, still go.
+                if isinstance(exc, lmdb.Error):
+                    self.io_errors += 1
                 if deletes:
                     await self._delete_locked(deletes)
-                raise TierError(f"lmdb tier {self.name}: put failed: {exc}") from exc
+                if isinstance(exc, lmdb.Error):
+                    raise TierError(f"lmdb tier {self.name}: put failed: {exc}") from exc
+                raise
             for key in dropped:
                 self._touched.discard(key)
             return [put.nbytes for put in pending or ()]

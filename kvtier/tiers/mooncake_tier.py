@@ -10,11 +10,12 @@ space takes the copying calls. ``lookup_prefix`` and ``contains_many`` use one
 ``batch_is_exist``.
 
 The client's calls block, so they run on the tier's own worker threads, never on the event
-loop, and every call is awaited for at most ``timeout`` seconds (a slower one is a counted
-failure: a miss for reads). The calls themselves cannot be interrupted and finish in the
-background, so a later write of the same key waits for one still in flight (an older value
-never lands after a newer one), and ``get_into`` copies into ``out`` on the loop from the
-staging slot a thread filled (no thread writes into ``out`` after the call returned). The
+loop. A read is awaited for at most ``timeout`` seconds (a slower one is a counted miss);
+the call itself cannot be interrupted and finishes in the background, which is harmless:
+``get_into`` copies into ``out`` on the loop from the staging slot a thread filled (no
+thread writes into ``out`` after the call returned). A write (put, delete) is awaited to its
+end, even by a cancelled caller, since its thread reads the caller's blocks and changes the
+pool; writes of one key run in call order (an older value never lands after a newer one). The
 master is probed with a TCP connect before ``setup()``, which holds the GIL while it retries
 an unreachable master. Capacity belongs to the master (it evicts by lease and watermark), so
 :attr:`capacity` is ``None``.
@@ -34,7 +35,7 @@ import numpy as np
 
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
-from kvtier.tiers.base import BatchTier, Block, copy_into
+from kvtier.tiers.base import BatchTier, Block, copy_into, run_to_end
 from kvtier.tiers.mooncake_client import (
     BUFFER_TOO_SMALL,
     OBJECT_NOT_FOUND,
@@ -67,7 +68,8 @@ class MooncakeTier(BatchTier):
     prefix
         Prepended to every object name (namespaces deployments on one master).
     timeout
-        Seconds a read may take before it counts as a miss.
+        Seconds a read may take before it counts as a miss (and a write may wait for an
+        earlier write of its keys).
     threads
         Worker threads for the blocking client calls (bounds this tier's concurrency). Few:
         one client slows down as threads are added (here, 16-block batches at 8 concurrent
@@ -206,8 +208,8 @@ class MooncakeTier(BatchTier):
             raise TierError(f"{self.name}: {what}: no answer in {self.timeout} s") from None
 
     async def _ordered(self, keys: Sequence[bytes], fn: Callable[[], T], what: str) -> T:
-        """Run a write after any write of the same keys still in flight (one that outlived
-        its caller's timeout), so an older value never lands after a newer one."""
+        """Run a write after any write of the same keys still in flight (a concurrent
+        caller's), so an older value never lands after a newer one."""
         earlier = {id(f): f for k in keys if (f := self._inflight.get(k)) is not None}
         if earlier:
             try:
@@ -221,7 +223,10 @@ class MooncakeTier(BatchTier):
         for key in keys:
             self._inflight[key] = future
         future.add_done_callback(lambda f: self._write_done(keys, f))
-        return await self._within(future, what)
+        # Waited for to its end, even by a cancelled caller: the thread reads the caller's
+        # blocks (a put) and changes the pool; one left running would read a buffer the
+        # caller reuses, or change the pool, uncounted, after the call returned.
+        return await run_to_end(future)
 
     def _write_done(self, keys: Sequence[bytes], future: asyncio.Future[Any]) -> None:
         if not future.cancelled():

@@ -1,0 +1,187 @@
+"""A call that has returned never acts later: the issue's repros of worker threads that
+outlived their caller (LMDB reads into a reused buffer, file:// writes landing after a
+newer value, uncounted), each against real tiers whose worker threads start late
+(:mod:`kvtier.testing.slow`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier import BlockingStore, TieredStore
+from kvtier.errors import TierError
+from kvtier.peer.writeorder import WriteOrder
+from kvtier.testing.conformance import key_of, sample_block
+from kvtier.testing.slow import SlowWorkerThreads, slow_worker_threads
+from kvtier.tiers.fsspec import BLOCK_SUFFIX, FsspecTier
+from kvtier.tiers.lmdb import LMDBTier
+
+
+async def test_lmdb_get_into_that_timed_out_never_writes_the_buffer(tmp_path: Path) -> None:
+    threads = slow_worker_threads()
+    store = TieredStore([LMDBTier(tmp_path / "db", inline_reads=False)])
+    block = sample_block(1)
+    await store.put(key_of(1), block)
+    out = np.zeros_like(block)
+    threads.delay = 0.2
+    assert await store.get_into(key_of(1), out, timeout=0.05) is False
+    threads.delay = 0.0
+    out[...] = 7  # the caller recomputes the block into its buffer
+    await threads.idle()
+    assert np.all(out == 7)
+    await store.aclose()
+
+
+async def test_file_put_that_timed_out_never_lands_over_a_newer_value(tmp_path: Path) -> None:
+    threads = slow_worker_threads()
+    tier = FsspecTier(f"file://{tmp_path}/kv", timeout=0.1)
+    threads.delay = 0.3
+    with contextlib.suppress(TierError):  # a put that gives up must not act later
+        await tier.put(key_of(1), sample_block(1))
+    threads.delay = 0.0
+    await tier.put(key_of(1), sample_block(2))
+    await threads.idle()
+    got = await tier.get(key_of(1))
+    assert got is not None and got.tobytes() == sample_block(2).tobytes()
+    await tier.aclose()
+
+
+async def test_file_puts_that_timed_out_are_counted(tmp_path: Path) -> None:
+    threads = slow_worker_threads()
+    tier = FsspecTier(f"file://{tmp_path}/kv", timeout=0.05, capacity=64 << 10)
+    threads.delay = 0.15
+    await asyncio.gather(*(tier.put(key_of(i), sample_block(i)) for i in range(8)),
+                         return_exceptions=True)
+    threads.delay = 0.0
+    await threads.idle()
+    files = [p for p in (tmp_path / "kv").rglob(f"*{BLOCK_SUFFIX}")]
+    assert tier.used == sum(p.stat().st_size for p in files)
+    assert len(tier.resident_keys() or []) == len(files)
+    await tier.aclose()
+
+
+async def test_lmdb_commit_that_fails_otherwise_than_lmdb_keeps_victims_counted(
+        tmp_path: Path) -> None:
+    """A commit whose worker thread dies with something other than an ``lmdb.Error`` (here
+    MemoryError) wrote nothing: its victims, still on disk, are deleted or still counted,
+    never forgotten by the budget only to come back at the next open."""
+    threads = slow_worker_threads()
+    capacity = 2 * (1024 + 43)
+    tier = LMDBTier(tmp_path / "db", capacity=capacity)
+
+    async def on_evict(key: bytes, block: np.ndarray) -> None:
+        threads.fail_next(MemoryError("worker thread out of memory"))  # the commit's
+
+    await tier.put(key_of(1), sample_block(1))
+    await tier.put(key_of(2), sample_block(2))
+    tier.on_evict = on_evict
+    with pytest.raises(MemoryError):
+        await tier.put(key_of(3), sample_block(3))
+    held = await tier.contains(key_of(1))
+    await tier.aclose()
+    reopened = LMDBTier(tmp_path / "db", capacity=capacity)
+    assert await reopened.contains(key_of(1)) == held
+    assert not await reopened.contains(key_of(3))
+    await reopened.aclose()
+
+
+async def test_store_put_and_delete_take_a_deadline(tmp_path: Path) -> None:
+    threads = slow_worker_threads()
+    store = TieredStore([LMDBTier(tmp_path / "db", capacity=1 << 20)])
+    value = sample_block(1)
+    threads.delay = 0.2
+    with pytest.raises(TimeoutError, match="put"):
+        await store.put(key_of(1), value, timeout=0.05)
+    value[...] = 0  # the caller's buffer is its own again
+    with pytest.raises(TimeoutError, match="put_many"):
+        await store.put_many([(key_of(2), sample_block(2))], timeout=0.05)
+    threads.delay = 0.0
+    await threads.idle()
+    for i in (1, 2):  # stored or not, never what the caller wrote after giving up
+        got = await store.get(key_of(i))
+        assert got is None or got.tobytes() == sample_block(i).tobytes()
+    threads.delay = 0.2
+    with pytest.raises(TimeoutError, match="delete"):
+        await store.delete(key_of(1), timeout=0.05)
+    threads.delay = 0.0
+    assert await store.get(key_of(1)) is None  # a delete that timed out still finished
+    await store.put(key_of(3), sample_block(3), timeout=math.inf)
+    assert await store.delete_many([key_of(3)], timeout=5) == [True]
+    with pytest.raises(ValueError, match="timeout"):
+        await store.put(key_of(4), sample_block(4), timeout=0)
+    await store.aclose()
+
+
+def test_blocking_put_that_timed_out_never_reads_the_buffer_later(tmp_path: Path) -> None:
+    with BlockingStore([LMDBTier(tmp_path / "db", capacity=1 << 20)]) as bs:
+        threads = bs.submit(_install_slow_threads).result(5)
+        bs.put(key_of(9), sample_block(9))  # the environment is open
+        value = sample_block(1)
+        threads.delay = 0.3
+        with pytest.raises(TimeoutError):
+            bs.put(key_of(1), value, timeout=0.05)
+        value[...] = 0  # the caller reuses its buffer
+        threads.delay = 0.0
+        bs.submit(lambda s: threads.idle()).result(5)
+        got = bs.get(key_of(1))
+        assert got is None or got.tobytes() == sample_block(1).tobytes()
+
+
+async def _install_slow_threads(store: TieredStore) -> SlowWorkerThreads:
+    return slow_worker_threads()
+
+
+async def test_peer_server_write_turns_run_in_arrival_order() -> None:
+    order = WriteOrder()
+    ran: list[str] = []
+    release = asyncio.Event()
+
+    async def write(name: str, keys: list[bytes], hold: bool = False) -> None:
+        async with order.turn(keys):
+            if hold:
+                await release.wait()
+            if name == "b":
+                raise TierError("segment failed")  # a failed write still ends its turn
+            ran.append(name)
+
+    first = asyncio.create_task(write("a", [b"k1", b"k2"], hold=True))
+    await asyncio.sleep(0)
+    later = [asyncio.create_task(write(n, k)) for n, k in
+             (("b", [b"k2"]), ("c", [b"k2", b"k3"]), ("d", [b"k9"]))]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert ran == ["d"]  # other keys never wait
+    release.set()
+    await asyncio.gather(first, *later, return_exceptions=True)
+    assert ran == ["d", "a", "c"] and len(order) == 0
+
+
+async def test_a_write_turn_cancelled_while_waiting_still_orders_the_next() -> None:
+    order = WriteOrder()
+    ran: list[str] = []
+    release = asyncio.Event()
+
+    async def write(name: str, hold: bool = False) -> None:
+        async with order.turn([b"k"]):
+            if hold:
+                await release.wait()
+            ran.append(name)
+
+    first = asyncio.create_task(write("a", hold=True))
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(write("b"))  # its client goes away while it waits
+    await asyncio.sleep(0)
+    last = asyncio.create_task(write("c"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert ran == []  # "c" still waits for "a"
+    release.set()
+    await asyncio.gather(first, last)
+    assert ran == ["a", "c"] and len(order) == 0
