@@ -93,3 +93,18 @@ def test_an_unknown_parent_leaves_keys_placed_by_their_own_keys() -> None:
     assert p.learn(k[2:], parent=k[1]) == k[2:]
     assert len(p) == 0
     assert p.learn(k[:2]) == [k[1], k[1]]  # an unknown first key starts a chain
+
+
+def test_anchor_with_a_depth_splits_long_chains_into_runs() -> None:
+    k = _chain(9)
+    p = ChainPlacement("anchor:1:4")
+    assert p.placement_keys(k) == [k[1]] * 4 + [k[4]] * 4 + [k[8]]
+    p.learn(k[:6])
+    assert p.learn(k[6:], parent=k[5]) == [k[4], k[4], k[8]]
+    assert p.learn(k[5:7]) == [k[4], k[4]]
+
+
+@pytest.mark.parametrize("mode", ["anchor:1:1", "anchor:2:x", "chunk:2:4", "root:1:4"])
+def test_bad_depth_is_rejected(mode: str) -> None:
+    with pytest.raises(ValueError, match="placement"):
+        ChainPlacement(mode)

@@ -6,8 +6,11 @@ blocks by the first block of the run. ``root:R`` places blocks ``0..R-1`` by the
 and the rest of the chain by block ``R``. ``anchor:R`` places a whole chain by its block ``R``
 (its last block when shorter): one shard holds the chain, as a sticky node would, while any
 node can still serve it; a head shared by many chains (a system prompt before block ``R``) is
-then stored once per anchor shard. The dry engine measures them (``--placement``,
-``docs/pooling-results.md``) and ``peers://...?placement=`` uses them in a real pool.
+then stored once per anchor shard. ``anchor:R:D`` splits long chains at a fixed depth: blocks
+``0..D-1`` are placed by block ``R`` and each later run of ``D`` blocks by its first block, so
+one very long prompt cannot make its anchor's shard the largest. The dry engine measures them
+(``--placement``, ``docs/pooling-results.md``) and ``peers://...?placement=`` uses them in a
+real pool.
 
 A pool client only knows a block's position when it has seen its chain: ``lookup_prefix``
 and ``get_many`` of a prompt start at block 0, a ``put_many`` after a partial hit continues
@@ -31,21 +34,27 @@ class ChainPlacement:
     Parameters
     ----------
     mode
-        ``"block"``, ``"chunk:N"`` (N >= 1), ``"root:R"`` or ``"anchor:R"`` (R >= 0).
+        ``"block"``, ``"chunk:N"`` (N >= 1), ``"root:R"``, ``"anchor:R"`` (R >= 0) or
+        ``"anchor:R:D"`` (D > R).
     memo_keys
         How many keys :meth:`learn` remembers (least recently learned forgotten first).
     """
 
     def __init__(self, mode: str = "block", *, memo_keys: int = 1 << 20) -> None:
         kind, _, size = mode.partition(":")
+        size, _, depth = size.partition(":")
+        self._depth = 0  # anchor:R:D splits chains every D blocks (0: never)
         if mode == "block":
             self._kind, self._n = "chunk", 1
-        elif (kind == "chunk" and size.isdigit() and int(size) >= 1) or (
-                kind in ("root", "anchor") and size.isdigit()):
+        elif (kind == "chunk" and size.isdigit() and int(size) >= 1 and not depth) or (
+                kind == "root" and size.isdigit() and not depth) or (
+                kind == "anchor" and size.isdigit() and (not depth or (
+                    depth.isdigit() and int(depth) > int(size)))):
             self._kind, self._n = kind, int(size)
+            self._depth = int(depth or 0)
         else:
-            raise ValueError("placement: expected 'block', 'chunk:N', 'root:R' or 'anchor:R', "
-                             f"got {mode!r}")
+            raise ValueError("placement: expected 'block', 'chunk:N', 'root:R', 'anchor:R' or "
+                             f"'anchor:R:D' (D > R), got {mode!r}")
         if type(memo_keys) is not int or memo_keys < 0:
             raise ValueError(f"memo_keys: expected an int >= 0, got {memo_keys!r}")
         self.mode = mode
@@ -70,6 +79,9 @@ class ChainPlacement:
             return position - position % size
         if self._kind == "root":
             return position if position < size else size
+        depth = self._depth
+        if depth and position >= depth:
+            return position - position % depth
         return min(size, last)
 
     def placement_keys(self, chain: Sequence[bytes]) -> list[bytes]:
