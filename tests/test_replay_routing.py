@@ -68,10 +68,12 @@ def test_locate_rejects_bad_arguments() -> None:
 def test_cli_prints_routing_columns_and_refuses_real(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "kvtier.cli", "replay", "builtin:agentic", "--limit", "60",
             "--no-progress"]
-    proc = subprocess.run([*base, "--routing", "rr,locate-bounded", "--mode", "per-node,pooled"],
+    proc = subprocess.run([*base, "--routing", "rr,locate-bounded,owner", "--mode",
+                           "per-node,pooled", "--placement", "anchor:1:64"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "load max/mean" in proc.stdout and "locate-bounded" in proc.stdout
+    assert "owner" in proc.stdout and "anchor:1:64" in proc.stdout
     proc = subprocess.run([*base, "--real", "--routing", "locate"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--dry only" in proc.stderr
