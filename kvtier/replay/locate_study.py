@@ -39,6 +39,8 @@ CONFIGS: tuple[tuple[str, str, str, str], ...] = (
     ("chunk:64 locate-b", "pooled", "locate-bounded", "chunk:64"),
     ("anchor:1 locate-b", "pooled", "locate-bounded", "anchor:1"),
     ("anchor:1 owner", "pooled", "owner", "anchor:1"),
+    ("anchor:1:64 owner", "pooled", "owner", "anchor:1:64"),
+    ("anchor:1:256 owner", "pooled", "owner", "anchor:1:256"),
 )
 
 
