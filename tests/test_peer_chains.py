@@ -22,6 +22,9 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 
 ANCHORED = {"placement": "anchor:1"}
+# Tests that fail no member: slow health probes and generous timeouts, so a loaded machine
+# cannot take a member out of the path and move a copy to a fallback owner.
+CALM = {"health_interval": 30, "timeout": 10}
 
 
 def _url(members: list[str], **opts: object) -> str:
@@ -78,7 +81,7 @@ async def test_a_chain_and_its_continuation_live_on_the_anchors_owner(
         pool: list[PeerServer]) -> None:
     members = [s.member_id for s in pool]
     chains = [_chain(c, 8) for c in range(12)]
-    async with open_store([_url(members, **ANCHORED)]) as writer:
+    async with open_store([_url(members, **ANCHORED, **CALM)]) as writer:
         tier = writer.tiers[0]
         assert isinstance(tier, PeerTier)
         for chain in chains:
@@ -90,7 +93,7 @@ async def test_a_chain_and_its_continuation_live_on_the_anchors_owner(
         assert all(len(s.segment) > 0 for s in pool)  # type: ignore[arg-type]
         assert tier.stats()["placement"] == "anchor:1"
     # Another client learns the anchors from its lookup: no extra request, every block found.
-    async with open_store([_url(members, **ANCHORED)]) as reader:
+    async with open_store([_url(members, **ANCHORED, **CALM)]) as reader:
         before = sum(_block_requests(s) for s in pool)
         assert await reader.lookup_prefix(chains[3]) == 8
         assert sum(_block_requests(s) for s in pool) - before == 1  # one owner asked
@@ -104,7 +107,7 @@ async def test_a_put_after_an_unknown_parent_is_placed_by_its_own_keys(
         pool: list[PeerServer]) -> None:
     members = [s.member_id for s in pool]
     chain = _chain(1, 4)
-    async with open_store([_url(members, **ANCHORED)]) as store:
+    async with open_store([_url(members, **ANCHORED, **CALM)]) as store:
         await store.put_many([(k, _block(k)) for k in chain[2:]], parent=chain[1])
         tier = store.tiers[0]
         assert isinstance(tier, PeerTier)
@@ -114,7 +117,7 @@ async def test_a_put_after_an_unknown_parent_is_placed_by_its_own_keys(
 
 async def test_replicas_of_a_chain_are_its_anchors_owners(pool: list[PeerServer]) -> None:
     members = [s.member_id for s in pool]
-    async with PeerTier.from_url(_url(members, replicas=2, **ANCHORED)) as tier:
+    async with PeerTier.from_url(_url(members, replicas=2, **ANCHORED, **CALM)) as tier:
         for c in range(6):
             chain = _chain(c)
             tier.note_chain(chain)
