@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Literal
 
+from kvtier.errors import ConfigError
+
 __all__ = ["Promote", "Promotion"]
 
 Promote = Literal["all", "top"] | int
@@ -24,20 +26,20 @@ class Promotion:
 
     Raises
     ------
-    ValueError
-        For a malformed ``policy`` or ``counter_size``.
+    ConfigError
+        For a malformed ``policy`` or ``counter_size`` (a ``ValueError``).
     """
 
     def __init__(self, policy: object = "all", counter_size: int = 65536) -> None:
         if isinstance(counter_size, bool) or not isinstance(counter_size, int) or counter_size < 1:
-            raise ValueError(f"promote_counter_size: expected an int >= 1, got {counter_size!r}")
+            raise ConfigError(f"promote_counter_size: expected an int >= 1, got {counter_size!r}")
         if policy in ("all", "top"):
             self.policy: Promote = policy
         elif isinstance(policy, int) and not isinstance(policy, bool) and policy >= 1:
             self.policy = policy
         else:
-            raise ValueError(f"promote: expected 'all', 'top' or an int >= 1 (hits before "
-                             f"promoting), got {policy!r}")
+            raise ConfigError(f"promote: expected 'all', 'top' or an int >= 1 (hits before "
+                              f"promoting), got {policy!r}")
         self._counter_size = counter_size
         self._hits: OrderedDict[bytes, int] = OrderedDict()
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, Ty
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
-from kvtier.errors import ClosedError, WrongLoopError
+from kvtier.errors import ClosedError, ConfigError, WrongLoopError
 from kvtier.events import EventHub, Subscription
 from kvtier.explain import Explanation, explain_keys
 from kvtier.keys import validate_key
@@ -161,17 +161,17 @@ class TieredStore:
             if not isinstance(tier, Tier):
                 raise TypeError(f"tiers[{i}]: expected a Tier, got {type(tier).__name__}")
         if len({id(t) for t in tiers}) != len(tiers):
-            raise ValueError("tiers: the same tier object appears twice")
+            raise ConfigError("tiers: the same tier object appears twice")
         if write_policy not in ("write_back", "write_through"):
-            raise ValueError(f"write_policy: expected 'write_back' or 'write_through', "
-                             f"got {write_policy!r}")
+            raise ConfigError(f"write_policy: expected 'write_back' or 'write_through', "
+                              f"got {write_policy!r}")
         for name, flag in (("pool_write_through", pool_write_through),
                            ("close_flush", close_flush)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         flush_timeout = check_timeout(close_flush_timeout, "close_flush_timeout")
         if node is not None and (not isinstance(node, str) or not node):
-            raise ValueError(f"node: expected a non-empty str, got {node!r}")
+            raise ConfigError(f"node: expected a non-empty str, got {node!r}")
         if block_tokens is not None:
             check_positive_int(block_tokens, "block_tokens")
         self._events = EventHub(node or _default_node(tiers))
@@ -765,6 +765,7 @@ class TieredStore:
                 except Exception as exc:
                     self._chain.error(index, "aclose", exc)
                 self._events.cleared(tier=tier.name, medium=self._chain.mediums[index])
+            self._chain.warnings.flush()
             self._events.close()
 
     async def __aenter__(self) -> Self:

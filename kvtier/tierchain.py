@@ -14,12 +14,13 @@ import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
-from kvtier.errors import BlockTooLargeError, TierFullError
+from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.events import EventHub, medium_of
 from kvtier.keys import validate_key
 from kvtier.misses import MissLedger, MissReason
 from kvtier.stats import StoreCounters, TierCounters
 from kvtier.tiers.base import Block, Tier
+from kvtier.warnsummary import WarningSummary
 
 __all__ = ["NOT_HERE", "TierChain", "finish_even_if_cancelled", "keys_list", "log"]
 
@@ -45,9 +46,10 @@ def check_timeout(value: object, name: str = "timeout") -> float | None:
 
 
 def check_positive_int(value: object, name: str) -> int:
-    """``value`` if it is an int >= 1 (not a bool)."""
+    """``value`` if it is an int >= 1 (not a bool); ``ConfigError`` (a ``ValueError``)
+    otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        raise ConfigError(f"{name}: expected an int >= 1, got {value!r}")
     return value
 
 
@@ -117,6 +119,9 @@ class TierChain:
         self.block_tokens = block_tokens
         self.mediums = [medium_of(t) for t in tiers]
         self.misses = misses if misses is not None else MissLedger(len(tiers))
+        # One line per tier and operation per interval: a tier failing every block (an
+        # unwritable directory) must not log a line per block.
+        self.warnings = WarningSummary(log)
         for index, tier in enumerate(tiers):
             tier.on_drop = self._dropper(index, str(getattr(tier, "policy_name", "") or ""))
             tier.on_miss = self._misser(index)
@@ -177,10 +182,10 @@ class TierChain:
             return await fn(*args)
 
     def error(self, index: int, op: str, exc: BaseException) -> None:
-        """Count and log one tier failure."""
+        """Count one tier failure and log it (rate-limited: see :class:`WarningSummary`)."""
         self.tier_counters[index].errors += 1
-        log.warning("tier %s (%d) failed %s: %s: %s", self.tiers[index].name, index, op,
-                    type(exc).__name__, exc)
+        self.warnings.warn(f"tier {self.tiers[index].name} ({index})", op,
+                           f"{type(exc).__name__}: {exc}")
 
     async def write(self, index: int, key: bytes, block: Block, why: WriteKind) -> bool:
         """Put into one tier, counted by ``why``; ``False`` if it refused or failed."""

@@ -22,7 +22,7 @@ from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.store import open_store
 from kvtier.testing.conformance import key_of, sample_block
-from kvtier.testing.fakes import LatencyTier
+from kvtier.testing.fakes import FailingTier, LatencyTier
 from kvtier.tiers.dram import DRAMTier
 
 
@@ -136,23 +136,27 @@ async def test_a_decompression_bomb_is_a_miss_for_that_peer_only(
 
 
 # --------------------------------------------------------- item 15: ack=all means replicas
-async def test_ack_all_raises_when_fewer_than_replicas_copies_were_made(
-        two: list[PeerServer]) -> None:
-    members = [s.member_id for s in two]
-    async with PeerTier.from_url(_url(members, replicas=2, health_interval=60)) as tier:
-        await tier.put(key_of(1), sample_block(1))
-        await two[1].stop()
-        with pytest.raises(PeerError, match="1 of 2 copies"):
-            await tier.put(key_of(2), sample_block(2))
-        assert tier.stats()["copies_made"] == 2 + 1
-        with pytest.raises(PeerError, match="fewer than 2"):
-            await tier.put_many([(key_of(3), sample_block(3)), (key_of(4), sample_block(4))])
-        assert tier.stats()["puts_under_replicated"] == 3
-    # min_copies=1 accepts one copy and says so in stats.
-    async with PeerTier.from_url(_url(members, replicas=2, min_copies=1)) as lenient:
-        await lenient.put(key_of(5), sample_block(5))
-        assert lenient.stats()["copies_made"] == 1
-        assert lenient.stats()["puts_under_replicated"] == 1
+async def test_ack_all_raises_when_fewer_than_replicas_copies_were_made() -> None:
+    # Two of three owners fail the write (500): a hint stands in for one missing copy at
+    # most, so the put raises.
+    async with peer_servers(3, lambda: FailingTier(DRAMTier())) as three:
+        members = [s.member_id for s in three]
+        async with PeerTier.from_url(_url(members, replicas=3, health_interval=60)) as tier:
+            await tier.put(key_of(1), sample_block(1))
+            for server in three[1:]:
+                server.segment.fail = {"put"}  # type: ignore[attr-defined]
+            with pytest.raises(PeerError, match="1 of 3 copies"):
+                await tier.put(key_of(2), sample_block(2))
+            assert tier.stats()["copies_made"] == 3 + 1
+            with pytest.raises(PeerError, match="fewer than 3"):
+                await tier.put_many([(key_of(3), sample_block(3)),
+                                     (key_of(4), sample_block(4))])
+            assert tier.stats()["puts_under_replicated"] == 3
+        # min_copies=1 accepts one copy and says so in stats.
+        async with PeerTier.from_url(_url(members, replicas=3, min_copies=1)) as lenient:
+            await lenient.put(key_of(5), sample_block(5))
+            assert lenient.stats()["copies_made"] == 1
+            assert lenient.stats()["puts_under_replicated"] == 1
 
 
 # ------------------------------------------- item 10: ack=one copies outlive a cancelled put

@@ -171,6 +171,31 @@ async def test_password_auth_with_acl_user(server: redis_servers.RedisServer,
         assert "wrong-pw" not in str(info.value)
 
 
+async def test_wrong_password_fails_at_open(server: redis_servers.RedisServer,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    with server.client() as admin:
+        admin.acl_setuser("kvt-open", enabled=True, passwords=["+right-pw"],
+                          keys=["*"], commands=["+@all"])
+        admin.acl_setuser("kvt-reader", enabled=True, passwords=["+read-pw"],
+                          keys=["*"], commands=["+get", "+mget", "+exists", "+info"])
+    base = f"redis://{server.address}?prefix={_prefix()}"
+    with pytest.raises(ConfigError, match=r"refused a probe write.*token=") as info:
+        await open_store([f"{base}&username=kvt-open&token=wrong-pw"])
+    assert "wrong-pw" not in str(info.value)
+    with pytest.raises(ConfigError, match="NoPermissionError"):  # may read, may not write
+        await open_store([f"{base}&username=kvt-reader&token=read-pw"])
+    async with open_store([f"{base}&username=kvt-open&token=right-pw"]) as store:
+        await store.put(key_of(1), sample_block(1))
+        with server.client() as admin:
+            assert not admin.keys("*kvtier-probe*")  # the probe key is gone
+    # A server that is not up yet is only logged: it is used once it answers.
+    down = redis_servers.RedisServer(Path(tempfile.mkdtemp()))
+    with caplog.at_level("WARNING", logger="kvtier.tiers.redis"):
+        async with open_store([f"redis://{down.address}?timeout=0.5"]):
+            pass
+    assert "unreachable at open" in caplog.text
+
+
 # ------------------------------------------------------------------- behaviour
 async def test_corrupt_or_foreign_value_is_a_miss_and_dropped(
         server: redis_servers.RedisServer) -> None:

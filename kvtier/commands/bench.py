@@ -17,6 +17,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from kvtier.commands import check_output_file
+from kvtier.errors import ConfigError
+
 NAME = "bench"
 HELP = "run kvtier's benchmarks (quick by default) and print one summary table with ratios"
 
@@ -92,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
             "no benchmarks/ folder next to the kvtier package or in the current directory")
         print(f"kvtier bench: {where}. The benchmarks ship with the source checkout: run from "
               "a clone of kvtier or pass --dir PATH/benchmarks.", file=sys.stderr)
+        return 2
+    try:
+        check_output_file(args.json, "--json")
+    except ConfigError as exc:
+        print(f"kvtier bench: {exc}", file=sys.stderr)
         return 2
     found = discover(directory)
     if args.list:

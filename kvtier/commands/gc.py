@@ -2,46 +2,42 @@
 
 Several nodes may write one directory (``file:///mnt/weka/kvtier``, ``s3://bucket/kv``); each
 node's ``capacity=`` only trims its own writes. This command is the operator's tool for the
-whole directory: it lists every block file of the tier layout (``ab/cd/<hex>.kvb``), orders
-them by last use (the later of access and modification time; reads never write metadata,
-so access times are the kernel's: relatime refreshes them at most daily, noatime never, and
-then a block ages from when it was written) and deletes the least recently used until the
-total fits. It also
-removes temp files that writers left behind (a writer killed between create and rename)
-once they are older than ``--tmp-age``. Nothing outside the layout is touched.
+whole directory (a ``file://...?fleet_capacity=SIZE`` tier runs the same gc in the
+background). It lists every block file of the tier layout (``ab/cd/<hex>.kvb``), orders
+them by last use and deletes the least recently used until the total fits. It also removes
+temp files that writers left behind (a writer killed between create and rename) once they
+are older than ``--tmp-age``. Nothing outside the layout is touched.
+
+Last use, for ``file://``: the latest read any node logged under ``ROOT/.kvtier-uses``
+(:mod:`kvtier.tiers.fleet_uses`) within ``--use-horizon``, else the modification time;
+access times only with ``--use-atime`` (reads do not write them, and
+``relatime``/``noatime`` mounts barely do).
+The gc holds the directory's lease (:mod:`kvtier.tiers.fleet_lease`) while it runs, so two
+gcs never trim one directory at once; a gc that finds the lease held says by whom and exits
+0. Object stores (``s3://``...) have no use logs and no lease: blocks are ranked by their
+last modification, and one operator runs the gc.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
+import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.redact import mask_secrets
-from kvtier.tiers.fsspec import BLOCK_SUFFIX
+from kvtier.tiers.fleet_gc import BLOCK_RE, TMP_RE, Entry, GcResult, collect_local, plan
+from kvtier.tiers.fleet_lease import GcLease
 from kvtier.urls import parse_size
 
 NAME = "gc"
 HELP = ("trim a shared file:// / s3:// tier directory to --capacity by least recent use "
-        "(last access or modification time)")
-
-_BLOCK_RE = re.compile(r"^(?:[0-9a-f]{2,200}|h[0-9a-f]{64})" + re.escape(BLOCK_SUFFIX) + "$")
-_TMP_RE = re.compile(r"^\..+" + re.escape(BLOCK_SUFFIX) + r"\.[0-9a-f]{32}\.tmp$")
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One file under the tier root."""
-
-    path: str
-    size: int
-    last_use: float
-    temp: bool
+        "(reads logged by the nodes, else modification time); file://: one gc per directory "
+        "at a time (a lease), which nodes also run themselves with "
+        "file://DIR?fleet_capacity=SIZE&gc_interval=SECONDS")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,9 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", required=True,
                         help="byte budget for the whole directory, e.g. 10TiB")
     parser.add_argument("--dry-run", action="store_true",
-                        help="only report what would be deleted")
+                        help="only report what would be deleted (takes no lease)")
     parser.add_argument("--tmp-age", type=float, default=3600.0, metavar="SECONDS",
                         help="delete writers' leftover temp files older than this (default 3600)")
+    parser.add_argument("--use-horizon", type=float, default=7 * 86400.0, metavar="SECONDS",
+                        help="file://: forget nodes' logged reads older than this (their "
+                             "blocks rank by modification time; default 7 days)")
+    parser.add_argument("--use-atime", action="store_true",
+                        help="also count access times as use (only meaningful on strictatime "
+                             "mounts; reads by kvtier are logged instead)")
+    parser.add_argument("--lease-ttl", type=float, default=300.0, metavar="SECONDS",
+                        help="file://: take over a gc lease not refreshed for this long "
+                             "(its holder died; default 300)")
 
 
 def _open(url: str) -> tuple[Any, str, bool]:
@@ -64,7 +69,7 @@ def _open(url: str) -> tuple[Any, str, bool]:
     from kvtier.tiers.fsspec import FsspecTier
 
     # The tier's own URL parsing separates kvtier options from storage options.
-    tier = FsspecTier.from_url(url)
+    tier = FsspecTier.from_url(url, use_log=False)
     if tier.protocol in ("file", "local"):
         fs, root = fsspec.url_to_fs(tier.url)
     else:
@@ -72,28 +77,9 @@ def _open(url: str) -> tuple[Any, str, bool]:
     return fs, root, isinstance(fs, LocalFileSystem)
 
 
-def _scan_local(root: str) -> Iterator[Entry]:
-    stack = [root]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for item in it:
-                    if item.is_dir(follow_symlinks=False):
-                        stack.append(item.path)
-                    elif item.is_file(follow_symlinks=False):
-                        block = bool(_BLOCK_RE.match(item.name))
-                        temp = bool(_TMP_RE.match(item.name))
-                        if block or temp:
-                            st = item.stat(follow_symlinks=False)
-                            yield Entry(item.path, st.st_size, max(st.st_atime, st.st_mtime),
-                                        temp)
-        except FileNotFoundError:
-            continue  # removed concurrently
-
-
 def _info_time(info: dict[str, Any]) -> float:
-    for field in ("atime", "mtime", "LastModified", "last_modified", "created"):
-        value = info.get(field)
+    for name in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(name)
         if value is None:
             continue
         if hasattr(value, "timestamp"):
@@ -109,60 +95,104 @@ def _scan_fs(fs: Any, root: str) -> Iterator[Entry]:
     found = fs.find(root, detail=True)
     for path, info in found.items():
         name = path.rsplit("/", 1)[-1]
-        block = bool(_BLOCK_RE.match(name))
-        temp = bool(_TMP_RE.match(name))
+        block = bool(BLOCK_RE.match(name))
+        temp = bool(TMP_RE.match(name))
         if block or temp:
             yield Entry(path, int(info.get("size") or 0), _info_time(info), temp)
 
 
-def plan(entries: list[Entry], capacity: int, *, now: float,
-         tmp_age: float) -> tuple[list[Entry], int]:
-    """Entries to delete (stale temp files, then least recently used blocks) and the bytes
-    that remain."""
-    doomed = [e for e in entries if e.temp and now - e.last_use > tmp_age]
-    blocks = sorted((e for e in entries if not e.temp), key=lambda e: e.last_use)
-    total = sum(e.size for e in entries) - sum(e.size for e in doomed)
-    for entry in blocks:
-        if total <= capacity:
-            break
-        doomed.append(entry)
-        total -= entry.size
-    return doomed, total
+def _check_listable(fs: Any, root: str, local: bool, url: str) -> None:
+    """Refuse a root that is not there: a typo must not read as "nothing to delete".
+
+    Raises
+    ------
+    ConfigError
+        When ``root`` is not a directory, or the store cannot be listed.
+    """
+    if local:
+        if not os.path.isdir(root):
+            raise ConfigError(f"URL: {mask_secrets(url)!r}: no directory {root!r} (a typo? "
+                              "give the directory the tier writes to)")
+        return
+    try:
+        fs.ls(root, detail=False)
+    except FileNotFoundError:
+        pass  # an empty prefix of an object store: nothing there yet
+    except Exception as exc:  # a missing bucket, no or refused credentials (botocore's own)
+        raise ConfigError(f"URL: cannot list {mask_secrets(url)!r}: {type(exc).__name__}: "
+                          f"{exc}") from None
+
+
+def _collect_fs(fs: Any, root: str, capacity: int, *, tmp_age: float,
+                dry_run: bool) -> GcResult:
+    entries = list(_scan_fs(fs, root))
+    doomed, _ = plan(entries, capacity, now=time.time(), tmp_age=tmp_age)
+    result = GcResult(files=len(entries), total=sum(e.size for e in entries))
+    for entry in doomed:
+        if not dry_run:
+            try:
+                fs.rm_file(entry.path)
+            except FileNotFoundError:
+                pass  # another node or gc got there first
+            except OSError as exc:
+                result.failed.append((entry.path, str(exc)))
+                continue
+        result.freed += entry.size
+        result.deleted.append(entry.path)
+    result.remaining = result.total - result.freed
+    return result
+
+
+def _collect_local(root: str, capacity: int, args: argparse.Namespace) -> GcResult | str:
+    """The gc of a directory under its lease; the lease holder's description if taken."""
+    if args.dry_run:
+        return collect_local(root, capacity, None, tmp_age=args.tmp_age,
+                             use_atime=args.use_atime, use_horizon=args.use_horizon,
+                             dry_run=True)
+    lease = GcLease(root, f"kvtier-gc@{socket.gethostname()}:{os.getpid()}",
+                    ttl=args.lease_ttl)
+    if not lease.acquire():
+        seen = lease.last_seen
+        return f"{seen.holder} (refreshed {seen.age:.0f} s ago)" if seen else "another gc"
+    try:
+        return collect_local(root, capacity, lease, tmp_age=args.tmp_age,
+                             use_atime=args.use_atime, use_horizon=args.use_horizon)
+    finally:
+        lease.release()
 
 
 def run(args: argparse.Namespace) -> int:
     """Scan, plan, delete (unless ``--dry-run``) and report."""
     try:
         capacity = parse_size(args.capacity, "--capacity")
+        if not args.lease_ttl > 0:
+            raise ConfigError(f"--lease-ttl: expected > 0 seconds, got {args.lease_ttl}")
+        if not args.use_horizon > 0:
+            raise ConfigError(f"--use-horizon: expected > 0 seconds, got {args.use_horizon}")
         fs, root, local = _open(args.url)
+        _check_listable(fs, root, local, args.url)
     except ConfigError as exc:
         print(f"kvtier gc: {exc}")
         return 2
-    entries = list(_scan_local(root) if local else _scan_fs(fs, root))
-    total = sum(e.size for e in entries)
-    doomed, remaining = plan(entries, capacity, now=time.time(), tmp_age=args.tmp_age)
-    freed = deleted = failed = 0
-    for entry in doomed:
-        if args.dry_run:
-            freed += entry.size
-            deleted += 1
-            continue
+    if local:
         try:
-            if local:
-                os.unlink(entry.path)
-            else:
-                fs.rm_file(entry.path)
-        except FileNotFoundError:
-            pass  # another node or gc got there first
-        except OSError as exc:
-            failed += 1
-            print(f"kvtier gc: cannot delete {entry.path}: {exc}")
-            continue
-        freed += entry.size
-        deleted += 1
+            outcome = _collect_local(root, capacity, args)
+        except OSError as exc:  # the lease cannot be written: read-only or no permission
+            print(f"kvtier gc: cannot take the gc lease in {root}: {exc}")
+            return 2
+        if isinstance(outcome, str):
+            print(f"kvtier gc {mask_secrets(args.url)}: skipped, a gc is running: {outcome}")
+            return 0
+        result = outcome
+    else:
+        result = _collect_fs(fs, root, capacity, tmp_age=args.tmp_age, dry_run=args.dry_run)
+    for path, error in result.failed:
+        print(f"kvtier gc: cannot delete {path}: {error}")
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"kvtier gc {mask_secrets(args.url)}: {len(entries)} files, {total} bytes; "
+    print(f"kvtier gc {mask_secrets(args.url)}: {result.files} files, {result.total} bytes; "
           f"capacity {capacity}; "
-          f"{verb} {deleted} files ({freed} bytes); {remaining} bytes remain"
-          + (f"; {failed} deletions failed" if failed else ""))
-    return 1 if failed else 0
+          f"{verb} {len(result.deleted)} files ({result.freed} bytes); "
+          f"{result.remaining} bytes remain"
+          + (f"; {len(result.failed)} deletions failed" if result.failed else "")
+          + ("; stopped: the gc lease was taken over" if result.lease_lost else ""))
+    return 1 if result.failed or result.lease_lost else 0

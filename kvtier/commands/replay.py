@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from kvtier.commands import check_output_file
 from kvtier.errors import ConfigError
 
 NAME = "replay"
@@ -32,7 +34,11 @@ def _csv(kind: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``kvtier replay``."""
+    """Options of ``kvtier replay`` (the lists of modes, routings and policies come from
+    :mod:`kvtier.replay.sim`, so the help names every one the replay accepts)."""
+    from kvtier.replay.routing import LOCATE_ROUTINGS
+    from kvtier.replay.sim import MODES, POLICIES, ROUTINGS
+
     parser.add_argument("trace", metavar="TRACE",
                         help=f"trace file (.jsonl or .jsonl.gz), or {BUILTIN} for the built-in "
                              "synthetic agentic workload")
@@ -43,12 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lower-blocks", type=int, default=0, metavar="D",
                         help="blocks per node in a second, slower tier (0: none)")
     parser.add_argument("--mode", type=_csv(str, "--mode"),
-                        default=["per-node", "pooled", "ideal"], help="per-node,pooled,ideal")
+                        default=["per-node", "pooled", "ideal"], help=",".join(MODES))
     parser.add_argument("--routing", type=_csv(str, "--routing"), default=["rr", "session"],
-                        help="rr,random,session,prefix-affinity,locate,locate-bounded "
+                        help=f"{','.join((*ROUTINGS, *LOCATE_ROUTINGS))} "
                              "(default rr,session; locate: --dry only, see docs/replay.md)")
     parser.add_argument("--policy", type=_csv(str, "--policy"), default=["lru"],
-                        help="lru,s3fifo,s3fifo2 (default lru)")
+                        help=f"{','.join(POLICIES)} (default lru)")
     parser.add_argument("--vnodes", type=int, default=None,
                         help="virtual nodes per member on the pool's ring (default: the "
                              "replay's balanced default, see docs/replay.md)")
@@ -81,6 +87,17 @@ def _check(args: argparse.Namespace) -> None:
     from kvtier.replay.routing import LOCATE_ROUTINGS
     from kvtier.replay.sim import MODES, POLICIES, ROUTINGS
 
+    if args.trace != BUILTIN:
+        try:
+            with open(args.trace, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"TRACE: cannot read {args.trace!r}: {exc.strerror or exc} "
+                              f"(a .jsonl or .jsonl.gz file, or {BUILTIN})") from None
+    check_output_file(args.json, "--json")
+    check_output_file(args.plot, "--plot")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot: matplotlib is not installed; pip install 'kvtier[plot]'")
     if args.nodes < 1:
         raise ConfigError(f"--nodes: expected >= 1, got {args.nodes}")
     for cap in args.capacity_blocks:

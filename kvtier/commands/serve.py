@@ -162,7 +162,11 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
                             min_body_rate=parse_size(args.min_body_rate, "--min-body-rate"),
                             max_connections=args.max_connections,
                             data_plane=not args.no_data_plane)
-        bound_host, bound_port = await server.start()
+        try:
+            bound_host, bound_port = await server.start()
+        except OSError as exc:  # address in use, not ours to bind, unknown host
+            raise ConfigError(f"--listen: cannot listen on {args.listen}: "
+                              f"{exc.strerror or exc}") from None
     except BaseException:
         await store.aclose()
         raise

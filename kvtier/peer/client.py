@@ -1,6 +1,9 @@
 """``PeerClient``: the HTTP client of one peer (one aiohttp session, a bounded connection pool).
 
-Every call is bounded by the client's timeout; any failure to get an answer (refused, reset,
+Every call is bounded by a time budget that grows with the bytes it moves: the client's
+``timeout`` plus the request's bytes, and the answer's, at ``min_rate`` bytes per second
+(:class:`TimeBudget`); an answer's declared length extends the budget as soon as its head
+arrives. Any failure to get an answer (refused, reset,
 timeout, 5xx, 401) is raised as :class:`kvtier.errors.PeerError` so the tier can treat that
 peer as a miss and take it out of the read path. Redirects are never followed (a ``3xx`` is a
 failed call: the pool's bearer token goes only to the member it was configured for), error
@@ -26,12 +29,57 @@ from kvtier.peer import protocol as proto
 from kvtier.peer.fastread import RawPool
 from kvtier.redact import mask_secrets
 
-__all__ = ["BuffersPayload", "PeerClient"]
+__all__ = ["DEFAULT_MIN_RATE", "BuffersPayload", "PeerClient", "PeerTimeoutError",
+           "PeerUnreachableError", "TimeBudget"]
 
 # Most bytes of an answer that carries no block (a PUT's 204, an error text).
 _SMALL_ANSWER_BYTES = 64 << 10
 # Per entry of a batch get answer, besides the frame: u16 key length, key, u64 frame length.
 _BATCH_ENTRY_OVERHEAD = 2 + 128 + 8
+
+
+class PeerTimeoutError(PeerError):
+    """A peer did not answer within the request's time budget (it may only be busy)."""
+
+
+class PeerUnreachableError(PeerError):
+    """A peer refused the connection: nothing listens on its port."""
+
+
+#: Bytes per second a request is assumed to move at least (``min_rate=`` of a pool URL).
+DEFAULT_MIN_RATE = 64 << 20
+# Frame size a batch get expects per key before any frame was seen (a small KV block).
+_FIRST_FRAME_GUESS = 64 << 10
+
+
+class TimeBudget:
+    """How long one request may take: ``timeout + bytes / min_rate``.
+
+    ``bytes`` counts what is sent plus what is expected back. A batch get's answer is
+    expected to hold ``frame_bytes`` per key, the largest frame this pool recently sent or
+    received (64 KiB before the first; it decays by 1/16 per smaller frame seen), until the
+    answer's head declares its length. One budget is shared by the clients of a pool.
+
+    Parameters
+    ----------
+    timeout
+        Seconds allowed for a request that moves no bytes (the floor).
+    min_rate
+        Bytes per second a member is assumed to move at least.
+    """
+
+    def __init__(self, timeout: float, min_rate: float = DEFAULT_MIN_RATE) -> None:
+        self.timeout = timeout
+        self.min_rate = min_rate
+        self.frame_bytes = _FIRST_FRAME_GUESS
+
+    def seen(self, frame_bytes: int) -> None:
+        """Note the size of one frame sent or received."""
+        self.frame_bytes = max(frame_bytes, self.frame_bytes - (self.frame_bytes >> 4))
+
+    def seconds(self, nbytes: int) -> float:
+        """The budget of a request moving ``nbytes`` bytes."""
+        return self.timeout + nbytes / self.min_rate
 
 
 def _describe(exc: BaseException) -> str:
@@ -84,7 +132,8 @@ class PeerClient:
     token
         Bearer token, or ``None`` for a server run with ``--insecure-no-auth``.
     timeout
-        Seconds allowed for one request, connection included.
+        Seconds allowed for one request that moves no bytes, connection included (see
+        ``budget``).
     ssl_context
         Client TLS context (``None``: plain HTTP).
     pool_limit
@@ -97,15 +146,19 @@ class PeerClient:
         ``peers+dns://`` are IP addresses).
     max_answer_bytes
         Largest batch get answer this client accepts (checked before allocating).
+    budget
+        The time budget rule, shared by a pool's clients (default: ``timeout`` plus bytes
+        at :data:`DEFAULT_MIN_RATE`).
     """
 
     def __init__(self, member: str, *, token: str | None, timeout: float,
                  ssl_context: ssl.SSLContext | None = None, pool_limit: int = 64,
                  limits: proto.Limits | None = None, tls_server_name: str | None = None,
-                 max_answer_bytes: int = 2 << 30) -> None:
+                 max_answer_bytes: int = 2 << 30, budget: TimeBudget | None = None) -> None:
         self.member = member
         self.base_url = f"{'https' if ssl_context else 'http'}://{member}"
         self.timeout = timeout
+        self.budget = budget or TimeBudget(timeout)
         self.limits = limits or proto.Limits()
         self.max_answer_bytes = max_answer_bytes
         # The protocol version the member's last block answer announced: a member of the
@@ -133,15 +186,31 @@ class PeerClient:
 
     async def _read(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
                     missing: int | None = None, ok: int = 200,
-                    max_body: int = _SMALL_ANSWER_BYTES) -> memoryview | None:
-        """A hot-path request through :class:`RawPool`: the body, or ``None`` if missing."""
+                    max_body: int = _SMALL_ANSWER_BYTES,
+                    expect: int = 0) -> memoryview | None:
+        """A hot-path request through :class:`RawPool`: the body, or ``None`` if missing.
+
+        Its budget covers the bytes sent and ``expect`` bytes of answer, and grows to the
+        answer's declared length once its head arrives."""
+        sent = sum(memoryview(b).nbytes for b in body)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        limit = self.budget.seconds(sent + expect)
         try:
-            async with asyncio.timeout(self.timeout):
-                status, data, version = await self._raw.request(method, path, body,
-                                                                max_body=max_body)
+            async with asyncio.timeout(limit) as deadline:
+                def on_length(length: int) -> None:
+                    nonlocal limit
+                    if length > expect:
+                        limit = self.budget.seconds(sent + length)
+                        deadline.reschedule(start + limit)
+                status, data, version = await self._raw.request(
+                    method, path, body, max_body=max_body, on_length=on_length)
         except TimeoutError:
-            raise PeerError(f"peer {self.member}: {method} timed out after "
-                            f"{self.timeout}s") from None
+            raise PeerTimeoutError(f"peer {self.member}: {method} timed out after "
+                                   f"{limit:.3g}s") from None
+        except ConnectionRefusedError as exc:
+            raise PeerUnreachableError(f"peer {self.member}: {method} failed: "
+                                       f"{_describe(exc)}") from None
         except OSError as exc:
             raise PeerError(f"peer {self.member}: {method} failed: {_describe(exc)}") from None
         except PeerError as exc:
@@ -158,10 +227,12 @@ class PeerClient:
 
     async def _request(self, method: str, path: str, *, body: Any = None,
                        ok: tuple[int, ...] = (200, 204), missing: int | None = None,
-                       limit_s: float | None = None) -> bytes | None:
-        """One request; returns the body, ``None`` for the ``missing`` status, else raises."""
+                       limit_s: float | None = None, nbytes: int = 0) -> bytes | None:
+        """One request moving about ``nbytes`` bytes (budget: :class:`TimeBudget`, or
+        ``limit_s``); returns the body, ``None`` for the ``missing`` status, else raises."""
+        limit = self.budget.seconds(nbytes) if limit_s is None else limit_s
         try:
-            async with asyncio.timeout(self.timeout if limit_s is None else limit_s):
+            async with asyncio.timeout(limit):
                 async with self._session.request(method, self.base_url + path, data=body,
                                                  allow_redirects=False,
                                                  server_hostname=self._server_hostname,
@@ -174,8 +245,12 @@ class PeerClient:
                                               f"{resp.status} {text.strip()}", resp.status)
                     return await _read_capped(resp, self._answer_cap(path))
         except TimeoutError:
-            raise PeerError(f"peer {self.member}: {method} timed out after "
-                            f"{self.timeout if limit_s is None else limit_s}s") from None
+            raise PeerTimeoutError(f"peer {self.member}: {method} timed out after "
+                                   f"{limit:.3g}s") from None
+        except aiohttp.ClientConnectorError as exc:
+            error = PeerUnreachableError \
+                if isinstance(exc.os_error, ConnectionRefusedError) else PeerError
+            raise error(f"peer {self.member}: {method} failed: {_describe(exc)}") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise PeerError(f"peer {self.member}: {method} failed: {_describe(exc)}") from None
 
@@ -187,11 +262,16 @@ class PeerClient:
     # ------------------------------------------------------------------ blocks
     async def get(self, key: bytes) -> memoryview | None:
         """The block's frame (unverified), or ``None`` when the peer does not hold it."""
-        return await self._read("GET", proto.block_path(key), missing=404,
-                                max_body=self.limits.max_frame_bytes)
+        frame = await self._read("GET", proto.block_path(key), missing=404,
+                                 max_body=self.limits.max_frame_bytes,
+                                 expect=self.budget.frame_bytes)
+        if frame is not None:
+            self.budget.seen(frame.nbytes)
+        return frame
 
     async def put(self, key: bytes, frame: EncodedFrame, *, fill: bool = False) -> None:
         """Store one frame (``fill``: only if the peer does not hold ``key``)."""
+        self.budget.seen(frame.nbytes)
         path = proto.block_path(key)
         await self._read("PUT", f"{path}?{proto.FILL_QUERY}" if fill else path, frame.buffers,
                          ok=204)
@@ -211,7 +291,8 @@ class PeerClient:
             chunk = keys[part]
             most = 4 + len(chunk) * (_BATCH_ENTRY_OVERHEAD + self.limits.max_frame_bytes)
             body = await self._read("POST", proto.BATCH_GET_PATH, [proto.encode_keys(chunk)],
-                                    max_body=min(most, self.max_answer_bytes))
+                                    max_body=min(most, self.max_answer_bytes),
+                                    expect=len(chunk) * self.budget.frame_bytes)
             try:
                 entries = proto.decode_blocks(body or b"", len(chunk),
                                               self.limits.max_frame_bytes)
@@ -219,7 +300,11 @@ class PeerClient:
                 raise PeerError(f"peer {self.member}: bad batch get answer: {exc}") from None
             if [k for k, _ in entries] != list(chunk):
                 raise PeerError(f"peer {self.member}: batch get answered other keys")
-            out += [frame for _, frame in entries]
+            frames = [frame for _, frame in entries]
+            for frame in frames:
+                if frame is not None:
+                    self.budget.seen(frame.nbytes)
+            out += frames
         return out
 
     async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]], *,
@@ -243,8 +328,10 @@ class PeerClient:
             await self._put_batch(items[start:], path)
 
     async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]], path: str) -> None:
+        for _, frame in items:
+            self.budget.seen(frame.nbytes)
         body = BuffersPayload(proto.encode_blocks(list(items)))
-        await self._request("POST", path, body=body)
+        await self._request("POST", path, body=body, nbytes=body.size or 0)
 
     async def _flags(self, path: str, keys: Sequence[bytes]) -> list[bool]:
         out: list[bool] = []

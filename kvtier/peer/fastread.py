@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn, cast
 
 import httptools
@@ -73,6 +73,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._keep_alive = True
         self._version: bytes | None = None
         self._fut: asyncio.Future[tuple[int, memoryview]] | None = None
+        self._on_length: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------- protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -139,6 +140,8 @@ class _Conn(asyncio.BufferedProtocol):
             self._refuse(f"Content-Length {self._length} exceeds this client's limit of "
                          f"{self._max_body} bytes")
         self._status = status
+        if self._on_length is not None:
+            self._on_length(self._length)
         self._keep_alive = parser.should_keep_alive()  # HTTP/1.0: close by default
         self._body = self.buffers.take(self._length)
         self._have = 0
@@ -184,9 +187,11 @@ class _Conn(asyncio.BufferedProtocol):
 
     # -------------------------------------------------------------- request
     async def request(self, head: bytes, body: Sequence[bytes | memoryview],
-                      max_body: int) -> Answer:
+                      max_body: int, on_length: Callable[[int], None] | None = None
+                      ) -> Answer:
         if self.transport is None or self.closed:
             raise PeerError("connection is closed")
+        self._on_length = on_length
         self._parser = httptools.HttpResponseParser(self)
         self._head_bytes, self._max_body, self._length = 0, max_body, -1
         self._framing_error, self._message_done = "", False
@@ -248,8 +253,10 @@ class RawPool:
         return conn
 
     async def request(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
-                      *, max_body: int) -> Answer:
-        """Send one request; returns its answer. The caller bounds it with a timeout.
+                      *, max_body: int, on_length: Callable[[int], None] | None = None
+                      ) -> Answer:
+        """Send one request; returns its answer. The caller bounds it with a timeout;
+        ``on_length`` is called with the answer's ``Content-Length`` once its head is read.
 
         Raises
         ------
@@ -265,7 +272,7 @@ class RawPool:
                 if conn.closed:
                     continue
                 try:
-                    result = await conn.request(head, body, max_body)
+                    result = await conn.request(head, body, max_body, on_length)
                 except PeerError:
                     # A reused connection the server had just closed (idle timeout): retry
                     # once on a fresh one instead of declaring the peer dead.
@@ -273,7 +280,7 @@ class RawPool:
                 self._release(conn)
                 return result
             conn = await self._connect()
-            result = await conn.request(head, body, max_body)
+            result = await conn.request(head, body, max_body, on_length)
             self._release(conn)
             return result
 

@@ -1,9 +1,14 @@
 """Pool membership: who the peers are (static list or DNS), which of them answer, and the ring.
 
-A member that fails a request is taken out of the read and write paths at once; the health
-loop probes every member each ``health_interval`` seconds and brings back those that answer.
-With DNS membership the name is re-resolved every ``dns_interval`` seconds (A and AAAA, as for
-a Kubernetes headless service) and the ring is rebuilt when the address set changes.
+Which members are in the read and write paths is decided by a
+:class:`~kvtier.peer.health.FailureDetector` fed by every request and by the health loop,
+which probes every member each ``health_interval`` seconds (with the request timeout: a probe
+is judged like a real request). Each probe's ``uptime_s`` dates the member's start in this
+process's clock, so a restart is seen even when the new uptime exceeds the last reading, and
+a member started well after the rest of the pool counts as recently changed for a client that
+opened after its restart. With DNS membership the name is re-resolved every
+``dns_interval`` seconds (A and AAAA, as for a Kubernetes headless service) and the ring is
+rebuilt when the address set changes.
 """
 
 from __future__ import annotations
@@ -13,16 +18,23 @@ import contextlib
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvtier.errors import ConfigError, KVTierError
-from kvtier.peer.client import PeerClient
+from kvtier.errors import ConfigError, KVTierError, PeerStatusError
+from kvtier.peer.client import PeerClient, PeerTimeoutError
+from kvtier.peer.health import FailureDetector, StartEstimate
 from kvtier.peer.ring import HashRing
 
 __all__ = ["Membership", "member_id", "split_member"]
 
 log = logging.getLogger("kvtier.peer.membership")
+
+# Seconds by which a member's start estimate must move later to count as a restart (server
+# rounding of uptime_s, clock-rate differences between two probes).
+_START_SLACK = 0.01
+_PREVIOUS_RINGS = 4  # rings kept to tell which keys a recent join or leave moved
 
 
 def split_member(member: str, name: str = "members", *, allow_zero: bool = False
@@ -63,11 +75,14 @@ class Membership:
         Seconds between health probes of every member.
     dns_interval
         Seconds between DNS re-resolutions.
+    fail_after, rejoin_after
+        See :class:`~kvtier.peer.health.FailureDetector`.
     """
 
     def __init__(self, members: Iterable[str] | None, *, dns: tuple[str, int] | None,
                  client_factory: Callable[[str], PeerClient], vnodes: int, replicas: int,
-                 self_id: str | None, health_interval: float, dns_interval: float) -> None:
+                 self_id: str | None, health_interval: float, dns_interval: float,
+                 fail_after: int = 3, rejoin_after: int = 2) -> None:
         if (members is None) == (dns is None):
             raise ConfigError("members: give either a static member list or a DNS name")
         self._static = None if members is None else sorted(set(members))
@@ -85,7 +100,7 @@ class Membership:
         # placement (set by the tier, see kvtier.peer.chains).
         self.placement_key: Callable[[bytes], bytes] = _own_key
         self.clients: dict[str, PeerClient] = {}
-        self._dead: set[str] = set()
+        self.detector = FailureDetector(fail_after=fail_after, rejoin_after=rejoin_after)
         self.health: dict[str, dict[str, Any]] = {}
         self.failures = 0
         self.recoveries = 0
@@ -93,6 +108,13 @@ class Membership:
         # the read path walks further while members have recently changed.
         self._changes: dict[str, float] = {}
         self.change_count = 0  # every change ever seen (anti-entropy skips quiet periods)
+        # The last rings before a membership change, each with when it was replaced: a key
+        # whose owners differ from those of one of them is checked on every current owner.
+        self._previous: deque[tuple[HashRing, float]] = deque(maxlen=_PREVIOUS_RINGS)
+        self._dated: set[str] = set()  # members whose first start estimate was judged
+        #: Called with a member that rejoined the path, or answered again after failures
+        #: while in it (hinted handoff).
+        self.on_rejoin: Callable[[str], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._since = time.monotonic()
 
@@ -104,28 +126,51 @@ class Membership:
 
     def alive(self, member: str) -> bool:
         """Whether ``member`` is in the read/write path."""
-        return member not in self._dead
+        return not self.detector[member].down
+
+    def reachable(self, member: str) -> bool:
+        """Whether ``member`` answered its last health probe (a member out of the path but
+        reachable is still asked when no other owner is left)."""
+        return self.detector[member].reachable
 
     @property
     def dead(self) -> frozenset[str]:
         """Members currently out of the path."""
-        return frozenset(self._dead)
+        return frozenset(m for m in self.members if not self.alive(m))
 
     def mark_dead(self, member: str, reason: object) -> None:
-        """Take ``member`` out of the path until a health probe succeeds."""
-        if member == self.self_id or member in self._dead:
-            return
-        self._dead.add(member)
+        """Take ``member`` out of the path at once (a hard signal: connection refused, a
+        wrong health answer) until ``rejoin_after`` health probes succeed."""
+        if member != self.self_id and self.detector.take_down(member):
+            self._went_down(member, reason)
+
+    def report_failure(self, member: str, reason: BaseException, started: float,
+                       elapsed: float, *, hard: bool) -> None:
+        """Count a failed request to ``member`` (see :class:`FailureDetector`)."""
+        if member != self.self_id and self.detector.failure(member, started, elapsed,
+                                                            hard=hard):
+            self._went_down(member, reason)
+
+    def report_success(self, member: str, elapsed: float, keys: int) -> None:
+        """Count an answered request of ``keys`` keys to ``member``."""
+        if self.detector.success(member, elapsed, keys) and self.on_rejoin is not None:
+            self.on_rejoin(member)  # it answers again: hand over what it missed meanwhile
+
+    def _went_down(self, member: str, reason: object) -> None:
         self.failures += 1
         self._note_change(member)
         log.warning("peer %s marked down: %s", member, reason)
 
     def _mark_alive(self, member: str) -> None:
-        if member in self._dead:
-            self._dead.discard(member)
-            self.recoveries += 1
-            self._note_change(member)
-            log.info("peer %s is back", member)
+        if self.detector.bring_up(member):
+            self._came_back(member)
+
+    def _came_back(self, member: str) -> None:
+        self.recoveries += 1
+        self._note_change(member)
+        log.info("peer %s is back", member)
+        if self.on_rejoin is not None:
+            self.on_rejoin(member)
 
     def _note_change(self, member: str, at: float | None = None) -> None:
         self._changes[member] = time.monotonic() if at is None else at
@@ -150,11 +195,35 @@ class Membership:
         """The first ``n`` live members in ring order of a placement key (a block's own key,
         or its chain's: see :mod:`kvtier.peer.chains`)."""
         return [m for m in self.ring.owners(placement_key, len(self.ring))
-                if m not in self._dead][:n]
+                if self.alive(m)][:n]
 
     def live_owners(self, key: bytes, n: int) -> list[str]:
         """The first ``n`` live members in ring order (dead owners are skipped)."""
         return self.owners_of(self.placement_key(key), n)
+
+    def write_owners(self, key: bytes, n: int) -> list[str]:
+        """The first ``n`` live members in ring order, then, while fewer than ``n`` are live,
+        members out of the path that still answer health probes (never "no live peer"
+        while members answer)."""
+        order = self.order(key)
+        owners = [m for m in order if self.alive(m)][:n]
+        if len(owners) < n:
+            owners += [m for m in order if not self.alive(m) and self.reachable(m)
+                       ][:n - len(owners)]
+        return owners
+
+    def unsettled(self, key: bytes, replicas: int, window: float) -> bool:
+        """Whether the ring moved ``key`` in the last ``window`` seconds (a member joined
+        or left, and its owners differ from those of a ring before)."""
+        since = time.monotonic() - window
+        owners = None
+        placed = self.placement_key(key)
+        for ring, until in self._previous:
+            if until >= since:
+                owners = set(self.ring.owners(placed, replicas)) if owners is None else owners
+                if set(ring.owners(placed, replicas)) != owners:
+                    return True
+        return False
 
     def client(self, member: str) -> PeerClient:
         """The client of ``member`` (created on first use)."""
@@ -197,27 +266,73 @@ class Membership:
             except Exception:
                 log.exception("peer membership loop failed; retrying")
 
-    async def check_health(self) -> None:
-        """Probe every member once; dead ones that answer come back, silent ones go."""
+    async def check_health(self) -> dict[str, str]:
+        """Probe every other member once; returns ``{member: "ok" | "refused" | "down"}``
+        ("refused": it answered 401/403 to this pool's token)."""
         members = [m for m in self.members if m != self.self_id]
+        answers = await asyncio.gather(*(self.probe(m) for m in members))
+        self._date_first_starts()
+        return dict(zip(members, answers, strict=True))
 
-        async def probe(member: str) -> None:
-            client = self.client(member)
-            try:
-                doc = await client.health(limit_s=max(client.timeout, 1.0))
-            except KVTierError as exc:
-                self.mark_dead(member, exc)
-                return
-            before = self.health.get(member)
-            self.health[member] = doc
-            known_for = time.monotonic() - self._since if before is None else _uptime(before)
-            if _uptime(doc) < known_for:
-                # (Re)started since this process last saw it, maybe empty: reads ask it first.
-                self._note_change(member)
-                log.info("peer %s restarted", member)
-            self._mark_alive(member)
+    async def probe(self, member: str) -> str:
+        """One health probe of ``member``, within the request timeout (judged like a real
+        request): a timeout counts toward suspicion, a wrong answer takes the member out,
+        answers in a row bring it back."""
+        client = self.client(member)
+        sent = time.monotonic()
+        try:
+            doc = await client.health()
+        except PeerTimeoutError as exc:
+            self.report_failure(member, exc, sent, time.monotonic() - sent, hard=False)
+            self.detector[member].reachable = False
+            return "down"
+        except KVTierError as exc:
+            self.mark_dead(member, exc)
+            refused = isinstance(exc, PeerStatusError) and exc.status in (401, 403)
+            return "refused" if refused else "down"
+        received = time.monotonic()
+        self.health[member] = doc
+        restarted = self._dated_start(
+            member, StartEstimate.from_uptime(doc.get("uptime_s"), sent, received))
+        # A member that restarted since it went down is not flapping: it rejoins at once.
+        rejoined = self.detector.probe_answered(member)
+        if rejoined or (restarted and self.detector.bring_up(member)):
+            self._came_back(member)
+        return "ok"
 
-        await asyncio.gather(*(probe(m) for m in members))
+    def _dated_start(self, member: str, start: StartEstimate | None) -> bool:
+        """Judge a probe's start estimate against the last one (a NaN or missing uptime
+        tells nothing and is skipped); ``True`` if the member restarted since."""
+        if start is None:
+            return False
+        state = self.detector[member]
+        before = state.started
+        state.started = start
+        later_than = self._since if before is None else before.latest
+        if start.earliest > later_than + _START_SLACK:
+            # (Re)started since this process started or last probed it, maybe empty: reads
+            # ask it first and read repair fills it.
+            self._dated.add(member)
+            self._note_change(member)
+            log.info("peer %s restarted", member)
+            return True
+        return False
+
+    def _date_first_starts(self) -> None:
+        """A member first seen by this process that started more than ``health_interval``
+        after the pool's oldest member (it restarted before this process opened) counts as
+        changed at its start: a fresh client then asks it first too."""
+        starts = {m: s for m in self.members
+                  if (s := self.detector[m].started) is not None}
+        if not starts:
+            return
+        oldest = min(s.latest for s in starts.values())
+        for member, start in starts.items():
+            if member in self._dated:
+                continue
+            self._dated.add(member)
+            if start.earliest > oldest + self.health_interval:
+                self._note_change(member, start.earliest)
 
     async def refresh_dns(self) -> None:
         """Re-resolve the DNS name; rebuild the ring if the address set changed."""
@@ -237,14 +352,23 @@ class Membership:
         if set(self.members) == found:
             return
         log.info("peers+dns: %s -> %s", host, sorted(found))
+        await self.apply_members(found)
+
+    async def apply_members(self, found: set[str]) -> None:
+        """Make ``found`` the member set (what DNS answered): rebuild the ring, note who
+        joined and left, keep the previous ring for :meth:`unsettled`."""
+        if set(self.members) == found:
+            return
         gone = set(self.members) - found
         now = time.monotonic()
         for member in gone | (found - set(self.members)):
             self._note_change(member, now)
         # Thousands of vnodes per member: build the new ring off the event loop.
+        self._previous.append((self.ring, now))
         self.ring = await asyncio.to_thread(self.ring.with_members, found)
         for member in gone:
-            self._dead.discard(member)
+            self.detector.forget(member)
+            self._dated.discard(member)
             self.health.pop(member, None)
             client = self.clients.pop(member, None)
             if client is not None:
@@ -253,8 +377,3 @@ class Membership:
 
 def _own_key(key: bytes) -> bytes:
     return key
-
-
-def _uptime(doc: dict[str, Any]) -> float:
-    value = doc.get("uptime_s")
-    return float(value) if isinstance(value, int | float) else 0.0

@@ -21,7 +21,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Store statistics that are levels, not running totals; every other numeric field counts up.
 _GAUGE_FIELDS = frozenset({"capacity", "used", "blocks", "pinned_bytes", "spare_bytes",
-                           "map_size", "disk_bytes", "compress_level", "hit_rate"})
+                           "map_size", "disk_bytes", "compress_level", "hit_rate",
+                           "prefaulted_bytes"})
 _GAUGE_SUFFIXES = ("_us", "_depth", "_s", "_seconds", "_in_flight")
 
 

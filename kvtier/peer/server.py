@@ -51,6 +51,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _INLINE_DECODE_BYTES = 1 << 20
 # Answer payloads go out in writes of at most this size (see PeerServer._send).
 _WRITE_SLICE = 1 << 20
+# The setting a block PUT body is bounded by (a frame: the block plus its header).
+_MAX_FRAME_NAME = "max_block_bytes plus the frame header, kvtier serve --max-block-bytes"
+# ... and a key-list body (batch get, exists, delete, locate).
+_KEY_LIST_NAME = "max_batch keys, kvtier serve --max-batch, within --max-body"
 # Request metrics are keyed by method: any other method a client invents counts as OTHER
 # (the key is taken before auth, so it must not grow with what strangers send).
 _METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
@@ -348,10 +352,14 @@ class PeerServer:
                          f"body bytes taken; retry", headers={"Retry-After": "1"})
         self._reserved[id(request)] = self._reserved.get(id(request), 0) + nbytes
 
-    async def _read_body(self, request: web.Request, limit: int) -> bytes | memoryview:
+    async def _read_body(self, request: web.Request, limit: int,
+                         limit_name: str = _KEY_LIST_NAME) -> bytes | memoryview:
+        """The request body, at most ``limit`` bytes (``limit_name``: the setting behind it,
+        named in the 413 so the client's error says which limit to change)."""
         length = request.content_length
         if length is not None and length > limit:
-            raise _error(web.HTTPRequestEntityTooLarge, f"body of {length} bytes exceeds {limit}",
+            raise _error(web.HTTPRequestEntityTooLarge,
+                         f"body of {length} bytes exceeds {limit} ({limit_name})",
                          max_size=limit, actual_size=length)
         # Reserve before a byte is allocated; a chunked body may grow to the limit.
         self._reserve(request, limit if length is None else length)
@@ -360,7 +368,8 @@ class PeerServer:
         async with asyncio.timeout(self.body_timeout):
             body = await request.read()
         if len(body) > limit:
-            raise _error(web.HTTPRequestEntityTooLarge, f"body exceeds {limit} bytes",
+            raise _error(web.HTTPRequestEntityTooLarge,
+                         f"body exceeds {limit} bytes ({limit_name})",
                          max_size=limit, actual_size=len(body))
         self.bytes_in += len(body)
         return body
@@ -475,7 +484,8 @@ class PeerServer:
 
     async def _put_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
-        body = await self._read_body(request, self.limits.max_frame_bytes)
+        body = await self._read_body(request, self.limits.max_frame_bytes,
+                                     _MAX_FRAME_NAME)
         async with self.write_order.turn((key,)):
             block = await self.decode(key, body)
             del body
@@ -507,7 +517,7 @@ class PeerServer:
         return min(4 + self.limits.max_batch * (2 + 128), self.limits.max_body_bytes)
 
     async def _read_keys(self, request: web.Request) -> list[bytes]:
-        body = await self._read_body(request, self.key_list_limit())
+        body = await self._read_body(request, self.key_list_limit(), _KEY_LIST_NAME)
         return proto.decode_keys(body, self.limits.max_batch)
 
     async def _batch_get(self, request: web.Request) -> web.StreamResponse:
@@ -525,7 +535,8 @@ class PeerServer:
         return answer
 
     async def _batch_put(self, request: web.Request) -> web.StreamResponse:
-        body = await self._read_body(request, self.limits.max_body_bytes)
+        body = await self._read_body(request, self.limits.max_body_bytes,
+                                     "max_body_bytes, kvtier serve --max-body")
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
         # The chain's placement key (peers://?placement=anchor:R), for anti-entropy.
         anchor = request.query.get("anchor")

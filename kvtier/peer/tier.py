@@ -1,9 +1,10 @@
 """``peers://`` and ``peers+dns://``: the pool of other hosts' segments as one tier.
 
-A key's owners are its first ``replicas`` live members in ring order. ``get`` asks them in
-that order and the first verified hit wins; a dead, slow or erroring peer is a miss (and is
-taken out of the path until a health probe succeeds), never an exception or a hang. ``put``
-writes every owner concurrently, falling to the next live member when one fails. Batch forms
+A key's owners are its first ``replicas`` live members in ring order. ``get`` asks them
+(suspected and slow ones last) and the first verified hit wins; a dead, slow or erroring peer
+is a miss, never an exception or a hang, and counts toward taking it out of the path (see
+:mod:`kvtier.peer.health`). ``put`` writes every owner concurrently, falling to the next live
+member when one fails. Batch forms
 send one request per owner, in parallel. When an owner is this node (``self=``) its segment
 (``local=``) is used directly, without HTTP.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections import defaultdict
+import time
+from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Self, TypeVar, cast
@@ -24,8 +26,9 @@ from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError
 from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
 from kvtier.peer.chains import ChainPlacement
-from kvtier.peer.client import PeerClient
+from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, PeerUnreachableError, TimeBudget
 from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
+from kvtier.peer.handoff import Hints
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
@@ -34,6 +37,7 @@ from kvtier.peer.tls import client_context
 from kvtier.tiers.base import Block, Tier
 from kvtier.urls import (
     merge_options,
+    parse_bool,
     parse_number,
     parse_secret,
     parse_size,
@@ -47,8 +51,11 @@ T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
-            "change_window", "repair_bytes", "block_bytes", "placement", "anchor_memo"}
+            "change_window", "repair_bytes", "block_bytes", "min_rate", "fail_after",
+            "rejoin_after", "hedge", "placement", "anchor_memo"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
+_VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
+_HANDOFF_BATCH = 64  # hinted keys checked and copied at once when their owner is back
 
 
 class PeerTier(Tier):
@@ -69,11 +76,27 @@ class PeerTier(Tier):
     local
         This node's segment (the store or tier its ``PeerServer`` exposes).
     timeout
-        Seconds allowed for one request to one peer; a slower peer is a miss.
+        Seconds allowed for one request to one peer that moves no bytes; a slower peer is a
+        miss. A request's budget is ``timeout + bytes / min_rate``
+        (:class:`~kvtier.peer.client.TimeBudget`).
+    min_rate
+        Bytes per second a member is assumed to move at least (default 64 MiB/s).
+    fail_after, rejoin_after
+        Failures in a row (a burst of concurrent ones counting once) that take a member out
+        of the path, and health probes in a row that bring it back
+        (:class:`~kvtier.peer.health.FailureDetector`).
+    hedge
+        Hedged single-key reads: a ``get`` its first owner has not answered after a high
+        percentile of that owner's latency
+        (:meth:`~kvtier.peer.health.FailureDetector.hedge_delay`) goes to the next owner too,
+        and the first hit wins (the slower answer still feeds the latency figures).
     ack
         ``"all"``: ``put`` returns when every copy finished and raises unless ``min_copies``
-        of them were stored; ``"one"``: it returns after ``min_copies`` acknowledgements and
-        the other copies complete in the background (:meth:`flush` waits for them).
+        of them were stored, a hint standing in for one missing copy of an owner out of the
+        path or under suspicion (see :mod:`kvtier.peer.handoff`; never for the only copy);
+        ``"one"``: it returns
+        after ``min_copies`` acknowledgements and the other copies complete in the
+        background (:meth:`flush` waits for them).
     min_copies
         Copies a put needs to succeed (default: ``replicas`` for ``ack="all"``, 1 for
         ``"one"``; capped at the member count). Copies made are counted in :meth:`stats`.
@@ -134,8 +157,9 @@ class PeerTier(Tier):
                  tls_server_name: str | None = None,
                  min_copies: int | None = None, read_walk: int = 1,
                  change_window: float = 300.0, repair_bytes: int = 256 << 20,
-                 block_bytes: int | None = None, placement: str = "block",
-                 anchor_memo: int = 1 << 18) -> None:
+                 block_bytes: int | None = None, min_rate: float = DEFAULT_MIN_RATE,
+                 fail_after: int = 3, rejoin_after: int = 2, hedge: bool = False,
+                 placement: str = "block", anchor_memo: int = 1 << 18) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -145,6 +169,9 @@ class PeerTier(Tier):
             raise ConfigError("read_walk, change_window, repair_bytes: expected >= 0")
         if not timeout > 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout!r}")
+        if not min_rate > 0 or fail_after < 1 or rejoin_after < 1:
+            raise ConfigError(f"min_rate, fail_after, rejoin_after: expected > 0, got "
+                              f"{min_rate!r}, {fail_after!r}, {rejoin_after!r}")
         if local is not None and self_id is None:
             raise ConfigError("local: requires self (this node's member id)")
         if members is not None and self_id is not None and self_id not in members:
@@ -158,6 +185,7 @@ class PeerTier(Tier):
         self.read_walk = read_walk
         self.change_window = change_window
         self.repair_bytes = repair_bytes
+        self.hedge = hedge
         self._repair_held = 0
         self.timeout = timeout
         self._token = token  # for /v1/locate (the clients hold their own copy)
@@ -167,6 +195,7 @@ class PeerTier(Tier):
         self.compress_level = compress_level
         self.local = local
         self.limits = limits or proto.Limits()
+        self.budget = TimeBudget(timeout, min_rate)
         if block_bytes is not None and not 0 < block_bytes <= self.limits.max_block_bytes:
             raise ConfigError(f"block_bytes: expected 1..max_block_bytes "
                               f"({self.limits.max_block_bytes}), got {block_bytes!r}")
@@ -174,16 +203,23 @@ class PeerTier(Tier):
         self.members = Membership(
             members, dns=dns, vnodes=vnodes, replicas=replicas, self_id=self_id,
             health_interval=health_interval, dns_interval=dns_interval,
+            fail_after=fail_after, rejoin_after=rejoin_after,
             client_factory=lambda m: PeerClient(m, token=token, timeout=timeout,
                                                 ssl_context=ssl_context,
                                                 pool_limit=pool_limit, limits=self.limits,
-                                                tls_server_name=tls_server_name))
+                                                tls_server_name=tls_server_name,
+                                                budget=self.budget))
         self.members.placement_key = self.chains.placement_key
         self._start_lock = asyncio.Lock()
         self._started = False
         self._background: set[asyncio.Task[bool]] = set()
         self._repairs: set[asyncio.Task[None]] = set()
         self.counts: dict[str, int] = defaultdict(int)
+        # Keys already checked on every current owner, with the change count then.
+        self._verified: OrderedDict[bytes, int] = OrderedDict()
+        self._hints = Hints()
+        self._stragglers: set[asyncio.Task[Any]] = set()  # hedged reads' slower requests
+        self.members.on_rejoin = self._hand_over
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -241,6 +277,10 @@ class PeerTier(Tier):
             block_bytes=parse_size(str(opts["block_bytes"]), "block_bytes")
             if opts.get("block_bytes") not in (None, "") else None,
             repair_bytes=parse_size(str(opts.get("repair_bytes", 256 << 20)), "repair_bytes"),
+            min_rate=parse_size(str(opts.get("min_rate", DEFAULT_MIN_RATE)), "min_rate"),
+            fail_after=parse_number(opts.get("fail_after", 3), "fail_after", int, 1),
+            rejoin_after=parse_number(opts.get("rejoin_after", 2), "rejoin_after", int, 1),
+            hedge=parse_bool(opts.get("hedge", False), "hedge"),  # type: ignore[arg-type]
             placement=str(opts.get("placement", "block")),
             anchor_memo=parse_number(opts.get("anchor_memo", 1 << 18), "anchor_memo", int, 0),
         )
@@ -276,9 +316,9 @@ class PeerTier(Tier):
             order); they join the path when a health probe reaches them.
         """
         await self._start()
-        members = [m for m in self.members.members if m != self.members.self_id]
-        answers = await asyncio.gather(*(self._probe(m) for m in members))
-        refused = [m for m, a in zip(members, answers, strict=True) if a == "refused"]
+        probed = await self.members.check_health()
+        members, answers = list(probed), list(probed.values())
+        refused = [m for m, a in probed.items() if a == "refused"]
         if refused and "ok" not in answers:
             raise ConfigError(
                 f"{self.name}: every reachable member refused the bearer token "
@@ -289,20 +329,6 @@ class PeerTier(Tier):
             log.warning("%s: %d of %d members unreachable at open (%s); they join when they "
                         "answer a health probe", self.name, len(down), len(members),
                         ", ".join(down))
-
-    async def _probe(self, member: str) -> str:
-        client = self.members.client(member)
-        try:
-            self.members.health[member] = await client.health(limit_s=max(self.timeout, 1.0))
-        except PeerStatusError as exc:
-            if exc.status in (401, 403):
-                return "refused"
-            self.members.mark_dead(member, exc)
-            return "down"
-        except KVTierError as exc:
-            self.members.mark_dead(member, exc)
-            return "down"
-        return "ok"
 
     def note_chain(self, keys: Sequence[bytes], parent: bytes | None = None) -> None:
         """Learn the chain positions of ``keys`` (see :meth:`Tier.note_chain`): under a chain
@@ -316,15 +342,19 @@ class PeerTier(Tier):
     def _is_local(self, member: str) -> bool:
         return self.local is not None and member == self.members.self_id
 
-    async def _call(self, member: str, op: str, fn: Callable[[], Awaitable[T]]) -> T | object:
-        """Run one peer call; a failure is a miss for that peer only and returns ``_FAILED``.
+    async def _call(self, member: str, op: str, fn: Callable[[], Awaitable[T]],
+                    keys: int = 1) -> T | object:
+        """Run one peer call of ``keys`` keys; a failure is a miss for that peer only and
+        returns ``_FAILED``.
 
-        Only transport errors, timeouts and 5xx answers take the member out of the path: a
-        4xx says the peer is up and refused this one request (oversized, full, bad token).
+        Only transport errors, timeouts and 5xx answers count toward taking the member out of
+        the path (a refused connection at once): a 4xx says the peer is up and refused this
+        one request (oversized, full, bad token). Answers feed the member's latency.
         """
         self.counts[f"{op}_requests"] += 1
+        started = time.monotonic()
         try:
-            return await fn()
+            result = await fn()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of one peer (even MemoryError) is its miss
@@ -332,9 +362,14 @@ class PeerTier(Tier):
             refused = isinstance(exc, PeerStatusError) and exc.status < 500
             if not self._is_local(member) and isinstance(exc, KVTierError | OSError) \
                     and not refused:
-                self.members.mark_dead(member, exc)
+                self.members.report_failure(
+                    member, exc, started, time.monotonic() - started,
+                    hard=isinstance(exc, PeerUnreachableError | ConnectionRefusedError))
             log.debug("peer %s: %s failed: %s", member, op, exc)
             return _FAILED
+        if not self._is_local(member):
+            self.members.report_success(member, time.monotonic() - started, keys)
+        return result
 
     def _accept(self, member: str) -> Accept:
         """What this tier accepts as a block from ``member`` (frames.py)."""
@@ -356,9 +391,19 @@ class PeerTier(Tier):
             self._refused(member, key, exc)
             return None
 
-    def _next(self, order: list[str], tried: set[str]) -> str | None:
+    def _next(self, key: bytes | None, order: list[str], tried: set[str]) -> str | None:
+        """The first untried live member of ``order``; when none is left, the first untried
+        member out of the path that still answers health probes: for a read (``key``
+        given) one of the key's owners, so a member under suspicion is asked when it is the
+        only owner left; for a write (``key`` ``None``) any, so a put does not fail while
+        members answer."""
         for member in order:
             if member not in tried and self.members.alive(member):
+                return member
+        last_resort = order if key is None else self.members.ring.owners(
+            self.members.placement_key(key), self.replicas)
+        for member in last_resort:
+            if member not in tried and self.members.reachable(member):
                 return member
         return None
 
@@ -388,7 +433,7 @@ class PeerTier(Tier):
         frame = await self._encode(key, block)
         order = self.members.order(key)
         want, need = self._copies()
-        targets = self.members.live_owners(key, want)
+        targets = self.members.write_owners(key, want)
         if not targets:
             self.counts["puts_under_replicated"] += 1
             raise PeerError(f"{self.name}: no live peer to store {key.hex()}")
@@ -397,7 +442,9 @@ class PeerTier(Tier):
             frame = EncodedFrame(frame.header, memoryview(frame.payload.tobytes()))
             block = decode_frame(frame.to_bytes(), key=key)
         used = set(targets)
-        tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used))
+        refusals: list[str] = []  # why copies failed, for the error below
+        tasks = [asyncio.create_task(self._write_one(key, block, frame, first, order, used,
+                                                     refusals))
                  for first in targets]
         for task in tasks:
             self._track(task)
@@ -408,6 +455,7 @@ class PeerTier(Tier):
         while pending and (self.ack == "all" or copies < need):
             finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             copies += sum(1 for t in finished if t.result())
+        hinted = self._hint_failing_owners(key, want)
         if pending:  # ack=one: the remaining copies finish in the background
             self.counts["copies_made"] += copies
             for task in pending:
@@ -416,27 +464,90 @@ class PeerTier(Tier):
         self.counts["copies_made"] += copies
         if copies < want:
             self.counts["puts_under_replicated"] += 1
-        if copies < need:
+        if copies < need and not self._hints_cover(copies, hinted, need):
+            why = f": {'; '.join(dict.fromkeys(refusals))}" if refusals else ""
             raise PeerError(f"{self.name}: {copies} of {want} copies of {key.hex()} stored, "
-                            f"{need} required (ack={self.ack})")
+                            f"{need} required (ack={self.ack}){why}")
+
+    def _hint_failing_owners(self, key: bytes, want: int) -> int:
+        """Leave a hint for each of the key's owners that is out of the path or under
+        suspicion (it gets the block when it is back); returns how many owners hold a hint
+        for ``key``."""
+        hinted = 0
+        for owner in self.members.ring.owners(self.members.placement_key(key), want):
+            if owner != self.members.self_id and (not self.members.alive(owner)
+                                                  or self.members.detector[owner].suspicion):
+                self._hints.add(owner, key)
+                hinted += 1
+        return hinted
+
+    def _hints_cover(self, copies: int, hinted: int, need: int) -> bool:
+        """Whether hints make up for the copies an ``ack=all`` put lacks: one copy at most,
+        and never the only one."""
+        return self.ack == "all" and copies >= max(1, need - 1) and copies + hinted >= need
+
+    def _hand_over(self, member: str) -> None:
+        """``member`` is back (rejoined, or answered after failures): copy its hinted keys
+        to it, in the background."""
+        keys = self._hints.take(member)
+        if keys:
+            task = asyncio.create_task(self._hand_over_keys(member, keys))
+            self._repairs.add(task)
+            task.add_done_callback(self._repairs.discard)
+
+    async def _hand_over_keys(self, member: str, keys: list[bytes]) -> None:
+        """Ask ``member`` which hinted keys it lacks, read those through the pool, and store
+        them on it; a batch it fails puts its keys back as hints."""
+        for start in range(0, len(keys), _HANDOFF_BATCH):
+            chunk = keys[start:start + _HANDOFF_BATCH]
+            held = await self._call(member, "handoff", partial(self._exists, member, chunk),
+                                    len(chunk))
+            missing = [k for k, h in zip(chunk, held, strict=True) if not h] \
+                if isinstance(held, list) else chunk
+            blocks = await self._get_many(missing) if isinstance(held, list) else []
+            items = [(k, b) for k, b in zip(missing, blocks, strict=True) if b is not None]
+            frames = [(k, await self._encode(k, b)) for k, b in items]
+            # fill: a newer put that reached the owner meanwhile stays.
+            stored = await self._call(
+                member, "handoff",
+                partial(self._put_frames, member, frames, fill=True),
+                len(items)) if items else None
+            if not isinstance(held, list) or stored is _FAILED:
+                for key in keys[start:]:
+                    self._hints.add(member, key)
+                return
+            self.counts["hints_handed_over"] += len(items)
 
     def _count_copy(self, task: asyncio.Task[bool]) -> None:
         if not task.cancelled() and task.exception() is None and task.result():
             self.counts["copies_made"] += 1
 
     async def _put_to(self, target: str, op: str, key: bytes, block: Block,
-                      frame: EncodedFrame, *, fill: bool = False) -> object:
+                      frame: EncodedFrame, *, fill: bool = False,
+                      refusals: list[str] | None = None) -> object:
         """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
-        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it. ``fill``: only if
-        ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
+        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it, the reason then
+        appended to ``refusals`` (the server's answer names the limit it hit). ``fill``:
+        only if ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
+        put: Callable[[], Awaitable[None]]
         if self._is_local(target):
-            return await self._call(target, op, partial(self._put_local, key, block, fill))
-        client = self.members.client(target)
-        if not self.chains.per_block:  # a batch put carries the chain's placement key
-            return await self._call(target, op, partial(
-                client.put_many, [(key, frame)], fill=fill,
-                anchor=self.chains.placement_key(key)))
-        return await self._call(target, op, partial(client.put, key, frame, fill=fill))
+            put = partial(self._put_local, key, block, fill)
+        elif not self.chains.per_block:  # a batch put carries the chain's placement key
+            put = partial(self.members.client(target).put_many, [(key, frame)], fill=fill,
+                          anchor=self.chains.placement_key(key))
+        else:
+            put = partial(self.members.client(target).put, key, frame, fill=fill)
+        if refusals is None:
+            return await self._call(target, op, put)
+
+        async def noted() -> None:
+            try:
+                await put()
+            except Exception as exc:
+                refusals.append(f"{target}: {type(exc).__name__}: {exc}")
+                raise
+
+        return await self._call(target, op, noted)
 
     async def _put_local(self, key: bytes, block: Block, fill: bool) -> None:
         local = cast(Segment, self.local)
@@ -444,12 +555,13 @@ class PeerTier(Tier):
             await local.put(key, block)
 
     async def _write_one(self, key: bytes, block: Block, frame: EncodedFrame, member: str,
-                         order: list[str], used: set[str]) -> bool:
+                         order: list[str], used: set[str], refusals: list[str]) -> bool:
         current: str | None = member
         while current is not None:
-            if await self._put_to(current, "put", key, block, frame) is not _FAILED:
+            if await self._put_to(current, "put", key, block, frame,
+                                  refusals=refusals) is not _FAILED:
                 return True
-            current = self._next(order, used)
+            current = self._next(None, order, used)
             if current is not None:
                 used.add(current)
         return False
@@ -478,10 +590,12 @@ class PeerTier(Tier):
 
     async def _rounds(self, keys: Sequence[bytes], op: str,
                       fetch: Callable[[str, list[bytes]], Awaitable[list[Any]]],
-                      found: Callable[[Any], bool]) -> tuple[list[Any], list[list[str]]]:
-        """Ask members in ring order, one request per member per round, until each key is
+                      found: Callable[[Any], bool]
+                      ) -> tuple[list[Any], list[list[str]], list[str | None]]:
+        """Ask members in read order, one request per member per round, until each key is
         found or :meth:`walk_limit` members answered without it. Failed members do not count
-        as answers. Returns the results and, per key, the members that answered "not here"."""
+        as answers. Returns the results, per key the members that answered "not here", and
+        per key the member that had it (``None``: nobody)."""
         await self._start()
         limit = self.walk_limit()
         results: list[Any] = [None] * len(keys)
@@ -489,22 +603,30 @@ class PeerTier(Tier):
         orders = [self._read_order(k, changed) for k in keys]
         tried: list[set[str]] = [set() for _ in keys]
         missed: list[list[str]] = [[] for _ in keys]
+        holder: list[str | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         while pending:
             groups: dict[str, list[int]] = defaultdict(list)
             for i in pending:
-                member = self._next(orders[i], tried[i]) if len(missed[i]) < limit else None
+                member = self._next(keys[i], orders[i], tried[i]) \
+                    if len(missed[i]) < limit else None
                 if member is not None:
                     tried[i].add(member)
                     groups[member].append(i)
             if not groups:
                 break
-            calls = [self._call(m, op, partial(fetch, m, [keys[i] for i in idx]))
-                     for m, idx in groups.items()]
-            # One owner (every single-key call): await it directly, no task per request.
-            replies = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+            if self.hedge and len(keys) == 1 and op == "get":
+                answers = await self._hedged(keys[0], next(iter(groups)), orders[0],
+                                             tried[0], fetch, found)
+            else:
+                calls = [self._call(m, op, partial(fetch, m, [keys[i] for i in idx]), len(idx))
+                         for m, idx in groups.items()]
+                # One owner (every single-key call): await it directly, no task per request.
+                replies = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+                answers = list(zip(groups, replies, strict=True))
             pending = []
-            for (member, idx), reply in zip(groups.items(), replies, strict=True):
+            for member, reply in answers:
+                idx = groups.get(member, [0])  # a hedged request asked for key 0 only
                 if reply is _FAILED:
                     pending += idx
                     continue
@@ -513,21 +635,68 @@ class PeerTier(Tier):
                     if not found(value):
                         missed[i].append(member)
                         pending.append(i)
-                    elif len(missed[i]) > self.replicas:
+                        continue
+                    holder[i] = member
+                    if len(missed[i]) > self.replicas:
                         self.counts["walk_hits"] += 1  # found past the owners' answers
-        return results, missed
+        return results, missed, holder
+
+    async def _hedged(self, key: bytes, member: str, order: list[str], tried: set[str],
+                      fetch: Callable[[str, list[bytes]], Awaitable[list[Any]]],
+                      found: Callable[[Any], bool]) -> list[tuple[str, object]]:
+        """Ask ``member`` for ``key``; if it has not answered after its hedge delay, ask the
+        next member of ``order`` too. Returns ``(member, reply)`` of the requests that
+        answered before the first hit; a slower request left running finishes in the
+        background (its answer, or failure, still counts for its member)."""
+        first = asyncio.create_task(self._call(member, "get", partial(fetch, member, [key])))
+        delay = self.members.detector.hedge_delay(member)
+        done: set[asyncio.Task[object]] = set()
+        if delay is not None:
+            try:
+                done, _ = await asyncio.wait({first}, timeout=delay)
+            except asyncio.CancelledError:
+                first.cancel()
+                raise
+        second_member = None if done or delay is None else self._next(key, order, tried)
+        if second_member is None:
+            return [(member, await first)]
+        tried.add(second_member)
+        self.counts["hedged_reads"] += 1
+        second = asyncio.create_task(self._call(second_member, "get",
+                                                partial(fetch, second_member, [key])))
+        asked = {first: member, second: second_member}
+        answers: list[tuple[str, object]] = []
+        waiting: set[asyncio.Task[object]] = {first, second}
+        try:
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    reply = task.result()
+                    answers.append((asked[task], reply))
+                    if reply is not _FAILED and found(cast(list[Any], reply)[0]) and waiting:
+                        if task is second:
+                            self.counts["hedge_wins"] += 1
+                        for straggler in waiting:
+                            self._stragglers.add(straggler)
+                            straggler.add_done_callback(self._stragglers.discard)
+                        return answers
+        except asyncio.CancelledError:
+            for task in waiting:  # the read was cancelled: nothing it started acts later
+                task.cancel()
+            raise
+        return answers
 
     def _read_order(self, key: bytes, changed: set[str]) -> list[str]:
-        """Ring order, except that owners which recently failed, restarted or joined are
-        asked first: if they came back without the key, the read finds the hole and read
-        repair fills it (else a hit on another owner would hide it until a second failure).
-        """
+        """The live owners, then the rest in ring order. Owners which recently failed,
+        restarted or joined are asked first: if they came back without the key, the read
+        finds the hole and read repair fills it (else a hit on another owner would hide it
+        until a second failure). Owners under suspicion, and slow ones next to their
+        co-owners, are asked last."""
         order = self.members.order(key)
-        if not changed:
-            return order
-        owners = self.members.live_owners(key, self.replicas)
-        first = [m for m in owners if m in changed]
-        return first + [m for m in order if m not in first] if first else order
+        owners = self.members.detector.prefer(
+            [m for m in order if self.members.alive(m)][:self.replicas])
+        first = [m for m in owners if m in changed] + [m for m in owners if m not in changed]
+        return first + [m for m in order if m not in first]
 
     async def _fetch_blocks(self, member: str, keys: list[bytes]) -> list[Block | None]:
         if self._is_local(member):
@@ -555,13 +724,68 @@ class PeerTier(Tier):
         return [blocks[k] for k in keys]
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
-        blocks, missed = await self._rounds(keys, "get", self._fetch_blocks,
-                                            lambda b: b is not None)
+        blocks, missed, holders = await self._rounds(keys, "get", self._fetch_blocks,
+                                                     lambda b: b is not None)
         self._report_unanswered(keys, blocks, missed)
-        for key, block, not_here in zip(keys, blocks, missed, strict=True):
-            if block is not None and not_here:
+        unsettled: list[tuple[bytes, Block, str | None]] = []
+        for key, block, not_here, holder in zip(keys, blocks, missed, holders, strict=True):
+            if block is None:
+                continue
+            if not_here:
                 self._read_repair(key, block, not_here)
+            elif self.members.unsettled(key, self.replicas, self.change_window):
+                unsettled.append((key, block, holder))
+        if unsettled:
+            self._verify_owners(unsettled)
         return cast(list[Block | None], blocks)
+
+    def _verify_owners(self, found: list[tuple[bytes, Block, str | None]]) -> None:
+        """Keys whose owners changed recently, found on the first owner asked: check their
+        other current owners (one that is new for a key although unchanged itself never
+        saw its put), one batch-exists request per member, and copy each block to those
+        that lack it, in the background, within ``repair_bytes``. Each key is checked once
+        per membership change."""
+        todo: list[tuple[bytes, Block, list[str]]] = []
+        held = 0
+        for key, block, holder in found:
+            if self._verified.get(key) == self.members.change_count:
+                continue
+            targets = [m for m in self.members.live_owners(key, self.replicas) if m != holder]
+            if not targets or self._repair_held + held + block.nbytes > self.repair_bytes:
+                continue
+            self._verified[key] = self.members.change_count
+            self._verified.move_to_end(key)
+            if len(self._verified) > _VERIFIED_KEYS:
+                self._verified.popitem(last=False)
+            held += block.nbytes
+            todo.append((key, block, targets))
+        if not todo:
+            return
+        self._repair_held += held
+        task = asyncio.create_task(self._verify(todo, held))
+        self._repairs.add(task)
+        task.add_done_callback(self._repairs.discard)
+
+    async def _verify(self, todo: list[tuple[bytes, Block, list[str]]], held: int) -> None:
+        try:
+            asked: dict[str, list[int]] = defaultdict(list)
+            for i, (_, _, targets) in enumerate(todo):
+                for member in targets:
+                    asked[member].append(i)
+            replies = await asyncio.gather(*(
+                self._call(m, "verify", partial(self._exists, m, [todo[i][0] for i in idx]),
+                           len(idx)) for m, idx in asked.items()))
+            lacking: dict[int, list[str]] = defaultdict(list)
+            for (member, idx), reply in zip(asked.items(), replies, strict=True):
+                if isinstance(reply, list):
+                    for i, here in zip(idx, reply, strict=True):
+                        if not here:
+                            lacking[i].append(member)
+            self.counts["owners_verified"] += len(todo)
+            for i, members in lacking.items():
+                await self._repair_copies(todo[i][0], todo[i][1], members)
+        finally:
+            self._repair_held -= held
 
     def _read_repair(self, key: bytes, block: Block, not_here: list[str]) -> None:
         """Write a block found away from its first live owners back to those that lacked it,
@@ -598,7 +822,7 @@ class PeerTier(Tier):
         return await self.members.client(member).exists_many(keys)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        got, missed = await self._rounds(keys, "exists", self._exists, bool)
+        got, missed, _ = await self._rounds(keys, "exists", self._exists, bool)
         self._report_unanswered(keys, got, missed)
         return [bool(g) for g in got]
 
@@ -618,7 +842,7 @@ class PeerTier(Tier):
         frames = [await self._encode(key, block) for key, block in items]
         orders = [self.members.order(k) for k, _ in items]
         want, need = self._copies()
-        used = [set(self.members.live_owners(k, want)) for k, _ in items]
+        used = [set(self.members.write_owners(k, want)) for k, _ in items]
         stored = [0] * len(items)
         plan: dict[str, list[int]] = defaultdict(list)
         for i, owners in enumerate(used):
@@ -635,13 +859,15 @@ class PeerTier(Tier):
                     if reply is not _FAILED:
                         stored[i] += 1
                         continue
-                    fallback = self._next(orders[i], used[i])
+                    fallback = self._next(None, orders[i], used[i])
                     if fallback is not None:
                         used[i].add(fallback)
                         plan[fallback].append(i)
         self.counts["copies_made"] += sum(stored)
         self.counts["puts_under_replicated"] += sum(1 for n in stored if n < want)
-        short = sum(1 for n in stored if n < max(need, 1))
+        hinted = [self._hint_failing_owners(key, want) for key, _ in items]
+        short = sum(1 for n, h in zip(stored, hinted, strict=True)
+                    if n < max(need, 1) and not self._hints_cover(n, h, need))
         if short:
             raise PeerError(f"{self.name}: {short} of {len(items)} blocks stored on fewer than "
                             f"{max(need, 1)} peers (ack={self.ack}, replicas={self.replicas})")
@@ -650,18 +876,24 @@ class PeerTier(Tier):
                           frames: list[EncodedFrame], idx: list[int]) -> None:
         if self._is_local(member):
             await self.local.put_many([items[i] for i in idx])  # type: ignore[union-attr]
-        elif not self.chains.per_block:
-            # One request per chain: the server records its placement key (anti-entropy).
-            chains: dict[bytes, list[int]] = defaultdict(list)
-            for i in idx:
-                chains[self.chains.placement_key(items[i][0])].append(i)
-            client = self.members.client(member)
-            for anchor, part in chains.items():
-                await client.put_many([(items[i][0], frames[i]) for i in part], anchor=anchor)
-        elif len(idx) == 1:
+        elif len(idx) == 1 and self.chains.per_block:
             await self.members.client(member).put(items[idx[0]][0], frames[idx[0]])
         else:
-            await self.members.client(member).put_many([(items[i][0], frames[i]) for i in idx])
+            await self._put_frames(member, [(items[i][0], frames[i]) for i in idx])
+
+    async def _put_frames(self, member: str, frames: list[tuple[bytes, EncodedFrame]], *,
+                          fill: bool = False) -> None:
+        """Batch puts of ``frames`` onto ``member``: under a chain placement one request per
+        placement key, which the server records for its anti-entropy pass."""
+        client = self.members.client(member)
+        if self.chains.per_block:
+            await client.put_many(frames, fill=fill)
+            return
+        chains: dict[bytes, list[tuple[bytes, EncodedFrame]]] = defaultdict(list)
+        for key, frame in frames:
+            chains[self.chains.placement_key(key)].append((key, frame))
+        for anchor, part in chains.items():
+            await client.put_many(part, fill=fill, anchor=anchor)
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         # Copies may sit on fallback owners written while an owner was down: ask every member.
@@ -703,6 +935,8 @@ class PeerTier(Tier):
             await asyncio.gather(*self._background, *self._repairs, return_exceptions=True)
 
     async def _aclose(self) -> None:
+        for straggler in list(self._stragglers):
+            straggler.cancel()
         try:
             await asyncio.wait_for(self.flush(), timeout=max(self.timeout * 4, 1.0))
         except TimeoutError:
@@ -714,6 +948,7 @@ class PeerTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), **self.counts, "members": list(self.members.members),
+                "hints": len(self._hints), "hints_dropped": self._hints.dropped,
                 "dead": sorted(self.members.dead), "replicas": self.replicas,
                 "walk_limit": self.walk_limit(), "repairs_in_flight": len(self._repairs),
                 "placement": self.chains.mode, "anchors_known": len(self.chains),

@@ -64,7 +64,17 @@ def parse_policy(value: object, name: str = "policy") -> str:
 
 
 def make_policy(policy: str, capacity: int | None, clock: Clock = time.monotonic) -> Policy:
-    """The policy named ``policy`` (see :data:`POLICIES`) over ``capacity`` bytes."""
+    """The policy named ``policy`` (see :data:`POLICIES`) over ``capacity`` bytes.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown policy, or a capacity of 0, which would hold no block: every put
+        refused, a tier that silently does nothing.
+    """
+    if capacity is not None and capacity <= 0:
+        raise ConfigError(f"capacity: {capacity} bytes holds no block; give a size such as "
+                          "8GiB (or no capacity for an unbounded tier)")
     return POLICIES[parse_policy(policy)](capacity, clock)
 
 

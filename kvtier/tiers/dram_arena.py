@@ -2,10 +2,16 @@
 
 Why: a put of a new key into fresh heap memory pays one first-touch page fault per 4 KiB
 (256 per MiB), which makes filling a cache about 3x slower than copying into warm memory.
-The arena maps the tier's capacity up front (optionally pre-faulted, optionally on
-transparent huge pages), so puts copy into memory that is already mapped, and it is one
-region a device backend can register once as pinned memory (one DMA per HBM <-> DRAM copy,
-no staging buffer).
+The arena maps the tier's capacity up front (pre-faulted, by default in a background thread;
+optionally on transparent huge pages), so puts copy into memory that is already mapped, and
+it is one region a device backend can register once as pinned memory (one DMA per HBM <->
+DRAM copy, no staging buffer).
+
+Background prefault: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) over the arena in
+chunks, from a daemon thread (a ctypes call releases the GIL). It maps pages writable
+without touching their bytes, so it is safe while puts already copy into slots. It covers
+at most half the memory available at open, so a capacity larger than what is free does not
+push the host into swap; it stops at close.
 
 Slots: a block of ``n`` bytes takes a slot of its size class (``n`` rounded up to 64 bytes);
 freed slots go back to their class's free list (LIFO, so an overwrite copies into the slot
@@ -25,12 +31,16 @@ appends to a deque that the tier's loop drains.
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
+import errno
 import functools
 import mmap
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +52,55 @@ __all__ = ["HostArena", "slot_bytes"]
 _ALIGN = 64  # a cache line: copies into a slot never share a line with a neighbour
 _PAGE = mmap.PAGESIZE
 _HUGE_PAGE = 2 << 20
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value (5.14+)
+#: Bytes faulted in per madvise call by the background prefault (one GIL-free call each).
+PREFAULT_CHUNK = 64 << 20
+#: Arenas up to this size are faulted in at construction even in background mode: it takes
+#: about a millisecond, less than starting a thread.
+PREFAULT_INLINE_MAX = 4 << 20
+Prefault = bool | Literal["background"]
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _libc_madvise()
+
+
+def _populate(ref: weakref.ref[HostArena], limit: int) -> None:
+    """Fault ``[0, limit)`` of the arena in, chunk by chunk, until done, stopped, refused,
+    or the arena is gone."""
+    while True:
+        arena = ref()
+        if arena is None:
+            return
+        try:
+            if not arena._populate_chunk(limit):
+                arena._prefault_done = True
+                return
+        except BaseException:
+            arena._prefault_done = True
+            raise
+        del arena  # not held between chunks
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes (``None`` where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def slot_bytes(nbytes: int) -> int:
@@ -62,9 +121,12 @@ class HostArena:
     nbytes
         Bytes to map (rounded up to a page).
     prefault
-        Fault every page in now (``MAP_POPULATE``, or a write of one byte per page after
-        ``madvise`` when ``hugepages``), so no put pays a page fault. Costs about
+        ``True``: fault every page in now (``MAP_POPULATE``, or a write of one byte per page
+        after ``madvise`` when ``hugepages``), so no put pays a page fault; costs about
         ``nbytes`` / (a few GB/s) at construction and makes the memory resident.
+        ``"background"``: the same in a daemon thread, bounded to half the available memory
+        (see the module notes); :meth:`stats` reports its progress. ``False``: pages fault
+        in on first write.
     hugepages
         ``madvise(MADV_HUGEPAGE)``: transparent huge pages (one fault and one TLB entry per
         2 MiB) where the kernel allows them (``/sys/kernel/mm/transparent_hugepage``).
@@ -73,7 +135,8 @@ class HostArena:
     are released from any thread.
     """
 
-    def __init__(self, nbytes: int, *, prefault: bool = False, hugepages: bool = False) -> None:
+    def __init__(self, nbytes: int, *, prefault: Prefault = False,
+                 hugepages: bool = False) -> None:
         if nbytes <= 0:
             raise ConfigError(f"capacity: an arena needs a positive size, got {nbytes}")
         #: Bytes slots are carved from (``nbytes`` rounded up to a page).
@@ -82,9 +145,9 @@ class HostArena:
         mapped = (self.nbytes + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE if hugepages \
             else self.nbytes
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if prefault and not hugepages:
+        if prefault is True and not hugepages:
             flags |= mmap.MAP_POPULATE
-        elif not prefault:
+        elif prefault is not True:
             flags |= getattr(mmap, "MAP_NORESERVE", 0)
         try:
             self._map = mmap.mmap(-1, mapped, flags=flags)
@@ -99,9 +162,15 @@ class HostArena:
                 pass
         #: The whole arena as one writable ``uint8`` array (what a backend pins).
         self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8, self.nbytes)
-        if prefault and hugepages:
+        if prefault is True and hugepages:
             self.buffer[::_PAGE] = 0  # first touch after madvise, so faults map huge pages
-        self.prefaulted = prefault
+        self.prefault_mode = "open" if prefault is True else \
+            "background" if prefault == "background" else "off"
+        #: Bytes faulted in so far (all of them once a prefault at construction returns).
+        self.prefaulted_bytes = self.nbytes if prefault is True else 0
+        self.prefault_error: str | None = None
+        self._prefault_done = prefault != "background"
+        self._stop_prefault = threading.Event()
         self._top = 0  # slots are carved from [_top, nbytes)
         self._free: dict[int, list[int]] = {}
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -111,6 +180,40 @@ class HostArena:
         self.overflow = 0
         self._unregister: Callable[[], None] | None = None
         self._lock = threading.Lock()
+        if prefault == "background":
+            self._start_prefault()
+
+    def _start_prefault(self) -> None:
+        memory = available_memory()
+        limit = self.nbytes if memory is None else min(self.nbytes, memory // 2 // _PAGE * _PAGE)
+        if limit <= PREFAULT_INLINE_MAX:
+            _populate(weakref.ref(self), limit)
+            return
+        # The thread holds the arena only while one chunk is faulted in: an arena dropped
+        # without a close (its tier garbage) is freed, and the prefault stops.
+        threading.Thread(target=_populate, args=(weakref.ref(self), limit),
+                         name="kvtier-arena-prefault", daemon=True).start()
+
+    def _populate_chunk(self, limit: int) -> bool:
+        """Fault in the next chunk below ``limit``; whether to go on."""
+        if self.prefaulted_bytes >= limit or self._stop_prefault.is_set():
+            return False
+        if _MADVISE is None:
+            self.prefault_error = "no libc madvise"
+            return False
+        size = min(PREFAULT_CHUNK, limit - self.prefaulted_bytes)
+        base = self.buffer.__array_interface__["data"][0]
+        if _MADVISE(base + self.prefaulted_bytes, size, _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            self.prefault_error = "MADV_POPULATE_WRITE unsupported (Linux < 5.14)" \
+                if err == errno.EINVAL else f"madvise: {errno.errorcode.get(err, err)}"
+            return False
+        self.prefaulted_bytes += size
+        return True
+
+    def stop_prefault(self) -> None:
+        """Stop a background prefault after its current chunk (at the tier's close)."""
+        self._stop_prefault.set()
 
     def allocate(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
         """A writable ``uint8`` array of ``nbytes`` bytes in a slot of the arena, or ``None``
@@ -153,14 +256,19 @@ class HostArena:
     def stats(self) -> dict[str, Any]:
         """``arena_bytes``, ``arena_free_bytes`` (released slots), ``arena_unused_bytes``
         (never carved), ``arena_reused`` (allocations from a released slot),
-        ``arena_overflow`` (puts that found no slot), ``hugepages``, ``prefaulted``,
-        ``pinned`` (registered with a device backend)."""
+        ``arena_overflow`` (puts that found no slot), ``hugepages``, ``pinned``
+        (registered with a device backend), and the prefault's: ``prefault`` (``"off"``,
+        ``"open"`` or ``"background"``), ``prefaulted_bytes``, ``prefaulted`` (finished),
+        ``prefault_error`` (why it stopped early, else ``None``)."""
         with self._lock:
             self._drain()
         return {"arena_bytes": self.nbytes, "arena_free_bytes": self.free_bytes,
                 "arena_unused_bytes": self.nbytes - self._top, "arena_reused": self.reused,
                 "arena_overflow": self.overflow, "hugepages": self.hugepages,
-                "prefaulted": self.prefaulted, "pinned": self._unregister is not None}
+                "pinned": self._unregister is not None, "prefault": self.prefault_mode,
+                "prefaulted_bytes": self.prefaulted_bytes,
+                "prefaulted": self._prefault_done and self.prefault_mode != "off",
+                "prefault_error": self.prefault_error}
 
     def register(self, backend: object) -> None:
         """Register the whole arena with ``backend`` as pinned (page-locked) host memory,

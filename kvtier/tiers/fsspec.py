@@ -8,7 +8,15 @@
   several nodes may share one URL (same key, same content: concurrent writers are safe).
   Every frame is checksummed; a partial or corrupt object is a miss, deleted and counted.
 - Optional ``capacity=``: LRU trimming of *this* node's writes (evicted blocks go to the
-  demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc``.
+  demotion callback first). A shared directory as a whole is trimmed by ``kvtier gc`` or,
+  with ``fleet_capacity=``, by a background gc of the nodes, one at a time; ``file://``
+  tiers log their reads so that gc keeps the blocks in use (:mod:`kvtier.tiers.fleet`).
+- A write probe at open (:meth:`FsspecTier.open`, which ``open_store`` calls): a location
+  that cannot take a block fails there with :class:`~kvtier.errors.ConfigError`, not with
+  one dropped block after another. ``probe=0`` skips it (a read-only reader).
+- ``http://`` and ``https://`` are refused as tier URLs (almost always a typo for
+  ``peers://``); ``fsspec+https://...`` asks for fsspec's HTTP filesystem explicitly, and
+  ``fsspec+PROTO://`` works for any fsspec protocol.
 """
 
 from __future__ import annotations
@@ -19,10 +27,12 @@ import hashlib
 import importlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from kvtier.codec import (
@@ -37,18 +47,23 @@ from kvtier.misses import MissReason
 from kvtier.policy import Clock
 from kvtier.tiers.base import Block, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
+from kvtier.tiers.fleet import FLEET_OPTIONS, FleetMember, check_fleet_options, fleet_options
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.tiers.mounts import check_local, read_mountinfo
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
+from kvtier.warnsummary import WarningSummary
 
-__all__ = ["BLOCK_SUFFIX", "FsspecTier", "key_path"]
+__all__ = ["BLOCK_SUFFIX", "EXPLICIT_PREFIX", "FsspecTier", "key_path"]
 
 log = logging.getLogger("kvtier.tiers.fsspec")
 T = TypeVar("T")
 
 BLOCK_SUFFIX = ".kvb"
 _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "timeout",
-                "storage_options", "clock", "policy", "nowait"}
+                "storage_options", "clock", "policy", "nowait", "probe", *FLEET_OPTIONS}
+#: Prefix that asks for the fsspec tier explicitly (``fsspec+https://host/kv``).
+EXPLICIT_PREFIX = "fsspec+"
+_PROBE_BLOCK = np.zeros(16, np.uint8)
 
 
 def _io_error_types() -> tuple[type[BaseException], ...]:
@@ -118,6 +133,19 @@ class FsspecTier(BudgetedTier):
         other synchronous filesystems) are never abandoned: a thread cannot be stopped, and
         one left running would land after a newer value or uncounted. On a hung mount
         they wait with it, and so do their callers, even cancelled ones.
+    probe
+        Write, rename and delete a probe object in :meth:`open` (default), so a location
+        that cannot take a block fails at open. ``False``: a read-only reader.
+    use_log
+        ``file://`` only: log this tier's reads under ``ROOT/.kvtier-uses`` (default on), so
+        a gc of the shared directory keeps the blocks nodes read although reads leave atime
+        alone (:mod:`kvtier.tiers.fleet_uses`).
+    fleet_capacity
+        ``file://`` only: byte budget of the whole shared directory, kept by a background
+        gc from :meth:`open` on, every ``gc_interval`` seconds, on one node at a time
+        (:mod:`kvtier.tiers.fleet_gc`).
+    gc_interval
+        Seconds between the background gc's passes (default 300).
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -132,17 +160,23 @@ class FsspecTier(BudgetedTier):
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
-                 nowait: bool | str = "auto", timeout: float = 30.0, policy: str = "lru",
-                 clock: Clock = time.monotonic,
+                 nowait: bool | str = "auto", timeout: float = 30.0, probe: bool = True,
+                 use_log: bool = True, fleet_capacity: int | None = None,
+                 gc_interval: float = 300.0, policy: str = "lru", clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
         if timeout <= 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout}")
+        if url[:len(EXPLICIT_PREFIX)].lower() == EXPLICIT_PREFIX:
+            url = url[len(EXPLICIT_PREFIX):]
         self.protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
         nowait_mode = _parse_nowait(nowait)
         if nowait_mode and self.protocol not in ("file", "local"):
             raise ConfigError(f"nowait: only for file:// tiers, not {self.protocol}://")
+        check_fleet_options(self.protocol, fleet_capacity, gc_interval)
+        self._fleet_settings = (use_log, fleet_capacity, gc_interval)
+        self.fleet: FleetMember | None = None  # file:// only, made with the back end
         super().__init__(name=name or self.protocol)
         self.url = url
         self.storage_options = dict(storage_options or {})
@@ -154,6 +188,7 @@ class FsspecTier(BudgetedTier):
         self.nowait = False  # decided with the back end
         self.fstype: str | None = None
         self.timeout = timeout
+        self.probe = probe
         self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
         self._root = ""
@@ -166,13 +201,15 @@ class FsspecTier(BudgetedTier):
         if not self._async:
             # Sync filesystems are cheap to build; failing here reports bad options early.
             self._backend, self._root = self._make_sync_backend()
-        self.hits = self.misses = self.io_errors = self.corrupt = 0
+        self.hits = self.misses = self.io_errors = self.corrupt = self.vanished = 0
+        self._warnings = WarningSummary(log)  # one line per interval, not one per victim
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
         """``PROTO://LOCATION?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&fanout=2
-        &fsync=0&nowait=auto&timeout=30&name=LABEL&<storage options>``; other query options and the
-        ``storage_options`` keyword go to the fsspec filesystem."""
+        &fsync=0&nowait=auto&timeout=30&probe=1&name=LABEL&<storage options>``; other query
+        options and the ``storage_options`` keyword go to the fsspec filesystem. A
+        ``fsspec+`` prefix (``fsspec+https://...``) names the fsspec protocol explicitly."""
         parsed = parse_tier_url(url)
         merged: dict[str, Any] = {**parsed.params, **options}
         storage = {k: _storage_value(v) for k, v in merged.items() if k not in _OWN_OPTIONS}
@@ -196,8 +233,10 @@ class FsspecTier(BudgetedTier):
             shuffle=parse_bool(merged.get("shuffle", False), "shuffle"),
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
             nowait=merged.get("nowait", "auto"),
+            probe=parse_bool(merged.get("probe", True), "probe"),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
-            name=str(merged["name"]) if "name" in merged else None, **kwargs)
+            name=str(merged["name"]) if "name" in merged else None,
+            **fleet_options(merged), **kwargs)
 
     def _make_sync_backend(self) -> tuple[Backend, str]:
         try:
@@ -211,6 +250,10 @@ class FsspecTier(BudgetedTier):
                 raise ConfigError(f"url: unknown option(s) {unknown} for file:// (kvtier "
                                   f"options: {', '.join(sorted(_OWN_OPTIONS))})")
             self._decide_nowait(root)
+            use_log, fleet_capacity, gc_interval = self._fleet_settings
+            self.fleet = FleetMember(
+                root, use_log=use_log, fleet_capacity=fleet_capacity, gc_interval=gc_interval,
+                forget=lambda keys: self._forget(keys, "deleted by this node's fleet gc"))
             return LocalBackend(fsync=self.fsync, nowait=self.nowait), root
         return SyncFsBackend(fs), root
 
@@ -236,6 +279,50 @@ class FsspecTier(BudgetedTier):
                 self._root = root
                 self._backend = AsyncFsBackend(fs)
         return self._backend
+
+    async def open(self) -> None:
+        """Check that the location takes a block: write a probe object (a temp file renamed
+        into place, for ``file://``), then delete it; with ``fleet_capacity``, start the
+        background gc of the shared directory. ``open_store`` calls this.
+
+        Raises
+        ------
+        ConfigError
+            Naming the URL and the error, when the probe cannot be written or deleted
+            (read-only or missing mount, no permission, a bucket that does not exist,
+            wrong credentials, a filesystem that cannot write).
+        """
+        if self.probe:
+            await self._probe()
+        if self.fleet is not None:
+            self.fleet.start()
+
+    async def _probe(self) -> None:
+        try:
+            backend = await self._ready()
+            path = f"{self._root.rstrip('/')}/.kvtier-probe-{uuid.uuid4().hex}"
+            frame = encode_frame(_PROBE_BLOCK)
+            async with asyncio.timeout(self.timeout):
+                await backend.write(path, lambda: frame)
+                await backend.delete(path)
+        except Exception as exc:  # whatever the back end raises, the tier cannot be used
+            where = "the path in the URL" if self.protocol in ("file", "local") else \
+                "the URL or its storage options (bucket, endpoint_url, credentials)"
+            raise ConfigError(
+                f"{self.name} tier: {self.url!r} cannot take a block: the write probe failed "
+                f"({type(exc).__name__}: {exc}); change {where}, or add probe=0 for a "
+                "read-only reader") from exc
+
+    def _forget(self, keys: list[bytes], why: str) -> None:
+        """Stop counting ``keys`` whose files were deleted behind this tier's back (by a
+        gc pass of this node, or found missing on a read), and report them dropped (a
+        ``BlockRemoved`` event; ``explain`` says ``evicted`` and ``why``). Keys in flight
+        are left to their put or eviction."""
+        gone = [key for key in keys if key not in self._leaving and key not in self._writing
+                and self._policy.remove(key) is not None]
+        if gone:
+            self._report_dropped(gone)
+            self._report_miss(gone, MissReason.EVICTED, why)
 
     @property
     def root(self) -> str:
@@ -286,9 +373,17 @@ class FsspecTier(BudgetedTier):
         block = await self._read(key)
         if block is None:
             self.misses += 1
+            if key in self._policy and key not in self._writing:
+                # Counted here but gone from storage: deleted by the fleet gc, another
+                # node or an operator. A miss; the budget stops counting it.
+                self.vanished += 1
+                self._forget([key], "file removed from the shared directory (fleet gc or "
+                             "another node)")
         else:
             self.hits += 1
             self._policy.touch(key)
+            if self.fleet is not None:
+                self.fleet.note_read(self.path_of(key))
         return block
 
     async def _contains(self, key: bytes) -> bool:
@@ -339,7 +434,8 @@ class FsspecTier(BudgetedTier):
             try:
                 blocks.append(await self._read(key))
             except TierError as exc:  # counted; the victim is dropped undemoted
-                log.warning("%s tier: victim %s unreadable: %s", self.name, key.hex(), exc)
+                self._warnings.warn(f"{self.name} tier", "victim read",
+                                    f"{key.hex()}: {exc}")
                 blocks.append(None)
         return blocks
 
@@ -348,7 +444,7 @@ class FsspecTier(BudgetedTier):
             try:
                 await self._remove(key)
             except TierError as exc:  # counted; the file stays until a delete or gc
-                log.warning("%s tier: %s", self.name, exc)
+                self._warnings.warn(f"{self.name} tier", "victim delete", str(exc))
 
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
@@ -368,7 +464,10 @@ class FsspecTier(BudgetedTier):
         return await self._remove(key)
 
     async def _aclose(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.aclose()
         await self._commits_done()
+        self._warnings.flush()
         if self._backend is not None:
             await self._backend.close()
             self._backend = None
@@ -380,7 +479,8 @@ class FsspecTier(BudgetedTier):
             if isinstance(backend, LocalBackend) else {}
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,
                 "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
-                "url": self.url, **nowait}
+                "vanished": self.vanished, "url": self.url, **nowait,
+                **(self.fleet.stats() if self.fleet is not None else {})}
 
 
 def _parse_nowait(value: object) -> bool | None:
@@ -396,4 +496,4 @@ def _parse_nowait(value: object) -> bool | None:
 
 def _base_url(parsed: TierURL) -> str:
     """The URL without its query string (kvtier and storage options are passed apart)."""
-    return f"{parsed.scheme}://{parsed.netloc}{parsed.path}"
+    return f"{parsed.scheme.removeprefix(EXPLICIT_PREFIX)}://{parsed.netloc}{parsed.path}"

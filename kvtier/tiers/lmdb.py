@@ -145,8 +145,14 @@ class LMDBTier(BudgetedTier):
             raise ValueError(f"touch_flush: expected >= 1, got {touch_flush}")
         self._policy = make_policy(policy, capacity, clock)
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = lock_directory(self.path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd: int | None = lock_directory(self.path)
+        except OSError as exc:
+            raise ConfigError(
+                f"path: cannot use {str(self.path)!r} as an LMDB directory "
+                f"({type(exc).__name__}: {exc.strerror or exc}); lmdb:// needs a directory "
+                "this process can create and write - change the path") from None
         page = os.sysconf("SC_PAGE_SIZE")
         if capacity is None:
             map_size = _UNBOUNDED_MAP_SIZE
@@ -209,6 +215,21 @@ class LMDBTier(BudgetedTier):
             name=str(opts["name"]) if "name" in opts else None,
             **extra,
         )
+
+    async def open(self) -> None:
+        """Open the environment now (``open_store`` calls this), so ``stats()`` shows the
+        blocks a previous run left and a directory LMDB cannot use fails at open.
+
+        Raises
+        ------
+        ConfigError
+            When LMDB cannot open or create its files in the directory.
+        """
+        try:
+            await self._ready()
+        except lmdb.Error as exc:
+            raise ConfigError(f"path: LMDB cannot open {str(self.path)!r}: {exc}; change the "
+                              "path (a writable local directory)") from exc
 
     async def _ready(self) -> BlockEnv:
         if self._env is not None:
@@ -584,8 +605,9 @@ class LMDBTier(BudgetedTier):
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
         disk = self._env.disk_bytes() if self._env is not None else 0
-        return {**super().stats(), "hits": self.hits, "misses": self.misses,
-                "io_errors": self.io_errors, "corrupt": self.corrupt, "map_full": self.map_full,
+        return {**super().stats(), "opened": self._env is not None, "hits": self.hits,
+                "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
+                "map_full": self.map_full,
                 "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
                 "sync": self.sync, "compress_level": self.compress_level,
                 "discarded_after_os_crash": self.discarded_after_os_crash,

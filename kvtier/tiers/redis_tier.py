@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
@@ -43,7 +44,9 @@ try:
     from redis.asyncio.connection import BlockingConnectionPool, Connection, SSLConnection
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import RedisError
+    from redis.exceptions import AuthenticationError, RedisError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("redis:// needs redis-py: pip install 'kvtier[redis]'") from exc
 
@@ -55,6 +58,8 @@ _OPTIONS = {"prefix", "ttl", "max_connections", "token", "username", "tls", "tls
             "timeout", "name", "max_block", "usage_interval"}
 _DEFAULT_PORT = 6379
 _PIPELINE_BYTES = 256 << 10
+# Connection errors that are the server's answer, not a missing server.
+_REFUSALS = (AuthenticationError,)
 
 
 def _split_host(entry: str, url: str) -> tuple[str, int]:
@@ -191,6 +196,39 @@ class RedisTier(BatchTier):
                 max_connections=max_connections, timeout=timeout, host=nodes[0][0],
                 port=nodes[0][1], db=int(db_text or 0), **common))
         return cls(client, timeout=timeout, **tier_opts)
+
+    async def open(self) -> None:
+        """``SET`` and ``DEL`` a probe key with the tier's credentials (``open_store`` calls
+        this), so a wrong password, a user without write access or a read-only replica fails
+        at open instead of turning every get into a miss.
+
+        Raises
+        ------
+        ConfigError
+            When the server answers with an error (authentication, ACL, ``READONLY``,
+            ``OOM``...). A server that cannot be reached is only logged: stores and servers
+            start in any order, and the tier uses the server once it answers.
+        """
+        probe = self.prefix + b"kvtier-probe:" + os.urandom(8).hex().encode()
+
+        async def set_and_delete() -> None:
+            await self.client.set(probe, b"1", ex=60)
+            await self.client.delete(probe)
+
+        try:
+            await self._run("probe", set_and_delete)
+        except TierError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, RedisConnectionError | RedisTimeoutError | OSError |
+                          TimeoutError) and not isinstance(cause, _REFUSALS):
+                log.warning("%s: server unreachable at open (%s); it is used once it answers",
+                            self.name, cause)
+                return
+            raise ConfigError(
+                f"{self.name}: the server refused a probe write ({type(cause).__name__}: "
+                f"{cause}); check token= and username= (the server's requirepass/ACL user "
+                "needs SET and DEL on keys under prefix=) and that it is a writable primary"
+            ) from exc
 
     # ----------------------------------------------------------------- usage
     @property

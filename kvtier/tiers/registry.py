@@ -25,6 +25,10 @@ _BUILTIN: dict[str, str] = {
     "redis+cluster": "kvtier.tiers.redis_tier:RedisTier",
     "mooncake": "kvtier.tiers.mooncake_tier:MooncakeTier",
 }
+# fsspec protocols taken only when asked for with the explicit prefix (fsspec+https://):
+# an http(s) URL as a tier is almost always a typo for peers://.
+_REFUSED_FSSPEC = frozenset({"http", "https"})
+_EXPLICIT_FSSPEC = "fsspec+"
 _registered: dict[str, type[Tier] | str] = {}
 
 
@@ -51,9 +55,11 @@ def _entry_point_schemes() -> dict[str, Any]:
 
 
 def known_schemes() -> list[str]:
-    """Every scheme :func:`tier_from_url` accepts (fsspec protocols included)."""
+    """Every scheme :func:`tier_from_url` accepts (fsspec protocols included; ``http`` and
+    ``https`` only as ``fsspec+http``/``fsspec+https``)."""
     return sorted(set(_BUILTIN) | set(_registered) | set(_entry_point_schemes())
-                  | _fsspec_protocols())
+                  | (_fsspec_protocols() - _REFUSED_FSSPEC)
+                  | {_EXPLICIT_FSSPEC + p for p in _REFUSED_FSSPEC})
 
 
 def _load(target: type[Tier] | str, scheme: str) -> type[Tier]:
@@ -87,7 +93,12 @@ def tier_class(scheme: str) -> type[Tier]:
     eps = _entry_point_schemes()
     if scheme in eps:
         return _load(eps[scheme].value, scheme)
-    if scheme in _fsspec_protocols():
+    if scheme in _REFUSED_FSSPEC:
+        raise ConfigError(
+            f"url: {scheme}:// is not a tier (a kvtier peer pool is peers://host:port); to "
+            f"use an HTTP server as an fsspec tier, ask for it explicitly: fsspec+{scheme}://...")
+    protocol = scheme.removeprefix(_EXPLICIT_FSSPEC)
+    if protocol in _fsspec_protocols():
         return _load(_FSSPEC_TIER, scheme)
     builtin = ", ".join(sorted(set(_BUILTIN) | set(_registered) | set(eps)))
     raise UnknownSchemeError(
