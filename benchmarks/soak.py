@@ -172,6 +172,7 @@ class Tally:
     puts: int = 0
     gets: int = 0
     acked: dict[bytes, float] = field(default_factory=dict)  # key -> ack time
+    chains: list[list[bytes]] = field(default_factory=list)  # acknowledged, with --chain > 1
     put_errors: int = 0
     get_errors: int = 0
     get_misses: int = 0
@@ -197,7 +198,9 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
         while time.monotonic() < until:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             next_at += interval
-            if not keys or rng.random() < 0.5:
+            if args.chain > 1:
+                await _chain_op(store, tally, args, rng, next(counter))
+            elif not keys or rng.random() < 0.5:
                 key = hashlib.blake2b(f"soak-{args.seed}-{next(counter)}".encode(),
                                       digest_size=16).digest()
                 t0 = time.perf_counter()
@@ -229,6 +232,44 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
                     tally.wrong_bytes += 1
 
     await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+
+
+async def _chain_op(store: object, tally: Tally, args: argparse.Namespace,
+                    rng: random.Random, serial: int) -> None:
+    """Half the time put a new prompt chain of ``--chain`` blocks (one ``put_many``), else
+    read an acknowledged chain back with ``get_many`` (as an engine loads a prompt)."""
+    if not tally.chains or rng.random() < 0.5:
+        chain = [hashlib.blake2b(f"soak-{args.seed}-{serial}-{i}".encode(),
+                                 digest_size=16).digest() for i in range(args.chain)]
+        t0 = time.perf_counter()
+        try:
+            await store.put_many([(k, block_for(k, args.block_bytes)) for k in chain])  # type: ignore[attr-defined]
+        except Exception as exc:
+            tally.put_errors += 1
+            tally.errors.append(f"put_many: {exc!r}"[:300])
+            return
+        tally.put_lat.append(time.perf_counter() - t0)
+        tally.puts += len(chain)
+        now = time.monotonic()
+        tally.acked.update((k, now) for k in chain)
+        tally.chains.append(chain)
+        return
+    chain = rng.choice(tally.chains)
+    t0 = time.perf_counter()
+    try:
+        got = await store.get_many(chain)  # type: ignore[attr-defined]
+    except Exception as exc:
+        tally.get_errors += 1
+        tally.errors.append(f"get_many: {exc!r}"[:300])
+        return
+    tally.get_lat.append(time.perf_counter() - t0)
+    tally.gets += len(chain)
+    for key, block in zip(chain, got, strict=True):
+        if block is None:
+            tally.get_misses += 1
+        elif not np.array_equal(np.asarray(block).view(np.uint8).ravel(),
+                                block_for(key, args.block_bytes)):
+            tally.wrong_bytes += 1
 
 
 async def _chaos(servers: list[Server], tally: Tally, args: argparse.Namespace, until: float,
@@ -283,13 +324,14 @@ async def _membership(servers: list[Server], tally: Tally, t0: float, duration: 
         tally.leaves += 1
 
 
-async def _read_back(store: object, keys: list[bytes], nbytes: int
+async def _read_back(store: object, batches: list[list[bytes]], nbytes: int
                      ) -> tuple[set[bytes], int]:
-    """``(keys read with the right bytes, wrong blocks)`` of ``keys`` through ``store``."""
+    """``(keys read with the right bytes, wrong blocks)`` of the keys in ``batches`` (each
+    one ``get_many``: a chain is read as one prompt, as a fresh client learns its placement
+    from it) through ``store``."""
     good: set[bytes] = set()
     wrong = 0
-    for start in range(0, len(keys), 64):
-        chunk = keys[start:start + 64]
+    for chunk in batches:
         for key, got in zip(chunk, await store.get_many(chunk), strict=True):  # type: ignore[attr-defined]
             if got is None:
                 continue
@@ -347,7 +389,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
     ports = [_free_port() for _ in range(args.servers)]
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     pool = (f"peers://{members}?replicas={args.replicas}&token=file:{token}"
-            f"&timeout={args.timeout}&health_interval=0.5")
+            f"&timeout={args.timeout}&health_interval=0.5&placement={args.placement}")
     serve_args = ["--tier", "dram://?capacity=2GiB", "--token-file", str(token)]
     if args.repair_interval > 0:
         serve_args += ["--pool", pool, "--repair-interval", str(args.repair_interval)]
@@ -381,8 +423,11 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                 s.send(signal.SIGCONT)
             await asyncio.sleep(args.settle)
             keys = list(tally.acked)
+            batches = tally.chains if args.chain > 1 else [
+                keys[start:start + 64] for start in range(0, len(keys), 64)]
             # Long-lived clients first, then a fresh one, all servers up (but the one left).
-            long_lived = [await _read_back(store, keys, args.block_bytes) for store in stores]
+            long_lived = [await _read_back(store, batches, args.block_bytes)
+                          for store in stores]
         finally:
             for store in stores:
                 await store.aclose()
@@ -391,7 +436,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         held_mib = {i: _dram_bytes(servers[i].member, "soak-token") / (1 << 20)
                     for i in rss_end}
         async with await kvtier.open_store([pool]) as reader:
-            fresh, wrong_end = await _read_back(reader, keys, args.block_bytes)
+            fresh, wrong_end = await _read_back(reader, batches, args.block_bytes)
         behind = sum(len(fresh - good) for good, _ in long_lived)
         wrong_end += sum(wrong for _, wrong in long_lived)
         unreadable = [k for k in keys if k not in fresh]
@@ -455,6 +500,7 @@ def table(r: dict[str, object]) -> str:
         ("membership: joined empty / left for good", f"{t.joins} / {t.leaves}"),
         ("full disk (server 0: LMDB on a tmpfs): size / demotions it failed",
          f"{a.full_disk_mib} MiB / {r['dropped']}" if r["full_disk"] else "off"),
+        ("placement, blocks per put", f"{a.placement}, {a.chain}"),
         ("operations: puts acknowledged / gets", f"{t.puts} / {t.gets}"),
         ("gets that missed during chaos", f"{t.get_misses}"),
         ("acknowledged keys unreadable at end (all servers up)",
@@ -518,6 +564,10 @@ def options(parser: argparse.ArgumentParser) -> None:
                              "two thirds in")
     parser.add_argument("--full-disk-mib", type=int, default=0,
                         help="server 0's LMDB segment on a tmpfs of this size (0: off)")
+    parser.add_argument("--placement", default="block",
+                        help="the pool's placement= (block, anchor:R)")
+    parser.add_argument("--chain", type=int, default=1,
+                        help="blocks per put: > 1 puts and reads whole prompt chains")
 
 
 def main(argv: list[str] | None = None) -> int:

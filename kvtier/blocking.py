@@ -235,6 +235,14 @@ class BlockingStore:
         return self._wait(self.submit(lambda s: s.locate_prefix(keys, timeout=timeout)),
                           self._timeout)
 
+    def route(self, keys: Sequence[bytes], candidates: Sequence[str],
+              load: Mapping[str, float] | None = None) -> str:
+        """:meth:`TieredStore.route`: the pool member a router sends this prompt to (run on
+        the store's loop, which owns the pool's placement state; no network request)."""
+        async def route(store: TieredStore) -> str:
+            return store.route(keys, candidates, load)
+        return self._write(route, _UNSET)
+
     def events(self, *, buffer: int | None = None) -> Subscription:
         """:meth:`TieredStore.events`, subscribed on the store's loop. A thread polls it with
         ``Subscription.drain_nowait()`` (never blocks); ``sub.close()`` ends it."""

@@ -293,6 +293,7 @@ class TieredStore:
         """
         self._enter()
         key_list = keys_list(keys)
+        self._note_chain(key_list)
         return await self._reads.get_many(key_list, self._deadline(timeout))
 
     @_in_flight
@@ -325,6 +326,7 @@ class TieredStore:
         """
         self._enter()
         key_list = keys_list(keys)
+        self._note_chain(key_list)
         if isinstance(outs, bytes | str) or not isinstance(outs, Sequence):
             raise TypeError(f"outs: expected a sequence of buffers, got {type(outs).__name__}")
         if len(outs) != len(key_list):
@@ -355,7 +357,9 @@ class TieredStore:
         tier, so eviction takes chain ends first.
         """
         self._enter()
-        return await self._reads.lookup_prefix(keys_list(keys), self._deadline(timeout))
+        key_list = keys_list(keys)
+        self._note_chain(key_list)
+        return await self._reads.lookup_prefix(key_list, self._deadline(timeout))
 
     @_in_flight
     async def explain(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
@@ -476,6 +480,7 @@ class TieredStore:
         # Only a repeated key's last value is observable, and writing just that one keeps
         # the order of puts into different tiers from mattering.
         last: dict[bytes, tuple[Block, int]] = {}
+        chain: list[bytes] = []
         count = 0
         for i, item in enumerate(items):
             if not isinstance(item, tuple) or len(item) != 2:
@@ -485,9 +490,11 @@ class TieredStore:
             first = self._placement.first_fitting(block.nbytes, f"items[{i}] value")
             last.pop(key, None)
             last[key] = (block, first)
+            chain.append(key)
             count += 1
         if not last:
             return WritesDone()
+        self._note_chain(chain, parent)
         return await self._within(seconds, "put_many",
                                   self._placement.put_many(last, count, parent))
 
@@ -596,6 +603,7 @@ class TieredStore:
 
         self._enter()
         key_list = keys_list(keys)
+        self._note_chain(key_list)
         # An explicit timeout is taken as given (math.inf: no limit, as for every verb).
         seconds = (self._timeout or LOCATE_DEADLINE) if timeout is None \
             else check_timeout(timeout)
@@ -606,6 +614,54 @@ class TieredStore:
             return next((i for i, p in enumerate(present) if not p), len(present))
 
         return await locate_in_pool(self.node, self._chain.tiers, key_list, seconds, leading())
+
+    def route(self, keys: Sequence[bytes], candidates: Sequence[str],
+              load: Mapping[str, float] | None = None) -> str:
+        """The node a router should send a request for the prompt ``keys`` to.
+
+        Each candidate's local run is the number of leading ``keys`` it owns in this store's
+        ``peers://`` tier (one of their first ``replicas`` live owners, under the pool's
+        placement): with ``placement=anchor:R`` a whole chain has one owner, which serves it
+        from its own segment, and the blocks computed there are stored there. The longest
+        run wins among the candidates whose load stays within
+        :data:`kvtier.routing.LOAD_BOUND` (1.25) times the mean; ties go to the least
+        loaded. Nothing is sent over the network: the runs are predicted from the ring, not
+        asked with ``POST /v1/locate`` (:meth:`locate_prefix` measures them).
+
+        Parameters
+        ----------
+        keys
+            The request's prompt as a prefix chain, in order (learned as for
+            :meth:`lookup_prefix`).
+        candidates
+            Member ids of the pool (``host:port`` of each node's ``kvtier serve``) the
+            request may go to; a router maps them to its engines.
+        load
+            Per candidate, its load now (queue depth or requests in flight; missing: 0).
+
+        Returns
+        -------
+        str
+            One of ``candidates``.
+
+        Raises
+        ------
+        ConfigError
+            If the store has no ``peers://`` tier.
+        ValueError
+            If ``candidates`` is empty.
+        """
+        from kvtier.routing import route_by_owner  # aiohttp (PeerTier): only when routing
+
+        self._enter()
+        key_list = keys_list(keys)
+        self._note_chain(key_list)
+        return route_by_owner(self._chain.tiers, key_list, candidates, load or {})
+
+    def _note_chain(self, keys: Sequence[bytes], parent: bytes | None = None) -> None:
+        if keys:
+            for tier in self._chain.tiers:
+                tier.note_chain(keys, parent)
 
     # ------------------------------------------------------------------ pins
     async def pin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.replay.chain_placement import ChainPlacement
+from kvtier.peer.chains import ChainPlacement
 
 
 def _chain(n: int) -> list[bytes]:
@@ -59,3 +59,52 @@ def test_root_places_the_head_by_own_keys_and_the_rest_by_block_r() -> None:
     k = _chain(5)
     assert ChainPlacement("root:2").placement_keys(k) == [k[0], k[1], k[2], k[2], k[2]]
     assert ChainPlacement("root:9").placement_keys(k) == k
+
+
+def test_a_put_after_a_parent_continues_its_chain() -> None:
+    k = _chain(6)
+    p = ChainPlacement("anchor:1")
+    p.learn(k[:3])  # a lookup of the prompt from block 0
+    assert p.learn(k[3:], parent=k[2]) == [k[1]] * 3
+    assert p.placement_key(k[5]) == k[1]
+
+
+def test_a_parent_before_block_r_lets_the_new_keys_pick_the_anchor() -> None:
+    k = _chain(4)
+    p = ChainPlacement("anchor:1")
+    p.learn(k[:1])  # a one-block chain is placed by its only block
+    assert p.placement_key(k[0]) == k[0]
+    assert p.learn(k[1:], parent=k[0]) == [k[1]] * 3
+
+
+def test_a_batch_starting_at_a_known_key_keeps_its_position() -> None:
+    k = _chain(8)
+    p = ChainPlacement("chunk:3")
+    p.learn(k)
+    assert p.learn(k[4:7]) == [k[3], k[3], k[6]]  # not re-placed as if k4 were block 0
+    q = ChainPlacement("anchor:1")
+    q.learn(k)
+    assert q.learn(k[5:]) == [k[1]] * 3
+
+
+def test_an_unknown_parent_leaves_keys_placed_by_their_own_keys() -> None:
+    k = _chain(4)
+    p = ChainPlacement("anchor:1")
+    assert p.learn(k[2:], parent=k[1]) == k[2:]
+    assert len(p) == 0
+    assert p.learn(k[:2]) == [k[1], k[1]]  # an unknown first key starts a chain
+
+
+def test_anchor_with_a_depth_splits_long_chains_into_runs() -> None:
+    k = _chain(9)
+    p = ChainPlacement("anchor:1:4")
+    assert p.placement_keys(k) == [k[1]] * 4 + [k[4]] * 4 + [k[8]]
+    p.learn(k[:6])
+    assert p.learn(k[6:], parent=k[5]) == [k[4], k[4], k[8]]
+    assert p.learn(k[5:7]) == [k[4], k[4]]
+
+
+@pytest.mark.parametrize("mode", ["anchor:1:1", "anchor:2:x", "chunk:2:4", "root:1:4"])
+def test_bad_depth_is_rejected(mode: str) -> None:
+    with pytest.raises(ValueError, match="placement"):
+        ChainPlacement(mode)

@@ -68,10 +68,12 @@ def test_locate_rejects_bad_arguments() -> None:
 def test_cli_prints_routing_columns_and_refuses_real(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "kvtier.cli", "replay", "builtin:agentic", "--limit", "60",
             "--no-progress"]
-    proc = subprocess.run([*base, "--routing", "rr,locate-bounded", "--mode", "per-node,pooled"],
+    proc = subprocess.run([*base, "--routing", "rr,locate-bounded,owner", "--mode",
+                           "per-node,pooled", "--placement", "anchor:1:64"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "load max/mean" in proc.stdout and "locate-bounded" in proc.stdout
+    assert "owner" in proc.stdout and "anchor:1:64" in proc.stdout
     proc = subprocess.run([*base, "--real", "--routing", "locate"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--dry only" in proc.stderr
@@ -84,3 +86,22 @@ def test_real_engine_locate_routing_needs_the_pool() -> None:
     with pytest.raises(ConfigError, match="locate"):
         RealConfig(mode="per-node", routing="locate")
     assert RealConfig(mode="pooled", routing="locate").routing == "locate"
+
+
+def test_owner_routing_with_anchor_placement_makes_pooled_hits_local() -> None:
+    # Conversations that share a system-prompt block 0 and grow turn by turn: anchored on
+    # block 1, each conversation lives on one owner and owner routing sends it there.
+    requests = [_row([0, *range(1000 * c, 1000 * c + turn + 1)])
+                for turn in range(6) for c in range(1, 41)]
+    owner = LocateSimulation("pooled", "owner", "lru", 4, [10_000], placement="anchor:1")
+    rr = LocateSimulation("pooled", "locate-bounded", "lru", 4, [10_000])
+    run_dry(requests, [owner, rr], block_bytes=1)
+    # Block 0 is stored once per anchor owner: its first read on each of the 3 other
+    # owners is a miss block placement does not pay.
+    assert owner.hit_blocks == rr.hit_blocks - 3
+    # Remote only where the load bound spilled a turn off its owner (10 vs 608 blocks).
+    assert owner.remote_hits * 20 < rr.remote_hits
+    assert routing_metrics(owner, 1)["load_imbalance"] <= LOAD_BOUND + 0.01
+    keys = [block_key(i) for i in (0, 1000, 1001)]
+    runs = owner.owned_prefix(keys)
+    assert sorted(runs) == [0, 0, 0, 3] and runs.index(3) == owner.owner(block_key(1000))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -62,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cascade", action="store_true",
                         help="--dry: when a block leaves a node or the pool, drop the blocks "
                              "chained after it too (tail-first eviction across shards)")
-    parser.add_argument("--placement", default="block", metavar="block|chunk:N|root:R|anchor:R",
+    parser.add_argument("--placement", default="block", metavar="block|chunk:N|root:R|anchor:R[:D]",
                         help="--dry pooled: place each block by its own key (default), runs "
                              "of N blocks by their first block's key, blocks from R on by "
                              "block R's key, or a whole chain by block R's key")
@@ -84,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from kvtier.peer.chains import ChainPlacement
     from kvtier.replay.routing import LOCATE_ROUTINGS
     from kvtier.replay.sim import MODES, POLICIES, ROUTINGS
 
@@ -109,9 +109,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--block-bytes: expected >= 1, got {args.block_bytes}")
     if args.vnodes is not None and args.vnodes < 1:
         raise ConfigError(f"--vnodes: expected >= 1, got {args.vnodes}")
-    if not re.fullmatch(r"block|chunk:0*[1-9]\d*|(root|anchor):\d+", args.placement):
-        raise ConfigError("--placement: expected block, chunk:N, root:R or anchor:R, got "
-                          f"{args.placement!r}")
+    try:
+        ChainPlacement(args.placement, memo_keys=0)
+    except ValueError as exc:
+        raise ConfigError(f"--placement: {exc}") from None
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: expected >= 1, got {args.limit}")
     if args.real and set(args.routing) & set(LOCATE_ROUTINGS):

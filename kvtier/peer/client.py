@@ -308,25 +308,29 @@ class PeerClient:
         return out
 
     async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]], *,
-                       fill: bool = False) -> None:
+                       fill: bool = False, anchor: bytes | None = None) -> None:
         """Store frames, split into requests that respect the batch and body limits
-        (``fill``: only those the peer does not hold)."""
+        (``fill``: only those the peer does not hold; ``anchor``: the placement key of every
+        block here under chain placement, see :mod:`kvtier.peer.chains`, recorded by the
+        server for its anti-entropy pass)."""
         start, size = 0, 4
+        query = "&".join(([proto.FILL_QUERY] if fill else [])
+                         + ([f"anchor={anchor.hex()}"] if anchor is not None else []))
+        path = f"{proto.BATCH_PUT_PATH}?{query}" if query else proto.BATCH_PUT_PATH
         for i, (key, frame) in enumerate(items):
             entry = 2 + len(key) + 8 + frame.nbytes
             if i > start and (i - start >= self.limits.max_batch
                               or size + entry > self.limits.max_body_bytes):
-                await self._put_batch(items[start:i], fill)
+                await self._put_batch(items[start:i], path)
                 start, size = i, 4
             size += entry
         if start < len(items):
-            await self._put_batch(items[start:], fill)
+            await self._put_batch(items[start:], path)
 
-    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]], fill: bool) -> None:
+    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]], path: str) -> None:
         for _, frame in items:
             self.budget.seen(frame.nbytes)
         body = BuffersPayload(proto.encode_blocks(list(items)))
-        path = f"{proto.BATCH_PUT_PATH}?{proto.FILL_QUERY}" if fill else proto.BATCH_PUT_PATH
         await self._request("POST", path, body=body, nbytes=body.size or 0)
 
     async def _flags(self, path: str, keys: Sequence[bytes]) -> list[bool]:

@@ -96,6 +96,9 @@ class Membership:
         self.health_interval = health_interval
         self.dns_interval = dns_interval
         self.ring = HashRing(self._static or [], vnodes=vnodes, replicas=replicas)
+        # The key a block's owners are hashed by: its own key, or its chain's under chain
+        # placement (set by the tier, see kvtier.peer.chains).
+        self.placement_key: Callable[[bytes], bytes] = _own_key
         self.clients: dict[str, PeerClient] = {}
         self.detector = FailureDetector(fail_after=fail_after, rejoin_after=rejoin_after)
         self.health: dict[str, dict[str, Any]] = {}
@@ -185,12 +188,18 @@ class Membership:
         return {m for m, at in self._changes.items() if at >= since}
 
     def order(self, key: bytes) -> list[str]:
-        """Every member in ring order for ``key`` (primary first)."""
-        return self.ring.owners(key, len(self.ring))
+        """Every member in ring order for ``key``'s placement key (primary first)."""
+        return self.ring.owners(self.placement_key(key), len(self.ring))
+
+    def owners_of(self, placement_key: bytes, n: int) -> list[str]:
+        """The first ``n`` live members in ring order of a placement key (a block's own key,
+        or its chain's: see :mod:`kvtier.peer.chains`)."""
+        return [m for m in self.ring.owners(placement_key, len(self.ring))
+                if self.alive(m)][:n]
 
     def live_owners(self, key: bytes, n: int) -> list[str]:
         """The first ``n`` live members in ring order (dead owners are skipped)."""
-        return [m for m in self.order(key) if self.alive(m)][:n]
+        return self.owners_of(self.placement_key(key), n)
 
     def write_owners(self, key: bytes, n: int) -> list[str]:
         """The first ``n`` live members in ring order, then, while fewer than ``n`` are live,
@@ -208,10 +217,11 @@ class Membership:
         or left, and its owners differ from those of a ring before)."""
         since = time.monotonic() - window
         owners = None
+        placed = self.placement_key(key)
         for ring, until in self._previous:
             if until >= since:
-                owners = set(self.ring.owners(key, replicas)) if owners is None else owners
-                if set(ring.owners(key, replicas)) != owners:
+                owners = set(self.ring.owners(placed, replicas)) if owners is None else owners
+                if set(ring.owners(placed, replicas)) != owners:
                     return True
         return False
 
@@ -363,3 +373,7 @@ class Membership:
             client = self.clients.pop(member, None)
             if client is not None:
                 await client.close()
+
+
+def _own_key(key: bytes) -> bytes:
+    return key

@@ -225,7 +225,11 @@ class AntiEntropy:
                            ) -> list[tuple[int, bytes, list[str]]]:
         members = self.pool.members
         me = members.self_id
-        owners = {key: members.live_owners(key, self.pool.replicas) for key in chunk}
+        held = self.server.stored_keys
+        # Under chain placement a key's owners are its chain's placement key's, as its
+        # writer sent it; a push carries it on, so the new copy can be repaired in turn.
+        owners = {key: members.owners_of(held.get(key) or key, self.pool.replicas)
+                  for key in chunk}
         asked: dict[str, list[bytes]] = defaultdict(list)
         for key, found in owners.items():
             for owner in found:
@@ -268,17 +272,20 @@ class AntiEntropy:
     async def _push_round(self, work: list[tuple[int, bytes, list[str]]],
                           done: dict[str, int]) -> None:
         blocks = await self.server.segment.get_many([key for _, key, _ in work])
-        plan: dict[str, list[tuple[bytes, EncodedFrame]]] = defaultdict(list)
+        anchors = self.server.stored_keys
+        plan: dict[tuple[str, bytes | None], list[tuple[bytes, EncodedFrame]]] = \
+            defaultdict(list)
         for (_, key, missing), block in zip(work, blocks, strict=True):
             if block is None:
                 continue  # evicted since the survey
             frame = encode_frame(block, key=key)
             for member in missing:
-                plan[member].append((key, frame))
-        await asyncio.gather(*(self._push(m, items, done) for m, items in plan.items()))
+                plan[member, anchors.get(key)].append((key, frame))
+        await asyncio.gather(*(self._push(m, anchor, items, done)
+                               for (m, anchor), items in plan.items()))
 
-    async def _push(self, member: str, items: list[tuple[bytes, EncodedFrame]],
-                    done: dict[str, int]) -> None:
+    async def _push(self, member: str, anchor: bytes | None,
+                    items: list[tuple[bytes, EncodedFrame]], done: dict[str, int]) -> None:
         client = self.pool.members.client(member)
         start = 0
         while start < len(items):
@@ -290,7 +297,7 @@ class AntiEntropy:
             await self.pacer.take(size)
             try:
                 # fill=True: a newer value that reached the owner meanwhile stays.
-                await client.put_many(items[start:end], fill=True)
+                await client.put_many(items[start:end], fill=True, anchor=anchor)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # this owner is skipped until the next pass

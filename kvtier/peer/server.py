@@ -184,7 +184,9 @@ class PeerServer:
         self.connections_refused = 0
         self.batch_truncated = 0
         self.handoffs = 0  # data-plane connections handed to aiohttp
-        self.stored_keys: dict[bytes, None] = {}  # insertion-ordered; only when tracked
+        # key -> the placement key it was stored under (None: its own key); insertion-
+        # ordered; only when tracked
+        self.stored_keys: dict[bytes, bytes | None] = {}
         self._track_keys = False
         self._accept_filter: AcceptErrorFilter | None = None
         self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
@@ -262,11 +264,12 @@ class PeerServer:
         anti-entropy pass, which prunes what the segment no longer holds)."""
         self._track_keys = True
 
-    def stored(self, keys: Iterable[bytes]) -> None:
-        """Note keys stored through this server (kept only after :meth:`track_keys`)."""
+    def stored(self, keys: Iterable[bytes], anchor: bytes | None = None) -> None:
+        """Note keys stored through this server, under the placement key ``anchor`` (chain
+        placement) or their own (kept only after :meth:`track_keys`)."""
         if self._track_keys:
             for key in keys:
-                self.stored_keys[key] = None
+                self.stored_keys[key] = anchor
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then close the segment if owned."""
@@ -535,6 +538,9 @@ class PeerServer:
         body = await self._read_body(request, self.limits.max_body_bytes,
                                      "max_body_bytes, kvtier serve --max-body")
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
+        # The chain's placement key (peers://?placement=anchor:R), for anti-entropy.
+        anchor = request.query.get("anchor")
+        placed = None if anchor is None else key_from_hex(anchor, "anchor")
         async with self.write_order.turn(k for k, _ in entries):
             # Every frame is verified before anything is stored: a bad batch changes nothing.
             decoded: list[tuple[bytes, object]] = []
@@ -550,7 +556,7 @@ class PeerServer:
             if decoded:
                 await self.segment.put_many(decoded)
         if decoded:
-            self.stored(k for k, _ in decoded)
+            self.stored((k for k, _ in decoded), placed)
             self._note_abandoned(request)
         return web.Response(status=204)
 

@@ -1,6 +1,6 @@
 """The routing study behind ``docs/pooling-results.md`` ("Routing by where a prefix lives"):
 for each trace and node count, one pass feeds per-node and pooled simulations under
-round-robin, session and locate routing, with per-block and chunk placement.
+round-robin, session, locate and owner routing, with per-block, chunk and anchor placement.
 
 Run ``python -m kvtier.replay.locate_study --out routing.json TRACE...``; prints
 Markdown tables (hit rate, remote blocks moved and read per request, load max/mean, shard
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.ring import HashRing
 from kvtier.replay.dry import block_key
 from kvtier.replay.routing import make_simulation, routing_metrics
@@ -36,6 +37,10 @@ CONFIGS: tuple[tuple[str, str, str, str], ...] = (
     ("chunk:16 rr", "pooled", "rr", "chunk:16"),
     ("chunk:16 locate-b", "pooled", "locate-bounded", "chunk:16"),
     ("chunk:64 locate-b", "pooled", "locate-bounded", "chunk:64"),
+    ("anchor:1 locate-b", "pooled", "locate-bounded", "anchor:1"),
+    ("anchor:1 owner", "pooled", "owner", "anchor:1"),
+    ("anchor:1:64 owner", "pooled", "owner", "anchor:1:64"),
+    ("anchor:1:256 owner", "pooled", "owner", "anchor:1:256"),
 )
 
 
@@ -55,29 +60,33 @@ def study(trace: str, nodes: int, capacities: list[int], progress: bool = True
     return rows
 
 
-def shard_balance(trace: str, nodes: int, chunks: Sequence[int] = (1, 16, 64)
-                  ) -> dict[int, float]:
-    """Per chunk size, the largest shard's distinct blocks over the mean: every distinct block
-    of the trace is counted on the owner its run's first block maps to (a prefix-chained
-    block always sits at the same position in its prompt, so its owner is well defined)."""
-    ring = HashRing([f"node{i}" for i in range(nodes)], vnodes=DEFAULT_POOL_VNODES)
+def shard_balance(trace: str, nodes: int,
+                  placements: Sequence[str] = ("block", "chunk:16", "chunk:64"),
+                  vnodes: int = DEFAULT_POOL_VNODES) -> dict[str, float]:
+    """Per placement, the largest shard's distinct blocks over the mean: every request's
+    blocks are counted once on each owner its placement puts them on (a head shared by
+    chains anchored on different shards counts once per shard, as it is stored)."""
+    ring = HashRing([f"node{i}" for i in range(nodes)], vnodes=vnodes)
     index = {m: i for i, m in enumerate(ring.members)}
-    owner_of: dict[int, int] = {}
-    counts = {c: [0] * nodes for c in chunks}
-    seen: set[int] = set()
+    owner_of: dict[bytes, int] = {}
+    chains = {p: ChainPlacement(p, memo_keys=0) for p in placements}
+    held: dict[str, set[tuple[int, int]]] = {p: set() for p in placements}
     for req in iter_trace(trace):
-        ids = req.hash_ids
-        for i, block in enumerate(ids):
-            if block in seen:
-                continue
-            seen.add(block)
-            for chunk in chunks:
-                head = ids[i - i % chunk]
-                owner = owner_of.get(head)
+        keys = [block_key(h) for h in req.hash_ids]
+        for placement, chain in chains.items():
+            seen = held[placement]
+            for block, where in zip(req.hash_ids, chain.placement_keys(keys), strict=True):
+                owner = owner_of.get(where)
                 if owner is None:
-                    owner = owner_of[head] = index[ring.primary(block_key(head))]
-                counts[chunk][owner] += 1
-    return {c: max(v) / (sum(v) / nodes) if sum(v) else 0.0 for c, v in counts.items()}
+                    owner = owner_of[where] = index[ring.primary(where)]
+                seen.add((owner, block))
+    out = {}
+    for placement, pairs in held.items():
+        counts = [0] * nodes
+        for owner, _ in pairs:
+            counts[owner] += 1
+        out[placement] = max(counts) / (sum(counts) / nodes) if pairs else 0.0
+    return out
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -116,14 +125,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="append rows to this JSON file")
     parser.add_argument("--shards", action="store_true",
                         help="print the shard balance of each placement per trace and exit")
+    parser.add_argument("--placements", default="block,chunk:16,chunk:64",
+                        help="placements --shards compares")
+    parser.add_argument("--vnodes", type=int, default=DEFAULT_POOL_VNODES,
+                        help="virtual nodes per member for --shards")
     args = parser.parse_args(argv)
     if args.shards:
-        print("| trace | N | block | chunk:16 | chunk:64 |\n|---|---:|---:|---:|---:|")
+        placements = args.placements.split(",")
+        print("| trace | N | " + " | ".join(placements) + " |\n|---|---:|"
+              + "---:|" * len(placements))
         for trace in args.traces:
             for n in (int(x) for x in args.nodes.split(",")):
-                bal = shard_balance(trace, n)
+                bal = shard_balance(trace, n, placements, args.vnodes)
                 print(f"| {Path(trace).name} | {n} | "
-                      + " | ".join(f"{bal[c]:.3f}" for c in (1, 16, 64)) + " |")
+                      + " | ".join(f"{bal[p]:.3f}" for p in placements) + " |")
         return 0
     if args.table:
         print(markdown(read_rows(args.table)))

@@ -277,22 +277,11 @@ async def _locate_node(cluster: Cluster, http: Any, keys: list[bytes],
     """The member with the longest local prefix (``POST /v1/locate`` to all), among those
     within the load bound; ties and non-answers go to the least loaded."""
     from kvtier.peer.locate import locate_prefix
-    from kvtier.replay.routing import LOAD_BOUND
+    from kvtier.routing import pick_node
 
     members = [s.member_id for s in cluster.servers]
     found = await locate_prefix(members, keys, token=cluster.token, deadline=1.0, session=http)
-    limit = LOAD_BOUND * (sum(node_requests) + 1) / len(members)
-    lightest = min(node_requests)
-    best = -1
-    best_run = -1
-    for node, member in enumerate(members):
-        load = node_requests[node]
-        if load + 1 > limit and load > lightest:
-            continue
-        run = found[member].blocks if member in found else 0
-        if run > best_run or (run == best_run and load < node_requests[best]):
-            best, best_run = node, run
-    return best
+    return pick_node([found[m].blocks if m in found else 0 for m in members], node_requests)
 
 
 def _tier_shares(cluster: Cluster) -> tuple[list[str], list[float], dict[str, int]]:

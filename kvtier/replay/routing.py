@@ -8,7 +8,7 @@ so a node's local run starts at the prompt's first block and ends at the first b
 not own or does not hold (with ``--placement chunk:N`` the first run of N blocks lives on one
 owner, so that run can be local).
 
-Two routings:
+Three routings:
 
 ``locate``
     The longest local prefix wins; ties (usually "nobody holds anything") go to the node with
@@ -17,6 +17,11 @@ Two routings:
     The same among the nodes whose request count stays within :data:`LOAD_BOUND` times the
     mean (consistent hashing with bounded loads): a prefix shared by every request (a system
     prompt) cannot pull all traffic to one node.
+``owner``
+    What :meth:`kvtier.TieredStore.route` does: no locate request; the node owning the
+    longest leading run of the prompt under the pool's placement (the owner of the chain's
+    anchor with ``--placement anchor:R``), within the same load bound. A run is predicted
+    from the ring, not checked against what the node holds.
 
 Load is the number of requests routed so far (the dry engine has no clock); a live router
 uses queue depth instead.
@@ -29,14 +34,12 @@ from typing import Any
 
 from kvtier.replay.sim import Simulation
 from kvtier.replay.trace import Request
+from kvtier.routing import LOAD_BOUND, owner_runs, pick_node
 
 __all__ = ["LOAD_BOUND", "LOCATE_ROUTINGS", "LocateSimulation", "format_routing_table",
            "make_simulation", "routing_metrics"]
 
-LOCATE_ROUTINGS = ("locate", "locate-bounded")
-# A node takes a request only while its count stays under 1.25 x the mean: the bound of
-# Mirrokni et al.'s consistent hashing with bounded loads at epsilon = 0.25.
-LOAD_BOUND = 1.25
+LOCATE_ROUTINGS = ("locate", "locate-bounded", "owner")
 
 
 class LocateSimulation(Simulation):
@@ -61,7 +64,7 @@ class LocateSimulation(Simulation):
             raise ValueError(f"mode: locate routing needs per-node or pooled, got {mode!r}")
         super().__init__(mode, "rr", policy, nodes, capacities, **options)
         self.routing = routing
-        self.load_bound = LOAD_BOUND if routing == "locate-bounded" else None
+        self.load_bound = None if routing == "locate" else LOAD_BOUND
         self.local_blocks = 0  # sum over requests of the chosen node's local prefix
 
     def local_prefix(self, keys: Sequence[bytes]) -> list[int]:
@@ -99,19 +102,15 @@ class LocateSimulation(Simulation):
         out[first] = n
         return out
 
+    def owned_prefix(self, keys: Sequence[bytes]) -> list[int]:
+        """Per node, how many leading ``keys`` it owns under the placement (one owner per
+        block here), as :func:`kvtier.routing.owner_runs` counts them for a real pool."""
+        owners = ([self.owner(k)] for k in self._placement.placement_keys(keys))
+        return owner_runs(owners, range(self.nodes))
+
     def _route(self, req: Request, keys: Sequence[bytes]) -> int:
-        local = self.local_prefix(keys)
-        load = self.node_requests
-        limit = (None if self.load_bound is None
-                 else self.load_bound * (self.requests + 1) / self.nodes)
-        best = -1
-        for node in range(self.nodes):
-            # The least-loaded node is always within the bound (min <= mean).
-            if limit is not None and load[node] + 1 > limit and load[node] > min(load):
-                continue
-            if best < 0 or local[node] > local[best] or (
-                    local[node] == local[best] and load[node] < load[best]):
-                best = node
+        local = self.owned_prefix(keys) if self.routing == "owner" else self.local_prefix(keys)
+        best = pick_node(local, self.node_requests, self.load_bound)
         self.local_blocks += local[best]
         return best
 

@@ -14,9 +14,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
 from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
-from kvtier.replay.chain_placement import ChainPlacement
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
 __all__ = ["DEFAULT_POOL_VNODES", "MODES", "POLICIES", "ROUTINGS", "BlockPolicy", "Chain",
