@@ -1,4 +1,5 @@
-"""One vLLM run for the real-vLLM lane: tiny random Llama, optional KVTierConnector.
+"""One vLLM run for the real-vLLM lane: tiny random Llama, optional KVTierConnector (the model
+and the connector config come from ``benchmarks/engine_run.py``, shared with ``bench_engine``).
 
 Run as ``python tests/vllm_lane/run_llm.py MODEL_DIR [--tiers URL ...] [--extra JSON]
 [--kv-events]``; prints one JSON line ``{"outputs": [[token ids], ...], "num_cached_tokens":
@@ -18,21 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-BLOCK = 32  # the CPU backend needs block_size to be a multiple of 32
-
-
-def build_model(path: Path) -> None:
-    """Save a seeded random-weight 2-layer Llama (no hub access needed)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (path / "config.json").exists():
-        return
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=32, max_position_embeddings=1024, torch_dtype="float32")
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+from benchmarks.engine_run import BLOCK, TINY_MODEL, build_model, kvtier_transfer_config
 
 
 def main() -> int:
@@ -44,20 +31,13 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    build_model(args.model_dir)
+    build_model(args.model_dir, TINY_MODEL)
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     kwargs = {}
     if args.tiers is not None:
-        # A generous lookup bound: CI machines are shared and slow; the default (0.1 s) would
-        # turn a slow file:// listing into a miss and make the lane flaky.
-        extra = {"tiers": args.tiers, "model": "tiny-llama-lane", "lookup_timeout_s": 5.0,
-                 **json.loads(args.extra)}
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra)
+        kwargs["kv_transfer_config"] = kvtier_transfer_config(args.tiers, json.loads(args.extra))
     events: list[list[Any]] = []
     stop = threading.Event()
     if args.kv_events:

