@@ -324,6 +324,9 @@ class SchedulerPlanner:
         self._load_hashes[request.request_id] = list(
             getattr(request, "block_hashes", None) or ())[first:hit]
         state.saved = max(state.saved, hit)
+        # The load promotes these blocks into the workers' top tier: the next lookup of this
+        # prefix (after vLLM evicted it) is an index hit, with no I/O on this thread.
+        self._remember(self.keys.keys(tokens, salt, hit)[first:])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=list(self._pending_loads.values()))
