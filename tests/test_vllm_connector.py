@@ -23,6 +23,7 @@ from tests.vllm_fakes import (
     cached_step,
     kv_cache_config,
     kv_of,
+    new_step,
     vllm_config,
 )
 
@@ -263,3 +264,22 @@ def test_cross_layer_buffer_is_one_copy_with_the_same_bytes() -> None:
     # Registration order differing from memory order is not cross-layer (bytes would differ).
     with pytest.raises(ValueError, match="contiguous"):
         PagedLayers({"l1": base[:, 1], "l0": base[:, 0], "l2": base[:, 2]}, 6)
+
+
+def test_blocks_this_engine_already_stored_are_not_saved_again() -> None:
+    """vLLM's prefix cache serves all but the last block, which it recomputes: that block was
+    saved by the first request, so nothing is saved and the request ends without waiting."""
+    engine = FakeEngine({"tiers": ["dram://?capacity=4MiB"], "model": "tiny-test"})
+    try:
+        first = Request("r-1", PROMPT[:20])  # exactly 5 full blocks
+        engine.prefill(first, [0, 1, 2, 3, 4])
+        assert engine.finish(first) == {"r-1"}
+        again = Request("r-2", PROMPT[:20])
+        engine.scheduler.get_num_new_matched_tokens(again, 4 * BLOCK)
+        engine.scheduler.update_state_after_alloc(again, Blocks([0, 1, 2, 3, 5]), 0)
+        meta = engine.run_step(new_step(again, [0, 1, 2, 3, 5], 4 * BLOCK, BLOCK))
+        assert meta.saves == []
+        engine.finish_step(again, [0, 1, 2, 3, 5], 4, 20)
+        assert engine.scheduler.request_finished(again, [0, 1, 2, 3, 5]) == (False, None)
+    finally:
+        engine.close()

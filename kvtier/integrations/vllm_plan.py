@@ -372,13 +372,21 @@ class SchedulerPlanner:
         if self.settings.key_scheme == "page-sha256" and getattr(state.request, "mm_features",
                                                                   None):
             return
+        keys = self.keys.keys(tokens, salt, full)
         first = state.saved
+        # Blocks this engine saved or loaded before (e.g. the last block of a prompt that
+        # vLLM's prefix cache served but for its last token) are stored already: saving them
+        # again would cost a copy and a write, and hold the request's blocks until it ends.
+        while first < full and keys[first] in self._index:
+            first += 1
+        state.saved = full
+        if first == full:
+            return
         save_id = -1 if self.events is None else \
             self.events.record_save(state.request, first, full)
         meta.saves.append(BlockPlan(state.request.request_id, tokens[:full * self.block_size],
                                     salt, first, state.block_ids[first:full], save_id=save_id))
-        self._remember(self.keys.keys(tokens, salt, full)[first:])
-        state.saved = full
+        self._remember(keys[first:])
         state.planned_saves = True
 
     def load_errors(self, block_ids: Sequence[int]) -> None:
