@@ -283,3 +283,21 @@ def test_blocks_this_engine_already_stored_are_not_saved_again() -> None:
         assert engine.scheduler.request_finished(again, [0, 1, 2, 3, 5]) == (False, None)
     finally:
         engine.close()
+
+
+def test_paged_layers_batched_gather_and_scatter() -> None:
+    """Many blocks at once give the bytes the one-block calls give, in the order asked."""
+    kv = {"a": np.arange(6 * 3 * 2, dtype=np.float32).reshape(6, 3, 2),
+          "b": np.arange(2 * 6 * 5, dtype=np.uint16).reshape(2, 6, 5)}
+    layers = PagedLayers(kv, 6)
+    rows = layers.gather_many([4, 1, 2])
+    assert rows.shape == (3, layers.block_bytes)
+    assert [r.tobytes() for r in rows] == [layers.gather(b).tobytes() for b in (4, 1, 2)]
+    layers.scatter_many([0, 5], rows[:2])
+    assert np.array_equal(kv["a"][0], kv["a"][4]) and np.array_equal(kv["b"][:, 5], kv["b"][:, 1])
+    out = layers.empty(1)
+    assert layers.gather_many([2], out=out) is out and out[0].tobytes() == rows[2].tobytes()
+    with pytest.raises(IndexError, match="block_id 6"):
+        layers.gather_many([1, 6])
+    with pytest.raises(ValueError, match=r"\(2, "):
+        layers.scatter_many([0, 1], rows)

@@ -140,7 +140,8 @@ class PagedLayers:
 
     def gather(self, block_id: int) -> npt.NDArray[np.uint8]:
         """Copy block ``block_id`` of every layer into a new flat ``uint8`` host array."""
-        return self.gather_many([block_id])[0]
+        row: npt.NDArray[np.uint8] = self.gather_many([block_id])[0]
+        return row
 
     def scatter(self, block_id: int, data: npt.NDArray[np.uint8]) -> None:
         """Copy a flat ``uint8`` array (as made by :meth:`gather`) into block ``block_id``."""

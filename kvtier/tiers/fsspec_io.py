@@ -223,8 +223,12 @@ class LocalBackend:
         a local file with a warm directory tree takes microseconds, far less than a thread
         hop per path), else in one worker thread."""
         if self.nowait:
-            return [os.path.exists(path) for path in paths]
-        return await asyncio.to_thread(lambda: [os.path.exists(path) for path in paths])
+            return self._exist(paths)
+        return await asyncio.to_thread(self._exist, paths)
+
+    @staticmethod
+    def _exist(paths: list[str]) -> list[bool]:
+        return [os.path.exists(path) for path in paths]
 
     async def close(self) -> None:
         self._dirs.clear()
