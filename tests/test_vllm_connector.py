@@ -301,3 +301,17 @@ def test_paged_layers_batched_gather_and_scatter() -> None:
         layers.gather_many([1, 6])
     with pytest.raises(ValueError, match=r"\(2, "):
         layers.scatter_many([0, 1], rows)
+
+
+def test_cpu_reservation_note_names_the_setting() -> None:
+    """On a host with no more cores than vLLM reserves with a connector, say what to set."""
+    from kvtier.integrations.vllm import cpu_reservation_note
+
+    cfg = vllm_config({"tiers": ["dram://"]})
+    note = cpu_reservation_note(cfg, 2, {})
+    assert note is not None and "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in note
+    assert cpu_reservation_note(cfg, 3, {}) is None
+    assert cpu_reservation_note(cfg, 2, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}) is None
+    assert "=2" in (cpu_reservation_note(vllm_config({}, tp_size=2), 4, {}) or "")
+    cfg.device_config.device_type = "cuda"
+    assert cpu_reservation_note(cfg, 2, {}) is None
