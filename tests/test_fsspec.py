@@ -297,3 +297,22 @@ def test_policy_option(tmp_path: Path) -> None:
         assert isinstance(tier, FsspecTier) and tier.stats()["policy"] == name
     with pytest.raises(ConfigError, match="policy"):
         tier_from_url(f"file://{tmp_path}/kv?capacity=1MiB&policy=mru")
+
+
+@pytest.mark.parametrize("nowait", ["0", "auto"])
+async def test_contains_many_sees_other_writers_files_and_removals(tmp_path: Path,
+                                                                   nowait: str) -> None:
+    """One batch of existence checks (on the loop or in one thread): a reader that never
+    wrote sees the files another node wrote, in key order, and misses removed ones."""
+    url = f"file://{tmp_path}/kv?nowait={nowait}"
+    writer, reader = FsspecTier.from_url(url), FsspecTier.from_url(url)
+    try:
+        await writer.put_many([(key_of(i), sample_block(i)) for i in (0, 1, 3)])
+        keys = [key_of(i) for i in range(5)]
+        assert await reader.contains_many(keys) == [True, True, False, True, False]
+        os.remove(await reader._path(key_of(1)))
+        assert await reader.contains_many(keys) == [True, False, False, True, False]
+        assert await writer.contains_many(keys[:2]) == [True, True]  # its own: held
+    finally:
+        await writer.aclose()
+        await reader.aclose()

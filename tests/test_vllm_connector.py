@@ -23,6 +23,7 @@ from tests.vllm_fakes import (
     cached_step,
     kv_cache_config,
     kv_of,
+    new_step,
     vllm_config,
 )
 
@@ -263,3 +264,54 @@ def test_cross_layer_buffer_is_one_copy_with_the_same_bytes() -> None:
     # Registration order differing from memory order is not cross-layer (bytes would differ).
     with pytest.raises(ValueError, match="contiguous"):
         PagedLayers({"l1": base[:, 1], "l0": base[:, 0], "l2": base[:, 2]}, 6)
+
+
+def test_blocks_this_engine_already_stored_are_not_saved_again() -> None:
+    """vLLM's prefix cache serves all but the last block, which it recomputes: that block was
+    saved by the first request, so nothing is saved and the request ends without waiting."""
+    engine = FakeEngine({"tiers": ["dram://?capacity=4MiB"], "model": "tiny-test"})
+    try:
+        first = Request("r-1", PROMPT[:20])  # exactly 5 full blocks
+        engine.prefill(first, [0, 1, 2, 3, 4])
+        assert engine.finish(first) == {"r-1"}
+        again = Request("r-2", PROMPT[:20])
+        engine.scheduler.get_num_new_matched_tokens(again, 4 * BLOCK)
+        engine.scheduler.update_state_after_alloc(again, Blocks([0, 1, 2, 3, 5]), 0)
+        meta = engine.run_step(new_step(again, [0, 1, 2, 3, 5], 4 * BLOCK, BLOCK))
+        assert meta.saves == []
+        engine.finish_step(again, [0, 1, 2, 3, 5], 4, 20)
+        assert engine.scheduler.request_finished(again, [0, 1, 2, 3, 5]) == (False, None)
+    finally:
+        engine.close()
+
+
+def test_paged_layers_batched_gather_and_scatter() -> None:
+    """Many blocks at once give the bytes the one-block calls give, in the order asked."""
+    kv = {"a": np.arange(6 * 3 * 2, dtype=np.float32).reshape(6, 3, 2),
+          "b": np.arange(2 * 6 * 5, dtype=np.uint16).reshape(2, 6, 5)}
+    layers = PagedLayers(kv, 6)
+    rows = layers.gather_many([4, 1, 2])
+    assert rows.shape == (3, layers.block_bytes)
+    assert [r.tobytes() for r in rows] == [layers.gather(b).tobytes() for b in (4, 1, 2)]
+    layers.scatter_many([0, 5], rows[:2])
+    assert np.array_equal(kv["a"][0], kv["a"][4]) and np.array_equal(kv["b"][:, 5], kv["b"][:, 1])
+    out = layers.empty(1)
+    assert layers.gather_many([2], out=out) is out and out[0].tobytes() == rows[2].tobytes()
+    with pytest.raises(IndexError, match="block_id 6"):
+        layers.gather_many([1, 6])
+    with pytest.raises(ValueError, match=r"\(2, "):
+        layers.scatter_many([0, 1], rows)
+
+
+def test_cpu_reservation_note_names_the_setting() -> None:
+    """On a host with no more cores than vLLM reserves with a connector, say what to set."""
+    from kvtier.integrations.vllm import cpu_reservation_note
+
+    cfg = vllm_config({"tiers": ["dram://"]})
+    note = cpu_reservation_note(cfg, 2, {})
+    assert note is not None and "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in note
+    assert cpu_reservation_note(cfg, 3, {}) is None
+    assert cpu_reservation_note(cfg, 2, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}) is None
+    assert "=2" in (cpu_reservation_note(vllm_config({}, tp_size=2), 4, {}) or "")
+    cfg.device_config.device_type = "cuda"
+    assert cpu_reservation_note(cfg, 2, {}) is None

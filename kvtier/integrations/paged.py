@@ -5,14 +5,16 @@ as one flat ``uint8`` array: for each layer in registration order, the block's s
 layer (for layouts such as ``(2, num_blocks, ...)`` with K and V split ahead of the block
 dimension, the K slice then the V slice). Gathering is the one copy a save needs (after it the
 engine may reuse its pages); scattering is the one copy a load needs after ``get_many_into``
-filled a host staging buffer. When the layers are views of one cross-layer buffer (a block of
-every layer is one contiguous region), either is a single contiguous copy. Works on numpy
-arrays and on torch tensors (CPU or CUDA).
+filled a host staging buffer. Both work on many blocks at once: one indexed copy per layer
+(per K/V plane) for all the blocks, never one per block, so a 64-block prompt of a 4-layer
+model is 4 copies. When the layers are views of one cross-layer buffer (a block of every layer
+is one contiguous region), it is one indexed copy in all. Works on numpy arrays and on torch
+tensors (CPU tensors through numpy views, CUDA ones with torch's indexed copies).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import product
 from typing import Any
 
@@ -54,7 +56,7 @@ class PagedLayers:
             raise ValueError("layers: expected at least one paged KV tensor")
         if type(num_blocks) is not int or num_blocks < 1:
             raise ValueError(f"num_blocks: expected an int >= 1, got {num_blocks!r}")
-        self._pieces: list[tuple[Any, tuple[int, ...], int]] = []  # (tensor, lead index, bytes)
+        pieces: list[Any] = []  # (num_blocks, ...) contiguous slices, in block-byte order
         self.block_bytes = 0
         tensors = list(layers.values())
         for name, tensor in layers.items():
@@ -68,58 +70,85 @@ class PagedLayers:
                                  f"first or second in shape {shape}")
             per_block = int(np.prod(shape[dim + 1:], dtype=np.int64)) * _itemsize(tensor)
             for lead in product(*(range(s) for s in shape[:dim])):
-                self._pieces.append((tensor, lead, per_block))
+                pieces.append(tensor[lead] if lead else tensor)
                 self.block_bytes += per_block
         self.num_blocks = num_blocks
         self.layer_names = list(layers)
         # Cross-layer layout: one block of every layer is one contiguous region.
-        self._blocks = _cross_layer_view(tensors, num_blocks, self.block_bytes)
-        if self._blocks is None:
+        blocks = _cross_layer_view(tensors, num_blocks, self.block_bytes)
+        if blocks is None:
             for name, tensor in layers.items():
                 if not _contiguous(tensor):
                     raise ValueError(f"layers[{name!r}]: expected a C-contiguous tensor (or "
                                      "views of one cross-layer buffer)")
+            planes = [_as_plane(piece, num_blocks) for piece in pieces]
+        else:
+            planes = [blocks]
+        self._cross_layer = blocks is not None
+        # (plane, byte offset in a block, bytes): a plane is a (num_blocks, bytes) uint8 view.
+        self._planes: list[tuple[Any, int, int]] = []
+        offset = 0
+        for plane in planes:
+            nbytes = int(plane.shape[1])
+            self._planes.append((_host_view(plane), offset, nbytes))
+            offset += nbytes
 
     @property
     def cross_layer(self) -> bool:
         """Whether one block across all layers is one contiguous region of the engine's buffer
         (vLLM's cross-layer layouts): then a gather or scatter is one copy, not one per layer."""
-        return self._blocks is not None
+        return self._cross_layer
 
-    def _check(self, block_id: int) -> None:
-        if not 0 <= block_id < self.num_blocks:
-            raise IndexError(f"block_id {block_id} outside 0..{self.num_blocks - 1}")
+    def _indices(self, block_ids: Sequence[int]) -> npt.NDArray[np.intp]:
+        ids = np.asarray(block_ids, dtype=np.intp).reshape(-1)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            bad = next(b for b in block_ids if not 0 <= b < self.num_blocks)
+            raise IndexError(f"block_id {bad} outside 0..{self.num_blocks - 1}")
+        return ids
 
-    def empty(self) -> npt.NDArray[np.uint8]:
-        """A host staging buffer for one block."""
-        return np.empty(self.block_bytes, dtype=np.uint8)
+    def empty(self, count: int | None = None) -> npt.NDArray[np.uint8]:
+        """A host staging buffer for one block (``count=None``), or a ``(count, block_bytes)``
+        buffer whose rows are blocks."""
+        shape = self.block_bytes if count is None else (count, self.block_bytes)
+        return np.empty(shape, dtype=np.uint8)
+
+    def gather_many(self, block_ids: Sequence[int],
+                    out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+        """Copy blocks ``block_ids`` of every layer into rows of a ``(len(block_ids),
+        block_bytes)`` ``uint8`` host array (``out``, or a new one): one indexed copy per
+        plane for all the blocks."""
+        ids = self._indices(block_ids)
+        if out is None:
+            out = self.empty(len(ids))
+        elif out.dtype != np.uint8 or out.shape != (len(ids), self.block_bytes):
+            raise ValueError(f"out: expected a ({len(ids)}, {self.block_bytes}) uint8 array, "
+                             f"got {out.shape} {out.dtype}")
+        for plane, offset, nbytes in self._planes:
+            _take(plane, ids, out[:, offset:offset + nbytes])
+        return out
+
+    def scatter_many(self, block_ids: Sequence[int], data: npt.NDArray[np.uint8]) -> None:
+        """Copy the rows of a ``(len(block_ids), block_bytes)`` ``uint8`` array (as made by
+        :meth:`gather_many`) into blocks ``block_ids``: one indexed copy per plane."""
+        ids = self._indices(block_ids)
+        if data.dtype != np.uint8 or data.shape != (len(ids), self.block_bytes):
+            raise ValueError(f"data: expected a ({len(ids)}, {self.block_bytes}) uint8 array, "
+                             f"got {data.shape} {data.dtype}")
+        source = data if _is_host(self._planes[0][0]) else _to_device(data, self._planes[0][0])
+        for plane, offset, nbytes in self._planes:
+            _put(plane, ids, source[:, offset:offset + nbytes])
 
     def gather(self, block_id: int) -> npt.NDArray[np.uint8]:
         """Copy block ``block_id`` of every layer into a new flat ``uint8`` host array."""
-        self._check(block_id)
-        out = self.empty()
-        if self._blocks is not None:
-            _copy_out(self._blocks[block_id], out)
-            return out
-        offset = 0
-        for tensor, lead, nbytes in self._pieces:
-            _copy_out(_raw(tensor[(*lead, block_id)]), out[offset:offset + nbytes])
-            offset += nbytes
-        return out
+        row: npt.NDArray[np.uint8] = self.gather_many([block_id])[0]
+        return row
 
     def scatter(self, block_id: int, data: npt.NDArray[np.uint8]) -> None:
         """Copy a flat ``uint8`` array (as made by :meth:`gather`) into block ``block_id``."""
-        self._check(block_id)
         if data.dtype != np.uint8 or data.size != self.block_bytes:
             raise ValueError(f"data: expected {self.block_bytes} uint8 bytes, got "
                              f"{data.size} {data.dtype}")
-        if self._blocks is not None:
-            _copy_in(self._blocks[block_id], data)
-            return
-        offset = 0
-        for tensor, lead, nbytes in self._pieces:
-            _copy_in(_raw(tensor[(*lead, block_id)]), data[offset:offset + nbytes])
-            offset += nbytes
+        self.scatter_many([block_id], data.reshape(1, -1))
 
 
 def _itemsize(tensor: Any) -> int:
@@ -134,28 +163,52 @@ def _address(tensor: Any) -> int:
     return int(tensor.data_ptr() if _is_torch(tensor) else tensor.__array_interface__["data"][0])
 
 
-def _raw(piece: Any) -> Any:
-    """A contiguous piece as a flat uint8 view (no copy)."""
+def _as_plane(piece: Any, num_blocks: int) -> Any:
+    """A contiguous ``(num_blocks, ...)`` piece as a ``(num_blocks, bytes)`` uint8 view."""
     if _is_torch(piece):
         import torch
 
-        return piece.reshape(-1).view(torch.uint8)
-    return piece.reshape(-1).view(np.uint8)
+        return piece.reshape(num_blocks, -1).view(torch.uint8)
+    return piece.reshape(num_blocks, -1).view(np.uint8)
 
 
-def _copy_out(raw: Any, out: npt.NDArray[np.uint8]) -> None:
-    out[:] = raw.cpu().numpy() if _is_torch(raw) else raw
+def _host_view(plane: Any) -> Any:
+    """A CPU torch plane as a numpy view of the same memory: numpy's indexed copies are one
+    plain loop, where torch's CPU ``index_copy_`` wakes its intra-op thread pool (which
+    costs milliseconds next to the engine's own threads on a busy host). Others unchanged."""
+    if _is_torch(plane) and plane.device.type == "cpu":
+        return plane.numpy()
+    return plane
 
 
-def _copy_in(raw: Any, src: npt.NDArray[np.uint8]) -> None:
-    if _is_torch(raw):
-        import torch
-
-        raw.copy_(torch.from_numpy(src))
-    else:
-        raw[:] = src
+def _is_host(plane: Any) -> bool:
+    return isinstance(plane, np.ndarray)
 
 
+def _to_device(data: npt.NDArray[np.uint8], plane: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(data).to(plane.device)
+
+
+def _take(plane: Any, ids: npt.NDArray[np.intp], out: npt.NDArray[np.uint8]) -> None:
+    if _is_host(plane):
+        # ids are checked: "clip" never clips, and unlike "raise" it writes ``out`` in place.
+        np.take(plane, ids, axis=0, out=out, mode="clip")
+        return
+    import torch
+
+    index = torch.from_numpy(ids).to(plane.device)
+    out[:] = plane.index_select(0, index).cpu().numpy()
+
+
+def _put(plane: Any, ids: npt.NDArray[np.intp], source: Any) -> None:
+    if _is_host(plane):
+        plane[ids] = source
+        return
+    import torch
+
+    plane.index_copy_(0, torch.from_numpy(ids).to(plane.device), source)
 def _cross_layer_view(tensors: list[Any], num_blocks: int, block_bytes: int) -> Any:
     """``(num_blocks, block_bytes)`` uint8 view when the layers are views of one buffer in
     which block ``b`` of every layer, in registration order, is one contiguous region (vLLM's

@@ -22,9 +22,10 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import logging
+import os
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -131,21 +132,47 @@ def namespace_for(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSet
     return KeyNamespace(model=model, dtype=dtype, layout=layout, tp_size=tp_size)
 
 
+def cpu_reservation_note(vllm_config: Any, cpus: int, environ: Mapping[str, str]
+                         ) -> str | None:
+    """Why this CPU engine will run slowly with any KV connector, or ``None``.
+
+    vLLM's CPU backend keeps one core per rank free for its scheduler process and, when a KV
+    connector is configured, one more per rank; on a host with no more cores than that it
+    keeps none free. Every worker rank then runs as many OMP threads as there are cores, and
+    the scheduler process busy-waits for each step's result on one of them: on a loaded
+    2-core host every forward pass (prefix-cache hits included) took 5-10x longer.
+    """
+    if getattr(vllm_config.device_config, "device_type", "") != "cpu" or \
+            "VLLM_CPU_NUM_OF_RESERVED_CPU" in environ:
+        return None
+    parallel = vllm_config.parallel_config
+    ranks = int(parallel.tensor_parallel_size) * int(getattr(parallel,
+                                                             "pipeline_parallel_size", 1))
+    if cpus > 2 * ranks:
+        return None
+    return (f"vLLM's CPU backend reserves {2 * ranks} core(s) when a KV connector is "
+            f"configured and this host has {cpus}, so it reserves none: the scheduler "
+            "process's busy-wait competes with the OMP threads of every forward pass (5-10x "
+            "slower steps on a loaded host). Set VLLM_CPU_NUM_OF_RESERVED_CPU="
+            f"{ranks} (as without a connector) before starting vLLM.")
+
+
 @dataclass
 class _Load:
     plan: BlockPlan
     future: concurrent.futures.Future[list[bool]]
-    staging: list[npt.NDArray[np.uint8]] = field(default_factory=list)
+    staging: npt.NDArray[np.uint8]  # (blocks, block_bytes): row i is block_ids[i]
 
 
 class WorkerSide:
     """The worker side: executes each step's :class:`KVTierMetadata` on the paged tensors.
 
-    Loads run through ``store.get_many_into`` into host staging buffers, then scatter into the
-    engine's blocks (synchronous loads before the forward pass, asynchronous ones when
-    :meth:`finished_loads` finds them done). Saves gather each block (the one copy; the engine
-    may reuse the pages right after) and ``put_many`` in the background; a later load of a key
-    waits for its save. Called from the worker thread only.
+    Loads run through one ``store.get_many_into`` into the rows of one host staging array,
+    then one batched scatter into the engine's blocks (synchronous loads before the forward
+    pass, asynchronous ones when :meth:`finished_loads` finds them done). Saves gather all of
+    a request's blocks in one batched copy (the one copy; the engine may reuse the pages right
+    after) and ``put_many`` in the background; a later load of a key waits for its save.
+    Called from the worker thread only.
     """
 
     def __init__(self, store: BlockingStore, keys: KeyMaker, shard: tuple[int, int],
@@ -188,8 +215,8 @@ class WorkerSide:
                     concurrent.futures.wait([saving], timeout=self.io_timeout_s)
             # Into host staging, never straight into vLLM's pages: a load abandoned at its
             # timeout keeps running in a thread and must not write a page vLLM recomputes.
-            staging = [layers.empty() for _ in keys]
-            future = self.store.submit(partial(_get_into, keys=keys, outs=staging))
+            staging = layers.empty(len(keys))
+            future = self.store.submit(partial(_get_into, keys=keys, outs=list(staging)))
             load = _Load(plan, future, staging)
             if plan.load_async:
                 self._async_loads.append(load)
@@ -205,11 +232,15 @@ class WorkerSide:
                         exc)
             load.future.cancel()
             hits = [False] * len(load.plan.block_ids)
-        for block_id, hit, data in zip(load.plan.block_ids, hits, load.staging, strict=True):
-            if hit:
-                layers.scatter(block_id, data)
-            else:
-                self._load_errors.add(block_id)
+        found = [i for i, hit in enumerate(hits) if hit]
+        if len(found) == len(hits):
+            layers.scatter_many(load.plan.block_ids, load.staging)
+        else:
+            self._load_errors.update(b for b, hit in zip(load.plan.block_ids, hits, strict=True)
+                                     if not hit)
+            if found:
+                layers.scatter_many([load.plan.block_ids[i] for i in found],
+                                    load.staging[found])
 
     def finished_loads(self) -> set[str]:
         done = [load for load in self._async_loads if load.future.done()]
@@ -224,8 +255,7 @@ class WorkerSide:
         layers = self._layers()
         for plan in meta.saves:
             keys = self._keys(plan)
-            items = [(key, layers.gather(block_id))
-                     for key, block_id in zip(keys, plan.block_ids, strict=True)]
+            items = list(zip(keys, layers.gather_many(plan.block_ids), strict=True))
             future = self.store.submit(partial(_put_and_wait_written, items=items))
             for key in keys:
                 self._saving[key] = future
@@ -330,6 +360,9 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
             self._worker = WorkerSide(BlockingStore(list(self._settings.tiers), **options),
                                       keys, shard, self._settings.io_timeout_s)
         else:
+            note = cpu_reservation_note(vllm_config, os.cpu_count() or 1, os.environ)
+            if note:
+                log.warning(note)
             sched = list(self._settings.scheduler_tiers)
             events = None
             # Only when vLLM publishes KV events (as its scheduler decides).

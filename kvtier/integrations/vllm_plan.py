@@ -253,11 +253,13 @@ class SchedulerPlanner:
         self._requests: dict[str, _Request] = {}
         self._pending_loads: dict[str, BlockPlan] = {}
         self._load_hashes: dict[str, list[bytes]] = {}  # vLLM block hashes of planned loads
+        self._load_keys: dict[str, list[bytes]] = {}  # their rank-0 keys
         # Block id -> (request, rank-0 key, vLLM block hash) of loads whose errors may still
         # come: this step's, and asynchronous ones until their request finished receiving.
         self._inflight: dict[int, tuple[str, bytes, bytes | None]] = {}
         self._async_loading: set[str] = set()
-        self._lookups: dict[str, tuple[int, bool]] = {}
+        # Request id -> (blocks hit, found only through `store`, the prompt's rank-0 keys).
+        self._lookups: dict[str, tuple[int, bool, list[bytes]]] = {}
         self.misses = MissLog(store, log)  # one summary line per interval
 
     # ---------------------------------------------------------------- index
@@ -308,7 +310,7 @@ class SchedulerPlanner:
         keys = self.keys.keys(tokens, salt, n_blocks)
         hit, slow = self._lookup(keys, salt, tokens)
         self.misses.lookup(len(keys), hit)
-        self._lookups[request.request_id] = (hit, slow)
+        self._lookups[request.request_id] = (hit, slow, keys)
         external = hit * self.block_size - num_computed_tokens
         if external <= 0:
             return 0, False
@@ -319,7 +321,7 @@ class SchedulerPlanner:
                                  num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _Request(request))
         state.request = request
-        hit, slow = self._lookups.pop(request.request_id, (0, False))
+        hit, slow, keys = self._lookups.pop(request.request_id, (0, False, []))
         if num_external_tokens <= 0:
             return
         first = hit - num_external_tokens // self.block_size
@@ -330,7 +332,11 @@ class SchedulerPlanner:
             list(block_ids[first:hit]), load_async=mode == "always" or (mode == "auto" and slow))
         self._load_hashes[request.request_id] = list(
             getattr(request, "block_hashes", None) or ())[first:hit]
+        self._load_keys[request.request_id] = keys[first:hit]
         state.saved = max(state.saved, hit)
+        # The load promotes these blocks into the workers' top tier: the next lookup of this
+        # prefix (after vLLM evicted it) is an index hit, with no I/O on this thread.
+        self._remember(keys[first:hit])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=list(self._pending_loads.values()))
@@ -338,10 +344,9 @@ class SchedulerPlanner:
         self._inflight = {b: entry for b, entry in self._inflight.items()
                           if entry[0] in self._async_loading}
         for plan in meta.loads:
-            keys = self.keys.keys(plan.tokens, plan.salt, plan.first + len(plan.block_ids))
+            keys = self._load_keys.pop(plan.req_id)
             hashes = self._load_hashes.pop(plan.req_id, [])
-            for i, (block_id, key) in enumerate(zip(plan.block_ids, keys[plan.first:],
-                                                    strict=True)):
+            for i, (block_id, key) in enumerate(zip(plan.block_ids, keys, strict=True)):
                 self._inflight[block_id] = (plan.req_id, key,
                                             hashes[i] if i < len(hashes) else None)
             if plan.load_async:
@@ -376,13 +381,21 @@ class SchedulerPlanner:
         if self.settings.key_scheme == "page-sha256" and getattr(state.request, "mm_features",
                                                                   None):
             return
+        keys = self.keys.keys(tokens, salt, full)
         first = state.saved
+        # Blocks this engine saved or loaded before (e.g. the last block of a prompt that
+        # vLLM's prefix cache served but for its last token) are stored already: saving them
+        # again would cost a copy and a write, and hold the request's blocks until it ends.
+        while first < full and keys[first] in self._index:
+            first += 1
+        state.saved = full
+        if first == full:
+            return
         save_id = -1 if self.events is None else \
             self.events.record_save(state.request, first, full)
         meta.saves.append(BlockPlan(state.request.request_id, tokens[:full * self.block_size],
                                     salt, first, state.block_ids[first:full], save_id=save_id))
-        self._remember(self.keys.keys(tokens, salt, full)[first:])
-        state.saved = full
+        self._remember(keys[first:])
         state.planned_saves = True
 
     def load_errors(self, block_ids: Sequence[int]) -> None:
@@ -408,4 +421,5 @@ class SchedulerPlanner:
         self._lookups.pop(request_id, None)
         self._pending_loads.pop(request_id, None)
         self._load_hashes.pop(request_id, None)
+        self._load_keys.pop(request_id, None)
         return state is not None and state.planned_saves

@@ -30,3 +30,18 @@ def test_cross_layer_views_match_per_layer_bytes() -> None:
     assert np.array_equal(cross.gather(5), separate.gather(5))
     cross.scatter(0, separate.gather(7))
     assert torch.equal(base[0], base[7])
+
+
+def test_torch_indexed_copies_match_numpy() -> None:
+    """The torch path (used for CUDA planes) gives the bytes of the numpy path; run here on
+    CPU tensors, which PagedLayers itself copies through numpy views."""
+    from kvtier.integrations.paged import _put, _take
+
+    plane = torch.arange(6 * 8, dtype=torch.uint8).reshape(6, 8)
+    ids = np.array([4, 0, 2], dtype=np.intp)
+    out = np.zeros((3, 10), dtype=np.uint8)
+    _take(plane, ids, out[:, 1:9])
+    assert np.array_equal(out[:, 1:9], plane.numpy()[ids])
+    source = torch.full((3, 10), 7, dtype=torch.uint8)
+    _put(plane, np.array([1, 3, 5], dtype=np.intp), source[:, 1:9])
+    assert bool((plane[1::2] == 7).all()) and bool((plane[0::2] != 7).any())
