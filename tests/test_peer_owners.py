@@ -195,3 +195,24 @@ async def test_ack_all_with_an_owner_down_leaves_a_hint_handed_over_when_it_retu
         held = await back.segment.get_many([key_of(i) for i in range(1, 6)])
         assert all(np.array_equal(b, sample_block(i))  # type: ignore[arg-type]
                    for i, b in enumerate(held, start=1))
+
+
+async def test_a_handover_to_an_owner_that_fails_again_keeps_its_hints(
+        four: list[PeerServer]) -> None:
+    """The owner is back, then gone again before the handover asks it what it lacks: the
+    hints stay for the next return (the handover raised ValueError from a zip of the whole
+    batch against no blocks, and the hints were lost)."""
+    servers = four[:3]
+    members = [s.member_id for s in servers]
+    down = servers[2]
+    four.remove(down)
+    await down.stop()
+    async with PeerTier.from_url(_url(members, replicas=3, health_interval=60)) as tier:
+        await tier.open()
+        await tier.put_many([(key_of(i), sample_block(i)) for i in range(4)])
+        assert tier.stats()["hints"] == 4
+        keys = tier._hints.take(down.member_id)
+        assert len(keys) == 4
+        await tier._hand_over_keys(down.member_id, keys)  # nobody answers on its port
+        assert tier.stats()["hints"] == 4
+        assert tier.stats().get("hints_handed_over", 0) == 0

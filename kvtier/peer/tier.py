@@ -502,17 +502,20 @@ class PeerTier(Tier):
             chunk = keys[start:start + _HANDOFF_BATCH]
             held = await self._call(member, "handoff", partial(self._exists, member, chunk),
                                     len(chunk))
-            missing = [k for k, h in zip(chunk, held, strict=True) if not h] \
-                if isinstance(held, list) else chunk
-            blocks = await self._get_many(missing) if isinstance(held, list) else []
-            items = [(k, b) for k, b in zip(missing, blocks, strict=True) if b is not None]
-            frames = [(k, await self._encode(k, b)) for k, b in items]
-            # fill: a newer put that reached the owner meanwhile stays.
-            stored = await self._call(
-                member, "handoff",
-                partial(self._put_frames, member, frames, fill=True),
-                len(items)) if items else None
+            stored: object = None
+            items: list[tuple[bytes, Block]] = []
+            if isinstance(held, list):
+                missing = [k for k, h in zip(chunk, held, strict=True) if not h]
+                blocks = await self._get_many(missing)
+                items = [(k, b) for k, b in zip(missing, blocks, strict=True) if b is not None]
+                frames = [(k, await self._encode(k, b)) for k, b in items]
+                # fill: a newer put that reached the owner meanwhile stays.
+                if items:
+                    stored = await self._call(
+                        member, "handoff", partial(self._put_frames, member, frames, fill=True),
+                        len(items))
             if not isinstance(held, list) or stored is _FAILED:
+                # Gone again: the hints wait for its next return.
                 for key in keys[start:]:
                     self._hints.add(member, key)
                 return
