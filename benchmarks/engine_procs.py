@@ -29,10 +29,16 @@ REQUEST_TIMEOUT_S = 600.0
 
 
 def engine_env() -> dict[str, str]:
-    """Environment of every child: this checkout's kvtier first, offline hub, small KV space."""
+    """Environment of every child: this checkout's kvtier first, offline hub, small KV space,
+    and one CPU core reserved for vLLM's scheduler in EVERY configuration. vLLM's CPU backend
+    reserves one core more when any KV connector is configured (for NIXL): on a 2-core host
+    that leaves its scheduler no core, and every step of every connector (LMCache's too)
+    runs 5-10x slower (docs/integrations/vllm.md). Fixing it at 1 compares connectors, not
+    core reservations; ``VLLM_CPU_NUM_OF_RESERVED_CPU`` in the environment overrides it."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
             "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
 
 
