@@ -390,7 +390,9 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     pool = (f"peers://{members}?replicas={args.replicas}&token=file:{token}"
             f"&timeout={args.timeout}&health_interval=0.5&placement={args.placement}")
-    serve_args = ["--tier", "dram://?capacity=2GiB", "--token-file", str(token)]
+    # prefault=0: a prefaulted 2 GiB arena would put the whole capacity in every server's RSS
+    # from its first seconds on, hiding the growth (a leak) that the RSS rows look for.
+    serve_args = ["--tier", "dram://?capacity=2GiB&prefault=0", "--token-file", str(token)]
     if args.repair_interval > 0:
         serve_args += ["--pool", pool, "--repair-interval", str(args.repair_interval)]
     servers = [Server(p, serve_args, workdir) for p in ports]
