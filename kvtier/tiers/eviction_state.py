@@ -21,7 +21,7 @@ class Leaving:
     key: bytes
     size: int
     block: Block | None  # held in memory by the tier (dram), else read back from storage
-    done: asyncio.Future[None] | None = None  # made when someone waits (_settled)
+    done: asyncio.Future[None] | None = None  # made when someone waits (settled)
     dropping: bool = False  # its drop from storage began: no longer claimed or read
 
 
@@ -30,7 +30,7 @@ class EvictionState:
     (still stored, still readable), the bytes puts claim beyond their victims, the keys puts
     write while they wait for room, the puts waiting for room, and the shielded commits.
 
-    Subclasses of :class:`BudgetedTier` only ask it (``self._eviction_state``):
+    Subclasses of :class:`~kvtier.tiers.budget.BudgetedTier` only ask it (``self._eviction_state``):
     :meth:`leaving_entry`, :meth:`is_leaving`, :meth:`is_writing`, :attr:`busy`,
     :attr:`committing`. The template alone changes it.
     """
@@ -88,6 +88,7 @@ class EvictionState:
 
     # ------------------------------------------------------------------ changes
     def add_leaving(self, entry: Leaving) -> None:
+        """Count ``entry`` as leaving (detached from the policy, still readable)."""
         self._leaving[entry.key] = entry
         self._leaving_bytes += entry.size
 
@@ -104,16 +105,20 @@ class EvictionState:
         self._leaving.clear()
 
     def claim(self, nbytes: int) -> None:
+        """Claim ``nbytes`` for a put beyond its victims."""
         self._claimed += nbytes
 
     def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` a put claimed (admitted, or the put failed)."""
         self._claimed -= nbytes
 
     def start_writing(self, keys: Iterable[bytes], done: asyncio.Future[None]) -> None:
+        """Mark ``keys`` as written by the put whose end resolves ``done``."""
         for key in keys:
             self._writing[key] = done
 
     def written(self, keys: Iterable[bytes], done: asyncio.Future[None]) -> None:
+        """The put of ``keys`` ended: unmark them and wake whoever waits on ``done``."""
         for key in keys:
             if self._writing.get(key) is done:
                 del self._writing[key]
@@ -136,12 +141,14 @@ class EvictionState:
             await asyncio.shield(writing)
 
     def room_changed(self) -> None:
+        """Wake the puts waiting for room (an eviction or put ended)."""
         waiters, self._room = self._room, []
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
 
     async def wait_for_room(self) -> None:
+        """Wait until an eviction or put in flight ends (:meth:`room_changed`)."""
         fut = asyncio.get_running_loop().create_future()
         self._room.append(fut)
         await fut
