@@ -12,7 +12,7 @@ from kvtier.misses import MissReason
 from kvtier.store import open_store
 from kvtier.testing.conformance import key_of
 
-redis_servers = pytest.importorskip("redis_servers", reason="redis-py not installed")
+redis_servers = pytest.importorskip("tests.helpers.redis_servers", reason="redis-py not installed")
 if redis_servers.MISSING:
     pytest.skip(redis_servers.MISSING, allow_module_level=True)
 

@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from tmpfs import mounted_tmpfs
 
 from kvtier.cli import main
 from kvtier.errors import ConfigError
@@ -33,6 +32,7 @@ from kvtier.tiers.fleet_lease import LEASE_DIR, GcLease
 from kvtier.tiers.fleet_uses import SUMMARY_NAME, USE_DIR, UseRecorder, read_uses
 from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.registry import tier_from_url
+from tests.helpers.tmpfs import mounted_tmpfs
 
 BLOCK = 4096
 OLD = 1_000_000  # a long time ago: blocks "written" at OLD + i

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
-from tmpfs import mounted_tmpfs
 
 from kvtier.errors import ConfigError, TierError
 from kvtier.store import TieredStore
@@ -27,6 +26,7 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.fsspec import FsspecTier, key_path
 from kvtier.tiers.registry import tier_from_url
+from tests.helpers.tmpfs import mounted_tmpfs
 
 _HEADER = 24 + 8 + 3 + 8  # frame header of a 1-d '<u2' or '|u1' block
 

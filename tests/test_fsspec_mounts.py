@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tmpfs import mounted_tmpfs
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.fsspec import FsspecTier
@@ -22,6 +21,7 @@ from kvtier.tiers.mounts import (
     parse_mountinfo,
     read_mountinfo,
 )
+from tests.helpers.tmpfs import mounted_tmpfs
 
 HAS_NOWAIT = hasattr(os, "RWF_NOWAIT")
 NETWORK_FSTYPES = ["nfs", "nfs4", "cifs", "smb3", "ceph", "lustre", "gpfs", "beegfs",

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from peer_helpers import TOKEN
 
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.store import open_store
 from kvtier.testing.conformance import key_of
+from tests.helpers.peer_helpers import TOKEN
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-kvtier.json"
 _NAME = re.compile(r"\bkvtier_[a-z0-9_]+")

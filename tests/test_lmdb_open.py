@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tmpfs import mounted_tmpfs
 
 from kvtier.errors import ConfigError
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.lmdb import LMDBTier
+from tests.helpers.tmpfs import mounted_tmpfs
 
 
 async def test_cancelled_cold_open_is_reused_not_repeated(tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import mooncake_servers
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,6 +27,7 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.registry import tier_from_url
+from tests.helpers import mooncake_servers
 
 if mooncake_servers.missing():
     pytest.skip(mooncake_servers.missing() or "", allow_module_level=True)

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import trustme
 from aiohttp import web
-from peer_helpers import TOKEN
 
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.errors import ConfigError, CorruptBlockError
@@ -23,6 +22,7 @@ from kvtier.peer import protocol as proto
 from kvtier.peer.frames import Accept, decode_batch_from_peer
 from kvtier.peer.tier import PeerTier
 from kvtier.peer.tls import client_context
+from tests.helpers.peer_helpers import TOKEN
 
 KEYS = [bytes([i]) * 16 for i in range(1, 9)]
 BOMB = 16 << 20  # what each hostile frame declares; a few KiB on the wire (zeros)

@@ -10,7 +10,6 @@ from contextlib import AsyncExitStack
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN, peer_servers
 
 from kvtier import open_store
 from kvtier.errors import ConfigError
@@ -20,6 +19,7 @@ from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import TierConformance, key_of, sample_block
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN, peer_servers
 
 ANCHORED = {"placement": "anchor:1"}
 # Tests that fail no member: slow health probes and generous timeouts, so a loaded machine

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import trustme
 from aiohttp import web
-from peer_helpers import REPO, TOKEN, ServeProcess, token_file
 
 from kvtier.codec import encode_frame
 from kvtier.errors import PeerError
@@ -30,6 +29,7 @@ from kvtier.peer.tls import server_context
 from kvtier.store import open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import REPO, TOKEN, ServeProcess, token_file
 
 SECRET = "hunter2-pool-secret"
 Answer = Callable[[bytes], bytes]

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN
 
 from kvtier.codec import encode_frame
 from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 AUTH = f"Authorization: Bearer {TOKEN}\r\n".encode()
 KEY = b"\x01\x02\x03\x04"

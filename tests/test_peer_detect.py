@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN
 
 from kvtier.errors import ConfigError
 from kvtier.peer.server import PeerServer
@@ -19,6 +18,7 @@ from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.base import Block
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 
 def _url(members: Sequence[str], **opts: object) -> str:

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from peer_helpers import TOKEN, ServeProcess, serve_processes, token_file
 
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
@@ -18,6 +17,7 @@ from kvtier.store import open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN, ServeProcess, serve_processes, token_file
 
 TIMEOUT = 0.5
 SLACK = 0.5
@@ -169,7 +169,7 @@ def test_serve_refuses_to_start_without_token(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from peer_helpers import REPO
+    from tests.helpers.peer_helpers import REPO
 
     run = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--listen",
                           "127.0.0.1:0", "--tier", "dram://"], cwd=REPO, capture_output=True,
@@ -180,7 +180,7 @@ def test_serve_refuses_to_start_without_token(tmp_path: Path) -> None:
 async def test_kvtier_stats_prints_health_and_metrics(tmp_path: Path) -> None:
     import sys
 
-    from peer_helpers import REPO
+    from tests.helpers.peer_helpers import REPO
 
     server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True, node_id="node-a")
     await server.start()

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 import numpy as np
 import pytest
-from peer_helpers import TOKEN
 
 from kvtier.codec import decode_frame, encode_frame
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.server import PeerServer
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN, ServeProcess, serve_processes
 
 from kvtier.peer.locate import LocalPrefix, PrefixLocation, locate_prefix
 from kvtier.peer.tier import PeerTier
 from kvtier.store import open_store
+from tests.helpers.peer_helpers import TOKEN, ServeProcess, serve_processes
 
 BLOCK = np.arange(2048, dtype=np.uint16)
 K = [bytes([i]) * 16 for i in range(1, 13)]

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from aiohttp import web
-from peer_helpers import TOKEN
 
 from kvtier.peer import protocol as proto
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 
 def _url(members: Sequence[str], **opts: object) -> str:

@@ -12,12 +12,12 @@ import aiohttp
 import numpy as np
 import pytest
 import xxhash
-from peer_helpers import TOKEN
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

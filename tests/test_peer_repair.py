@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN, ServeProcess, token_file
 
 from kvtier.peer.repair import AntiEntropy
 from kvtier.peer.server import PeerServer
@@ -21,6 +20,7 @@ from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.base import Block
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN, ServeProcess, token_file
 
 
 class Pool:

@@ -15,7 +15,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 import trustme
-from peer_helpers import TOKEN, ServeProcess, token_file
 
 from kvtier.codec import encode_frame
 from kvtier.errors import PeerError
@@ -25,6 +24,7 @@ from kvtier.peer.tier import PeerTier
 from kvtier.peer.tls import client_context, server_context
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN, ServeProcess, token_file
 
 FRAME = encode_frame(sample_block(1)).to_bytes()
 KEY_HEX = key_of(5).hex()

@@ -16,13 +16,13 @@ from contextlib import asynccontextmanager, contextmanager
 import aiohttp
 import numpy as np
 import pytest
-from peer_helpers import REPO, TOKEN
 
 from kvtier.codec import encode_frame
 from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import REPO, TOKEN
 
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 KEY = b"\x01\x02\x03\x04"

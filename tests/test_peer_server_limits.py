@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 import aiohttp
 import numpy as np
 import pytest
-from peer_helpers import TOKEN
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.codec import encode_frame
@@ -28,6 +27,7 @@ from kvtier.store import open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN, peer_servers
 
 from kvtier.errors import ConfigError
 from kvtier.peer.server import PeerServer
@@ -19,6 +18,7 @@ from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.registry import tier_from_url
+from tests.helpers.peer_helpers import TOKEN, peer_servers
 
 
 class TestPeerConformance(TierConformance):

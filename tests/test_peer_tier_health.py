@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import xxhash
 from aiohttp import web
-from peer_helpers import TOKEN, peer_servers
 
 from kvtier.codec import FLAG_ZSTD
 from kvtier.errors import ConfigError, PeerError
@@ -24,6 +23,7 @@ from kvtier.store import open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import FailingTier, LatencyTier
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN, peer_servers
 
 
 @pytest.fixture

@@ -16,13 +16,13 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from peer_helpers import TOKEN
 
 from kvtier.codec import KEYED_FORMAT_VERSION, decode_frame, encode_frame, parse_header
 from kvtier.peer import protocol as proto
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 KEYS = [bytes([i]) * 16 for i in range(1, 9)]
 BLOCKS = {k: np.full(1024, i, dtype=np.uint16) for i, k in enumerate(KEYS)}

@@ -25,7 +25,7 @@ from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.lmdb import LMDBTier
 from kvtier.tiers.registry import tier_from_url
 
-redis_servers = pytest.importorskip("redis_servers", reason="redis-py not installed")
+redis_servers = pytest.importorskip("tests.helpers.redis_servers", reason="redis-py not installed")
 if redis_servers.MISSING:
     pytest.skip(redis_servers.MISSING, allow_module_level=True)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN
 
 from kvtier.errors import PeerError
 from kvtier.peer.protocol import Limits
@@ -13,6 +12,7 @@ from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 
 async def _refused_put(segment: DRAMTier, limits: Limits | None, nbytes: int) -> str:

@@ -9,9 +9,9 @@ import sys
 from collections import Counter
 
 import pytest
-from peer_helpers import REPO
 
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
+from tests.helpers.peer_helpers import REPO
 
 N_KEYS = 100_000
 KEYS = [i.to_bytes(8, "little") * 2 for i in range(N_KEYS)]

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peer_helpers import TOKEN, serve_processes
 
 from kvtier import BlockingStore, open_store
 from kvtier.errors import ConfigError
 from kvtier.peer.client import PeerClient
 from kvtier.routing import owner_runs, pick_node
 from kvtier.testing.conformance import key_of, sample_block
+from tests.helpers.peer_helpers import TOKEN, serve_processes
 
 
 def test_longest_run_wins_ties_go_to_the_least_loaded() -> None:

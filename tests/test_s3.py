@@ -14,7 +14,7 @@ from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.fsspec_io import AsyncFsBackend
 from kvtier.tiers.registry import tier_from_url
-from tests.s3_server import S3Endpoint, s3_endpoint
+from tests.helpers.s3_server import S3Endpoint, s3_endpoint
 
 __all__ = ["s3_endpoint"]  # the fixture, re-exported for pytest
 

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from peer_helpers import REPO
 
 from kvtier.errors import ConfigError, KVTierError, PeerError
 from kvtier.store import open_store
 from kvtier.tiers.registry import tier_from_url
+from tests.helpers.peer_helpers import REPO
 
 SECRET = "hunter2-literal-secret"
 

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from peer_helpers import TOKEN, ServeProcess, token_file
 
 from kvtier.cli import main
+from tests.helpers.peer_helpers import TOKEN, ServeProcess, token_file
 
 _AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 

@@ -19,7 +19,7 @@ from kvtier import ConfigError
 from kvtier.integrations.sglang import KVTierHiCacheStorage, sglang_available
 from kvtier.tiers import registry
 from kvtier.tiers.dram import DRAMTier
-from tests.vllm_fakes import BLOCK, FakeEngine, Request
+from tests.helpers.vllm_fakes import BLOCK, FakeEngine, Request
 
 PAGE = 4
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from peer_helpers import REPO, TOKEN, peer_servers
 
 from kvtier import BlockingStore, KeyNamespace, TieredStore, open_store, prefix_keys
 from kvtier.cli import main
@@ -24,6 +23,7 @@ from kvtier.testing.fakes import FailingTier, LatencyTier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.lmdb import LMDBTier
+from tests.helpers.peer_helpers import REPO, TOKEN, peer_servers
 
 BLOCK = 4096
 

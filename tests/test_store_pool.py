@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from peer_helpers import TOKEN
 
 from kvtier.peer.server import PeerServer
 from kvtier.store import open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.peer_helpers import TOKEN
 
 
 @pytest.fixture

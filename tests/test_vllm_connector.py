@@ -14,7 +14,7 @@ import pytest
 from kvtier import ConfigError
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm import KVTierConnector
-from tests.vllm_fakes import (
+from tests.helpers.vllm_fakes import (
     BLOCK,
     Blocks,
     FakeEngine,
@@ -211,7 +211,7 @@ def test_tensor_parallel_shards_are_stored_and_found_per_rank(
         shared: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
     """With TP=2 each rank saves its own shard; a block counts only once every rank has it."""
     import kvtier.integrations.vllm as vllm_mod
-    from tests.vllm_fakes import new_step
+    from tests.helpers.vllm_fakes import new_step
 
     cfg = vllm_config(dict(shared), tp_size=2)
     workers = []

@@ -17,7 +17,7 @@ from kvtier.integrations.vllm_events import (
     LocalBlockStored,
     event_media,
 )
-from tests.vllm_fakes import (
+from tests.helpers.vllm_fakes import (
     BLOCK,
     Blocks,
     FakeEngine,

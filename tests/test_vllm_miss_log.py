@@ -11,7 +11,7 @@ import pytest
 from kvtier.integrations.miss_log import MissLog
 from kvtier.misses import MissReason
 from kvtier.testing.fakes import FakeClock
-from tests.vllm_fakes import FakeEngine, Request
+from tests.helpers.vllm_fakes import FakeEngine, Request
 
 PROMPT = [(13 * i + 7) % 997 + 1 for i in range(22)]  # 5 full blocks of 4, plus 2 tokens
 LOGGER = "kvtier.integrations.vllm"

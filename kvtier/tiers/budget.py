@@ -30,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.policy import ARCPolicy, Clock, RecencyPolicy, S3FIFOPolicy
 from kvtier.tiers.base import Block, Tier, run_to_end
+from kvtier.tiers.eviction_state import EvictionState, Leaving
 
 __all__ = ["POLICIES", "STEP_BLOCKS", "STEP_BYTES", "BudgetedTier", "Leaving", "Policy",
            "make_policy", "parse_policy"]
@@ -78,17 +78,6 @@ def make_policy(policy: str, capacity: int | None, clock: Clock = time.monotonic
     return POLICIES[parse_policy(policy)](capacity, clock)
 
 
-@dataclass(eq=False, slots=True)
-class Leaving:
-    """A victim between detach and drop: still stored, still readable."""
-
-    key: bytes
-    size: int
-    block: Block | None  # held in memory by the tier (dram), else read back from storage
-    done: asyncio.Future[None] | None = None  # made when someone waits (_settled)
-    dropping: bool = False  # its drop from storage began: no longer claimed or read
-
-
 def _steps(entries: list[Leaving]) -> list[list[Leaving]]:
     steps: list[list[Leaving]] = []
     current: list[Leaving] = []
@@ -111,7 +100,9 @@ class BudgetedTier(Tier):
     Subclasses set ``self._policy`` (:func:`make_policy`) in ``__init__`` and implement
     :meth:`_commit` (drop victims, write new blocks); they override :meth:`_detach` /
     :meth:`_reattach` when they hold blocks in memory, :meth:`_read_leaving` when a victim
-    must be read back from storage to be demoted, and :meth:`_drop_stored`.
+    must be read back from storage to be demoted, and :meth:`_drop_stored`. What the template
+    has in flight lives in ``self._eviction_state`` (:class:`EvictionState`), which
+    subclasses only ask.
 
     Concurrency: any number of puts, gets and deletes may run at once; puts that need
     victims demote them concurrently. ``_get``/``_contains`` of subclasses that keep no index
@@ -124,15 +115,7 @@ class BudgetedTier(Tier):
 
     def __init__(self, *, name: str | None = None) -> None:
         super().__init__(name=name)
-        self._leaving: dict[bytes, Leaving] = {}
-        self._leaving_bytes = 0
-        self._claimed = 0  # net bytes puts add beyond their victims, until admitted
-        self._room: list[asyncio.Future[None]] = []
-        self._commits: set[asyncio.Future[Any]] = set()
-        # Keys a put is writing while it waits for room: their current bytes are part of
-        # that put's reservation, so another put or a delete of the key waits for it (else
-        # the bytes it frees would be handed out twice).
-        self._writing: dict[bytes, asyncio.Future[None]] = {}
+        self._eviction_state = EvictionState()
 
     @property
     def capacity(self) -> int | None:
@@ -140,7 +123,7 @@ class BudgetedTier(Tier):
 
     @property
     def used(self) -> int:
-        return self._policy.used + self._leaving_bytes
+        return self._policy.used + self._eviction_state.leaving_bytes
 
     @property
     def policy_name(self) -> str:
@@ -163,7 +146,7 @@ class BudgetedTier(Tier):
         storage has not begun."""
         if key in self._policy:
             return True
-        entry = self._leaving.get(key)
+        entry = self._eviction_state.leaving_entry(key)
         return entry is not None and not entry.dropping
 
     def resident_keys(self) -> list[bytes] | None:
@@ -173,8 +156,9 @@ class BudgetedTier(Tier):
     def stats(self) -> dict[str, Any]:
         """Tier figures plus ``blocks`` (held now), ``pinned_bytes``, ``leaving`` (victims
         being demoted) and ``policy``."""
-        return {**super().stats(), "blocks": len(self._policy) + len(self._leaving),
-                "pinned_bytes": self._policy.pinned_bytes, "leaving": len(self._leaving),
+        leaving = self._eviction_state.leaving_count
+        return {**super().stats(), "blocks": len(self._policy) + leaving,
+                "pinned_bytes": self._policy.pinned_bytes, "leaving": leaving,
                 "policy": self.policy_name}
 
     # ------------------------------------------------------------ storage hooks
@@ -211,33 +195,12 @@ class BudgetedTier(Tier):
     def _busy(self) -> bool:
         """Whether any eviction or evicting put is in flight (then :meth:`_settled` may
         have to wait)."""
-        return bool(self._leaving or self._writing)
+        return self._eviction_state.busy
 
     async def _settled(self, keys: Sequence[bytes]) -> None:
         """Wait until none of ``keys`` is leaving (its demotion and drop have finished) or
         being written by a put that is still making room."""
-        while self._leaving or self._writing:
-            entry = next((self._leaving[k] for k in keys if k in self._leaving), None)
-            if entry is not None:
-                if entry.done is None:
-                    entry.done = asyncio.get_running_loop().create_future()
-                await asyncio.shield(entry.done)
-                continue
-            writing = next((self._writing[k] for k in keys if k in self._writing), None)
-            if writing is None:
-                return
-            await asyncio.shield(writing)
-
-    def _room_changed(self) -> None:
-        waiters, self._room = self._room, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def _wait_for_room(self) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        self._room.append(fut)
-        await fut
+        await self._eviction_state.settled(keys)
 
     def _fits_now(self, sizes: Mapping[bytes, int]) -> bool:
         capacity = self._policy.capacity
@@ -245,7 +208,8 @@ class BudgetedTier(Tier):
             return True
         policy = self._policy
         incoming = sum(sizes.values()) - sum(policy.size_of(k) or 0 for k in sizes)
-        return (policy.used + self._leaving_bytes + self._claimed + self._unavailable()
+        state = self._eviction_state
+        return (policy.used + state.leaving_bytes + state.claimed + self._unavailable()
                 + incoming <= capacity)
 
     def _choose(self, sizes: Mapping[bytes, int]) -> tuple[list[bytes], int] | None:
@@ -256,7 +220,7 @@ class BudgetedTier(Tier):
         incoming = sum(sizes.values()) - sum(policy.size_of(k) or 0 for k in sizes)
         if policy.capacity is None:
             return [], max(0, incoming)
-        in_flight = self._leaving_bytes + self._claimed
+        in_flight = self._eviction_state.leaving_bytes + self._eviction_state.claimed
         try:
             victims = policy.victims(incoming + in_flight + self._unavailable())
         except (TierFullError, BlockTooLargeError):
@@ -271,8 +235,7 @@ class BudgetedTier(Tier):
         for key in victims:
             size = self._policy.remove(key) or 0
             entry = Leaving(key, size, self._detach(key))
-            self._leaving[key] = entry
-            self._leaving_bytes += size
+            self._eviction_state.add_leaving(entry)
             entries.append(entry)
         return entries
 
@@ -283,9 +246,7 @@ class BudgetedTier(Tier):
             entry.dropping = True
 
     def _end_leaving(self, entry: Leaving, *, keep: bool) -> None:
-        if self._leaving.get(entry.key) is entry:
-            del self._leaving[entry.key]
-            self._leaving_bytes -= entry.size
+        if self._eviction_state.remove_leaving(entry):
             if keep:
                 self._policy.admit(entry.key, entry.size)
                 self._reattach(entry)
@@ -305,7 +266,7 @@ class BudgetedTier(Tier):
             for entry in step:
                 block = entry.block if entry.block is not None else read.get(entry.key)
                 # A victim deleted meanwhile is not demoted (it would come back below).
-                if block is not None and self._leaving.get(entry.key) is entry:
+                if block is not None and self._eviction_state.leaving_entry(entry.key) is entry:
                     await self._evict(entry.key, block)
 
     async def _store_evicting(self, items: Sequence[tuple[bytes, Block]],
@@ -317,8 +278,8 @@ class BudgetedTier(Tier):
         TierFullError
             If pinned blocks leave no room (nothing changes).
         """
-        if (self._atomic_commit and len(items) == 1 and not self._leaving
-                and not self._claimed and not self._writing):
+        if (self._atomic_commit and len(items) == 1 and not self._eviction_state.busy
+                and not self._eviction_state.claimed):
             # The hot path (one block into a tier that holds blocks in memory): nothing in
             # flight, so choosing, evicting (when there is nothing to demote to) and
             # committing are one synchronous step.
@@ -359,12 +320,12 @@ class BudgetedTier(Tier):
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         for key in wanted:
             self._policy.pin(key)  # never a victim of a concurrent put while written
-            self._writing[key] = done
+        self._eviction_state.start_writing(wanted, done)
         try:
             entries, claim = await self._make_room(wanted)
         except BaseException:
             self._unpin_all(wanted)
-            self._written(wanted, done)
+            self._eviction_state.written(wanted, done)
             raise
         finish = self._finish(items, wanted, entries, claim, done)  # unpins
         if self._atomic_commit:
@@ -374,14 +335,8 @@ class BudgetedTier(Tier):
         # apart, and the commit reads the caller's block (in a worker thread, maybe), which
         # the caller may reuse as soon as the put returns.
         task = asyncio.ensure_future(finish)
-        self._commits.add(task)
-        task.add_done_callback(self._commit_done)
+        self._eviction_state.track_commit(task)
         await run_to_end(task)
-
-    def _commit_done(self, task: asyncio.Future[None]) -> None:
-        self._commits.discard(task)
-        if not task.cancelled():
-            task.exception()  # the put that awaited it raised it, or was cancelled first
 
     async def _make_room(self, wanted: dict[bytes, int]) -> tuple[list[Leaving], int]:
         """Choose, detach and demote victims until the ones left are enough; return them
@@ -389,25 +344,25 @@ class BudgetedTier(Tier):
         while True:
             chosen = self._choose(wanted)
             if chosen is None:
-                await self._wait_for_room()
+                await self._eviction_state.wait_for_room()
                 continue
             victims, claim = chosen
             entries = self._detach_all(victims)
-            self._claimed += claim
+            self._eviction_state.claim(claim)
             try:
                 if entries:
                     await self._demote(entries)
             except BaseException:
-                self._claimed -= claim
+                self._eviction_state.release(claim)
                 for entry in entries:
                     self._end_leaving(entry, keep=True)  # nothing changed
-                self._room_changed()
+                self._eviction_state.room_changed()
                 raise
             kept = [e for e in entries if self._policy.is_pinned(e.key)]
             if not kept:
                 break
             # Pinned while being demoted: the engine uses it now. Keep it, choose again.
-            self._claimed -= claim
+            self._eviction_state.release(claim)
             for entry in kept:
                 self._end_leaving(entry, keep=True)
             rest = [e for e in entries if e not in kept]
@@ -417,15 +372,8 @@ class BudgetedTier(Tier):
             finally:
                 for entry in rest:
                     self._end_leaving(entry, keep=False)
-                self._room_changed()
+                self._eviction_state.room_changed()
         return entries, claim
-
-    def _written(self, wanted: Mapping[bytes, int], done: asyncio.Future[None]) -> None:
-        for key in wanted:
-            if self._writing.get(key) is done:
-                del self._writing[key]
-        if not done.done():
-            done.set_result(None)
 
     async def _finish(self, items: Sequence[tuple[bytes, Block]], wanted: dict[bytes, int],
                       entries: list[Leaving], claim: int, done: asyncio.Future[None]) -> None:
@@ -435,12 +383,12 @@ class BudgetedTier(Tier):
             for (key, _), size in zip(items, actual or wanted.values(), strict=True):
                 self._policy.admit(key, size)
         finally:
-            self._claimed -= claim
+            self._eviction_state.release(claim)
             for entry in entries:
                 self._end_leaving(entry, keep=False)
             self._unpin_all(wanted)
-            self._written(wanted, done)
-            self._room_changed()
+            self._eviction_state.written(wanted, done)
+            self._eviction_state.room_changed()
 
     async def _evict_more(self, nbytes: int) -> bool:
         """Evict about ``nbytes`` more than the budget asks for (a store that ran out of
@@ -475,10 +423,9 @@ class BudgetedTier(Tier):
         finally:
             for entry in rest:
                 self._end_leaving(entry, keep=False)
-            self._room_changed()
+            self._eviction_state.room_changed()
         return bool(rest)
 
     async def _commits_done(self) -> None:
         """Wait for shielded commits still running (call from ``_aclose``)."""
-        while self._commits:
-            await asyncio.gather(*list(self._commits), return_exceptions=True)
+        await self._eviction_state.commits_done()

@@ -18,8 +18,9 @@ import numpy.typing as npt
 from kvtier.errors import ConfigError
 from kvtier.policy import Clock
 from kvtier.tiers.base import Block
-from kvtier.tiers.budget import BudgetedTier, Leaving, make_policy, parse_policy
+from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.dram_arena import HostArena, Prefault
+from kvtier.tiers.eviction_state import Leaving
 from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
 
 __all__ = ["DRAMTier"]
@@ -197,17 +198,18 @@ class DRAMTier(BudgetedTier):
         if block is not None:
             self._policy.touch(key)
             return block
-        leaving = self._leaving.get(key)  # being demoted: still readable
+        leaving = self._eviction_state.leaving_entry(key)  # being demoted: still readable
         return None if leaving is None else leaving.block
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         return [await self._get(k) for k in keys]
 
     async def _contains(self, key: bytes) -> bool:
-        return key in self._blocks or key in self._leaving
+        return key in self._blocks or self._eviction_state.is_leaving(key)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return [k in self._blocks or k in self._leaving for k in keys]
+        state = self._eviction_state
+        return [k in self._blocks or state.is_leaving(k) for k in keys]
 
     async def _put(self, key: bytes, block: Block) -> None:
         self._policy.check_fits(block.nbytes)
@@ -311,7 +313,7 @@ class DRAMTier(BudgetedTier):
             self._arena.stop_prefault()
             self._arena.unregister()
         self._blocks.clear()
-        self._leaving.clear()
+        self._eviction_state.forget_leaving()
         self._spare.clear()
         for key in list(self._policy.lru_order()):
             self._policy.remove(key)

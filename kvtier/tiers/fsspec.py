@@ -318,7 +318,8 @@ class FsspecTier(BudgetedTier):
         gc pass of this node, or found missing on a read), and report them dropped (a
         ``BlockRemoved`` event; ``explain`` says ``evicted`` and ``why``). Keys in flight
         are left to their put or eviction."""
-        gone = [key for key in keys if key not in self._leaving and key not in self._writing
+        state = self._eviction_state
+        gone = [key for key in keys if not state.is_leaving(key) and not state.is_writing(key)
                 and self._policy.remove(key) is not None]
         if gone:
             self._report_dropped(gone)
@@ -373,7 +374,7 @@ class FsspecTier(BudgetedTier):
         block = await self._read(key)
         if block is None:
             self.misses += 1
-            if key in self._policy and key not in self._writing:
+            if key in self._policy and not self._eviction_state.is_writing(key):
                 # Counted here but gone from storage: deleted by the fleet gc, another
                 # node or an operator. A miss; the budget stops counting it.
                 self.vanished += 1
@@ -389,7 +390,7 @@ class FsspecTier(BudgetedTier):
     async def _contains(self, key: bytes) -> bool:
         if self._held(key):
             return True
-        if key in self._leaving:  # being dropped: its file may go while we look
+        if self._eviction_state.is_leaving(key):  # being dropped: its file may go while we look
             return False
         path = await self._path(key)
         try:

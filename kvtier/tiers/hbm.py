@@ -33,7 +33,8 @@ from kvtier.backends import DeviceBackend, backend_for, get_backend
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.policy import Clock
 from kvtier.tiers.base import Block, check_output_spec, run_to_end
-from kvtier.tiers.budget import BudgetedTier, Leaving, make_policy, parse_policy
+from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
+from kvtier.tiers.eviction_state import Leaving
 from kvtier.urls import merge_options, parse_size, parse_tier_url
 
 __all__ = ["HBMTier"]
@@ -416,7 +417,7 @@ class HBMTier(BudgetedTier):
         if type(count) is not int or count < 0:
             raise ValueError(f"count: expected an int >= 0, got {count!r}")
         unpinned = sum(1 for k in self._entries if not self._policy.is_pinned(k)
-                       and k not in self._leaving)
+                       and not self._eviction_state.is_leaving(k))
         if count > len(self._free) + unpinned:
             raise TierFullError(
                 f"count: {count} slots wanted, {len(self._free)} free and {unpinned} "

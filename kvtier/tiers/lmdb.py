@@ -294,7 +294,7 @@ class LMDBTier(BudgetedTier):
         leaving (out of the policy, still readable)."""
         size = self._policy.size_of(key)
         if size is None:
-            entry = self._leaving.get(key)
+            entry = self._eviction_state.leaving_entry(key)
             size = entry.size if entry is not None else INLINE_READ_BYTES + 1
         return size
 
@@ -482,7 +482,7 @@ class LMDBTier(BudgetedTier):
         self._touched.update(k for k in keys if k in self._policy)
 
     async def _aclose(self) -> None:
-        while self._inflight or self._commits:
+        while self._inflight or self._eviction_state.committing:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
             await self._commits_done()
         try:

@@ -17,7 +17,7 @@ from kvtier.peer.server import PeerServer
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "pool-secret-token"
 _LISTEN_RE = re.compile(r"kvtier serve listening on (\S+)")
 

@@ -1,0 +1,1 @@
+"""Shared test helpers (real servers, mounts and vLLM stand-ins); no tests live here."""
