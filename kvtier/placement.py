@@ -5,9 +5,9 @@ and deletes.
 Invariant kept here: after a put of ``k`` returns, no tier serves an older value of ``k``;
 after a delete returns, none serves any. An older copy *below* the tier that took the new
 value may stay (deleting it on every put would cost a write per lower tier per put), but it
-is shadowed, and it is deleted whenever the newer value leaves the chain above it (a
-demotion that skips a tier). An evicted block that no lower tier takes is not dropped: the
-evicting tier keeps it and the put that needed the room fails (:meth:`Placement.demoter`).
+is shadowed, and a demotion of the newer value that skips tiers deletes their copies. An
+evicted block that no lower tier takes is not dropped: the evicting tier keeps it and the
+put that needed the room fails (:meth:`Placement.demoter`).
 """
 
 from __future__ import annotations
