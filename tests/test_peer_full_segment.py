@@ -74,6 +74,8 @@ async def test_acked_keys_survive_a_member_loss_when_one_segment_is_full(lower: 
                 await client.members.client(full.member_id).put(
                     key, encode_frame(sample_block(PUTS), key=key))
             assert refused.value.status == 507 and "no tier accepted" in str(refused.value)
+            # A full member refused writes; it is up and still serves what it holds.
+            assert client.members.alive(full.member_id)
         assert len(acked) == PUTS and len(on_full) > DRAM_BLOCKS
         # Every acknowledged put left its two copies (the full server's, or a fallback's).
         thin = [i for i in acked if await _holders(servers, key_of(i)) < 2]
