@@ -509,7 +509,7 @@ def table(r: dict[str, object]) -> str:
          f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
         ("  of which replication should have prevented", f"{unreadable - excused}"),
-        ("    of those, owned by the full-disk server (its copy may have been dropped)",
+        ("    of those, owned by the full-disk server",
          f"{r['on_full_disk']}"),
         ("wrong bytes returned", f"{r['wrong']}"),
         ("keys long-lived clients missed that a fresh client read", f"{r['behind']}"),

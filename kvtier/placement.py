@@ -5,17 +5,18 @@ and deletes.
 Invariant kept here: after a put of ``k`` returns, no tier serves an older value of ``k``;
 after a delete returns, none serves any. An older copy *below* the tier that took the new
 value may stay (deleting it on every put would cost a write per lower tier per put), but it
-is shadowed, and it is deleted whenever the newer value leaves the chain above it (a
-demotion that skips a tier or is dropped).
+is shadowed, and a demotion of the newer value that skips tiers deletes their copies. An
+evicted block that no lower tier takes is not dropped: the evicting tier keeps it and the
+put that needed the room fails (:meth:`Placement.demoter`).
 """
 
 from __future__ import annotations
 
-from kvtier.errors import BlockTooLargeError, TierError
+from kvtier.errors import BlockTooLargeError, TierError, TierFullError
 from kvtier.misses import MissReason
 from kvtier.promotion import Promotion
 from kvtier.singleflight import KeyRegistry, KeyState
-from kvtier.tierchain import NOT_HERE, TierChain, finish_even_if_cancelled, log
+from kvtier.tierchain import NOT_HERE, TierChain, finish_even_if_cancelled
 from kvtier.tiers.base import Block, EvictionCallback
 from kvtier.writethrough import WritesDone, WriteThrough
 
@@ -142,15 +143,20 @@ class Placement:
         return done
 
     async def _place(self, key: bytes, block: Block, first: int) -> int:
-        """Put into the first tier from ``first`` that accepts; return its index."""
+        """Put into the first tier from ``first`` that accepts; return its index.
+
+        Raises :class:`TierFullError` when none accepted and one of them refused for lack of
+        room (a peer server answers ``507``), :class:`TierError` when they all failed."""
         chain = self._chain
         failures: list[str] = []
+        full = False
         for index in range(first, len(chain)):
             tier = chain.tiers[index]
             try:
                 await tier._put(key, block)  # validated once by the store
             except NOT_HERE as exc:
                 failures.append(f"{tier.name}: {exc}")
+                full = full or isinstance(exc, TierFullError)
                 continue
             except Exception as exc:
                 chain.error(index, "put", exc)
@@ -160,7 +166,8 @@ class Placement:
             if index:  # a copy above would shadow the new value
                 await finish_even_if_cancelled(self._delete_from(range(index), [key]))
             return index
-        raise TierError(f"put {key.hex()}: no tier accepted the block ({'; '.join(failures)})")
+        error = TierFullError if full else TierError
+        raise error(f"put {key.hex()}: no tier accepted the block ({'; '.join(failures)})")
 
     async def _pool_put(self, items: list[tuple[bytes, Block]], pool: int) -> None:
         """Copy blocks into the shared tier ``pool``; raises if it did not take them."""
@@ -182,7 +189,12 @@ class Placement:
     # ------------------------------------------------------------------ demotion
     def demoter(self, index: int) -> EvictionCallback:
         """The ``on_evict`` callback of tier ``index``: write the block into the first tier
-        below that takes it, while the evicting tier still serves it."""
+        below that takes it, while the evicting tier still serves it.
+
+        When none takes it (full, failing), it raises :class:`TierFullError`: the evicting
+        tier then keeps the victim and the put that needed the room fails, so a block that
+        was put is never dropped because a lower tier refused it (only the last tier's own
+        budget evicts for good)."""
         chain = self._chain
 
         async def demote(key: bytes, block: Block) -> None:
@@ -195,11 +207,9 @@ class Placement:
                     # shadow this one.
                     await self._delete_from(range(index + 1, below), [key])
                     return
-            chain.counters.dropped += 1
-            # The value leaves the chain: an older copy below must not reappear.
-            await self._delete_from(range(index + 1, len(chain)), [key])
-            log.info("block %s left the pool: no tier below %s accepted it", key.hex(),
-                     chain.tiers[index].name)
+            chain.counters.evictions_refused += 1
+            raise TierFullError(f"block {key.hex()} stays in {chain.tiers[index].name}: no "
+                                "tier below accepted it")
 
         return demote
 

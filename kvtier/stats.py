@@ -121,7 +121,7 @@ class StoreCounters:
     puts: int = 0
     deletes: int = 0
     single_flight_joins: int = 0
-    dropped: int = 0
+    evictions_refused: int = 0
     write_through_writes: int = 0
     write_through_superseded: int = 0
     pool_writes: int = 0

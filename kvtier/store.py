@@ -719,7 +719,8 @@ class TieredStore:
             ``demotions``, ``bytes_in``, ``bytes_out``, ``get_p50_us``, ``get_p99_us``; a
             tier's own figure with one of these names is kept as ``tier_<name>``);
             plus ``gets``, ``hits``, ``misses``, ``hit_rate``, ``puts``, ``deletes``,
-            ``single_flight_joins``, ``dropped`` (evicted blocks no lower tier took),
+            ``single_flight_joins``, ``evictions_refused`` (evictions abandoned because no
+            lower tier took a victim: the put that needed the room failed),
             ``pool_writes``, ``close_flushed``, ``write_policy``, ``write_queue_depth``,
             ``write_queue_bytes``, ``node``, ``event_subscribers``, ``events_emitted`` and
             ``events_dropped`` (events subscribers lost to their buffer bound);

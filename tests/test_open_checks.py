@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, TierFullError
 from kvtier.store import TieredStore, open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.dram import DRAMTier
@@ -102,13 +102,16 @@ async def test_demotion_failures_are_one_line_and_a_summary(
     (tmp_path / "plain").write_bytes(b"x")
     store = TieredStore([DRAMTier(capacity=64 << 10), lower], close_flush=False)
     with caplog.at_level(logging.WARNING, logger="kvtier.store"):
-        for i in range(40):
+        for i in range(16):  # DRAM's budget
             await store.put(key_of(i), np.zeros(4096, np.uint8))
+        for i in range(16, 40):  # each needs a demotion, which fails: the put is refused
+            with pytest.raises(TierFullError):
+                await store.put(key_of(i), np.zeros(4096, np.uint8))
         await store.aclose()
     lines = [r.getMessage() for r in caplog.records if "failed demote" in r.getMessage()]
     assert len(lines) == 2, lines  # the first failure, then one summary at close
     more = int(re.search(r"failed demote (\d+) more time\(s\)", lines[1]).group(1))  # type: ignore[union-attr]
-    assert 1 + more >= 20  # every dropped block is counted, none logged on its own line
+    assert 1 + more >= 20  # every failed demotion is counted, none logged on its own line
 
 
 # ------------------------------------------------------- item 6: bad lmdb paths

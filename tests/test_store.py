@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier.errors import ClosedError, ConfigError, ShapeMismatchError, TierError
+from kvtier.errors import ClosedError, ConfigError, ShapeMismatchError, TierError, TierFullError
 from kvtier.stats import LatencyHistogram
 from kvtier.store import TieredStore, open_store
 from kvtier.testing.conformance import key_of, sample_block
@@ -491,10 +491,14 @@ async def test_default_pin_protects_in_every_tier() -> None:
             await store.put(key_of(3), sample_block(3))
         assert await holders(store, key_of(3)) == []
         await store.unpin([key_of(1)])
-        await store.put(key_of(3), sample_block(3))  # evicts key 1; tier 1 is pinned full
-        assert await holders(store, key_of(3)) == [0]
+        # Room for key 3 means evicting key 1, which tier 1 (pinned full) cannot take: key 1
+        # stays and the put is refused, rather than key 1 leaving the pool.
+        with pytest.raises(TierFullError, match="no tier accepted"):
+            await store.put(key_of(3), sample_block(3))
+        assert await holders(store, key_of(1)) == [0]
         assert await holders(store, key_of(2)) == [1]
-        assert store.stats()["dropped"] == 1
+        assert await holders(store, key_of(3)) == []
+        assert store.stats()["evictions_refused"] == 1
 
 
 async def test_tier_own_figures_kept_beside_store_figures() -> None:

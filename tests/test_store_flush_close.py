@@ -136,5 +136,5 @@ async def test_close_lets_a_put_in_flight_finish_its_demotion() -> None:
     await asyncio.wait_for(putting, 5)
     await asyncio.wait_for(closing, 5)
     stats = store.stats()
-    assert stats["dropped"] == 0 and stats["tiers"][1]["errors"] == 0
+    assert stats["evictions_refused"] == 0 and stats["tiers"][1]["errors"] == 0
     assert stats["tiers"][1]["demotions"] == 1

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvtier.closeflush import CloseFlush
-from kvtier.errors import TierError
+from kvtier.errors import TierError, TierFullError
 from kvtier.placement import Placement
 from kvtier.promotion import Promotion
 from kvtier.readpath import ReadPath
@@ -104,16 +104,17 @@ async def test_read_path_hands_a_timed_out_fetch_to_followers() -> None:
 
 
 # ----------------------------------------------------------------------------- Placement
-async def test_placement_dropped_demotion_deletes_older_copies_below() -> None:
+async def test_placement_demotion_no_tier_takes_is_refused() -> None:
     lower, bottom = DRAMTier(), DRAMTier()
-    chain = make_chain(DRAMTier(), lower, FailingTier(bottom, fail={"put"}))
+    chain = make_chain(DRAMTier(), FailingTier(lower, fail={"put"}),
+                       FailingTier(bottom, fail={"put"}))
     placement = Placement(chain, KeyRegistry(), Promotion(), None)
     await bottom.put(key_of(1), sample_block(1))
-    lower_fail = FailingTier(lower, fail={"put"})
-    chain.tiers[1] = lower_fail
-    await placement.demoter(0)(key_of(1), sample_block(2))
-    assert chain.counters.dropped == 1
-    assert not await bottom.contains(key_of(1))
+    with pytest.raises(TierFullError, match="no tier below accepted"):
+        await placement.demoter(0)(key_of(1), sample_block(2))
+    assert chain.counters.evictions_refused == 1
+    # The evicting tier keeps the newer value, which still shadows the older copy below.
+    assert await bottom.contains(key_of(1))
 
 
 async def test_placement_pool_index_and_pool_failure_raises() -> None:

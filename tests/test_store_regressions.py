@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier.errors import KVTierError, TierError
+from kvtier.errors import KVTierError, TierError, TierFullError
 from kvtier.store import TieredStore, open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import FailingTier, LatencyTier
@@ -86,11 +86,12 @@ async def test_overwritten_value_never_reappears_when_demotion_is_dropped() -> N
             await store.put(key_of(i), sample_block(i))
         assert await lower.inner.contains(key_of(1))
         await store.put(key_of(1), sample_block(2))  # v2 in the top tier
-        lower.fail = {"put"}  # v2's demotion will be dropped
+        lower.fail = {"put"}  # v2's demotion is refused: v2 stays, the puts needing room fail
         for i in (12, 13):
-            await store.put(key_of(i), sample_block(i))
+            with pytest.raises(TierFullError):
+                await store.put(key_of(i), sample_block(i))
         got = await store.get(key_of(1))
-        assert got is None or got.tobytes() == sample_block(2).tobytes()
+        assert got is not None and got.tobytes() == sample_block(2).tobytes()
 
 
 # ----------------------------------------------------------------------------- bug 8

@@ -56,6 +56,7 @@ _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "t
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
 _HANDOFF_BATCH = 64  # hinted keys checked and copied at once when their owner is back
+_FULL = 507  # "Insufficient Storage": a member whose segment cannot make room; it is up
 
 
 class PeerTier(Tier):
@@ -348,8 +349,9 @@ class PeerTier(Tier):
         returns ``_FAILED``.
 
         Only transport errors, timeouts and 5xx answers count toward taking the member out of
-        the path (a refused connection at once): a 4xx says the peer is up and refused this
-        one request (oversized, full, bad token). Answers feed the member's latency.
+        the path (a refused connection at once): a 4xx, or a ``507`` (its segment is full),
+        says the peer is up and refused this one request (oversized, full, bad token).
+        Answers feed the member's latency.
         """
         self.counts[f"{op}_requests"] += 1
         started = time.monotonic()
@@ -359,7 +361,8 @@ class PeerTier(Tier):
             raise
         except Exception as exc:  # any failure of one peer (even MemoryError) is its miss
             self.counts["errors"] += 1
-            refused = isinstance(exc, PeerStatusError) and exc.status < 500
+            refused = isinstance(exc, PeerStatusError) and (exc.status < 500
+                                                            or exc.status == _FULL)
             if not self._is_local(member) and isinstance(exc, KVTierError | OSError) \
                     and not refused:
                 self.members.report_failure(

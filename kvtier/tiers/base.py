@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, overload
 
@@ -19,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.codec import as_block
-from kvtier.errors import ClosedError, ShapeMismatchError
+from kvtier.errors import ClosedError, ShapeMismatchError, TierFullError
 from kvtier.keys import validate_key
 from kvtier.misses import MissReason
 
@@ -39,7 +38,6 @@ DropCallback = Callable[[Sequence[bytes]], None]
 #: ``on_miss(keys, reason, detail)``: a read found ``keys`` unusable (``corrupt``, dropped) or
 #: could not ask where they live (``unavailable``), so the store can say why they missed.
 MissCallback = Callable[[Sequence[bytes], MissReason, str], None]
-log = logging.getLogger("kvtier.tiers")
 #: Operations the default batch implementations run at once.
 BATCH_CONCURRENCY = 16
 
@@ -141,7 +139,9 @@ class Tier(abc.ABC):
 
     A tier with a byte budget calls :meth:`_evict` for every block it drops by its budget,
     *before* the block stops being readable, so the store can demote it, and
-    :meth:`_report_dropped` once it is gone (the store's KV events say so).
+    :meth:`_report_dropped` once it is gone (the store's KV events say so). When
+    :meth:`_evict` raises (nothing below took the block), the tier keeps the victim and the
+    put that needed the room fails with :class:`~kvtier.errors.TierFullError`.
 
     The default batch implementations run at most :data:`BATCH_CONCURRENCY` operations at
     once.
@@ -376,19 +376,25 @@ class Tier(abc.ABC):
     async def _evict(self, key: bytes, block: Block) -> None:
         """Hand an evicted block to the demotion callback before the tier drops it.
 
-        A failing callback is logged and counted; the block is dropped anyway so a broken
-        lower tier cannot wedge this one.
+        Raises
+        ------
+        TierFullError
+            If the callback failed (no tier below took the block): the eviction is abandoned
+            and counted in ``eviction_errors``, the tier keeps the block, and the put that
+            needed the room fails. A refusing lower tier never makes a block vanish.
         """
+        if self.on_evict is not None:
+            try:
+                await self.on_evict(key, block)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.eviction_errors += 1
+                if isinstance(exc, TierFullError):
+                    raise
+                raise TierFullError(f"tier {self.name}: evicted block {key.hex()} kept, its "
+                                    f"demotion failed: {type(exc).__name__}: {exc}") from exc
         self.evictions += 1
-        if self.on_evict is None:
-            return
-        try:
-            await self.on_evict(key, block)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            self.eviction_errors += 1
-            log.exception("tier %s: demotion of evicted block %s failed", self.name, key.hex())
 
     def _report_dropped(self, keys: Sequence[bytes]) -> None:
         """Tell ``on_drop`` that ``keys`` left the tier on its own (not by a delete)."""

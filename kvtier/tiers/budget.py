@@ -9,7 +9,10 @@ Eviction in three steps (cachetools' one hook, diskcache's bounded steps):
    :meth:`BudgetedTier._held`); the put claims the bytes it adds beyond its victims.
 2. **demote** outside any lock: each victim goes to the eviction callback (the store writes
    it to the tier below) in steps of at most ``STEP_BLOCKS`` blocks / ``STEP_BYTES`` bytes.
-   Other puts choose other victims and demote at the same time.
+   Other puts choose other victims and demote at the same time. When the callback raises
+   (no tier below took a victim: a full disk), the eviction is abandoned: every victim of
+   the put goes back into the policy and the put raises, so a block is never lost because
+   a lower tier refused it, and the tier never goes over its budget.
 3. **drop and commit**: victims pinned meanwhile are kept (back into the policy, and the put
    chooses again); the others are dropped in the same step that writes the new blocks
    (:meth:`BudgetedTier._commit`), which a cancelled put waits for (it reads the put's

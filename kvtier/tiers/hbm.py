@@ -411,7 +411,8 @@ class HBMTier(BudgetedTier):
         Raises
         ------
         TierFullError
-            If fewer than ``count`` slots are free or hold unpinned blocks; nothing changes.
+            If fewer than ``count`` slots are free or hold unpinned blocks, or no tier below
+            takes a block to demote (it keeps its slot); nothing is reserved.
         """
         self._check_open()
         if type(count) is not int or count < 0:
@@ -441,7 +442,8 @@ class HBMTier(BudgetedTier):
         Raises
         ------
         TierFullError
-            If one of the slots holds a pinned block; then nothing is reserved.
+            If one of the slots holds a pinned block, or a block no tier below takes; then
+            nothing is reserved.
         """
         self._check_open()
         ids = self._slot_ids(slot_ids)

@@ -23,3 +23,14 @@ def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_up(mnt: Path) -> None:
+    """Take the last free byte of the file system at ``mnt`` (one file, ``filler``)."""
+    with open(mnt / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
