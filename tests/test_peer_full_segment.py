@@ -8,8 +8,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from peer_helpers import TOKEN
-from tmpfs import fill_up, mounted_tmpfs
 
 from kvtier.codec import encode_frame
 from kvtier.errors import PeerError, PeerStatusError
@@ -21,6 +19,8 @@ from kvtier.testing.fakes import FailingTier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.lmdb import LMDBTier
+from tests.helpers.peer_helpers import TOKEN
+from tests.helpers.tmpfs import fill_up, mounted_tmpfs
 
 PUTS = 60
 DRAM_BLOCKS = 8

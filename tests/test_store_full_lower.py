@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tmpfs import fill_up, mounted_tmpfs
 
 from kvtier.errors import TierError, TierFullError
 from kvtier.store import TieredStore
@@ -16,6 +15,7 @@ from kvtier.testing.fakes import FailingTier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.lmdb import LMDBTier
+from tests.helpers.tmpfs import fill_up, mounted_tmpfs
 
 DRAM_BLOCKS = 8
 PUTS = 40

@@ -406,7 +406,8 @@ class FsspecTier(BudgetedTier):
         # Local files: one batch of stats, not a task and a thread hop per key (a prefix
         # lookup of a 2,048-token prompt is 64 keys, on the engine scheduler's critical path).
         present = [self._held(key) for key in keys]
-        ask = [i for i, key in enumerate(keys) if not present[i] and key not in self._leaving]
+        leaving = self._eviction_state.is_leaving
+        ask = [i for i, key in enumerate(keys) if not present[i] and not leaving(key)]
         if ask:
             paths = [await self._path(keys[i]) for i in ask]
             try:
