@@ -19,7 +19,7 @@ from kvtier.events import EventHub, medium_of
 from kvtier.keys import validate_key
 from kvtier.misses import MissLedger, MissReason
 from kvtier.stats import StoreCounters, TierCounters
-from kvtier.tiers.base import Block, Tier
+from kvtier.tiers.base import Block, Tier, run_to_end
 from kvtier.warnsummary import WarningSummary
 
 __all__ = ["NOT_HERE", "TierChain", "finish_even_if_cancelled", "keys_list", "log"]
@@ -68,19 +68,7 @@ async def finish_even_if_cancelled(coro: Coroutine[Any, Any, T]) -> T:
     to finish, then propagates. Cancelling costs at most the steps' own duration, which each
     tier bounds by its timeouts.
     """
-    task = asyncio.get_running_loop().create_task(coro)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                raise  # the work itself was cancelled (the loop is shutting down)
-            cancelled = True
-            continue
-        if cancelled:
-            raise asyncio.CancelledError
-        return result
+    return await run_to_end(asyncio.get_running_loop().create_task(coro))
 
 
 class TierChain:
