@@ -18,8 +18,7 @@ from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import TierConformance, key_of, sample_block
 from kvtier.tiers.base import Tier
-from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN, peer_servers
+from tests.helpers.peer_helpers import TOKEN, Pool, peer_servers
 
 ANCHORED = {"placement": "anchor:1"}
 # Tests that fail no member: slow health probes and generous timeouts, so a loaded machine
@@ -149,29 +148,6 @@ async def test_bad_anchor_on_a_batch_put_is_refused_and_nothing_stored(
 
 
 # ---------------------------------------------------------------- repair under anchor:1
-class Pool:
-    """Servers that can be stopped and restarted empty on their own port."""
-
-    def __init__(self) -> None:
-        self.servers: dict[str, PeerServer] = {}
-
-    async def start(self, port: int = 0) -> str:
-        server = PeerServer(DRAMTier(), token=TOKEN, port=port, close_segment=True)
-        await server.start()
-        self.servers[server.member_id] = server
-        return server.member_id
-
-    async def stop(self, member: str) -> None:
-        await self.servers.pop(member).stop()
-
-    async def restart_empty(self, member: str) -> None:
-        await self.stop(member)
-        await self.start(int(member.rpartition(":")[2]))
-
-    async def close(self) -> None:
-        for server in list(self.servers.values()):
-            await server.stop()
-
 
 @pytest.fixture
 async def restartable() -> AsyncIterator[Pool]:

@@ -20,31 +20,7 @@ from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.base import Block
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN, ServeProcess, token_file
-
-
-class Pool:
-    """Servers that can be stopped and restarted empty on their own port."""
-
-    def __init__(self) -> None:
-        self.servers: dict[str, PeerServer] = {}
-
-    async def start(self, port: int = 0) -> str:
-        server = PeerServer(DRAMTier(), token=TOKEN, port=port, close_segment=True)
-        await server.start()
-        self.servers[server.member_id] = server
-        return server.member_id
-
-    async def stop(self, member: str) -> None:
-        await self.servers.pop(member).stop()
-
-    async def restart_empty(self, member: str) -> None:
-        await self.stop(member)
-        await self.start(int(member.rpartition(":")[2]))
-
-    async def close(self) -> None:
-        for server in list(self.servers.values()):
-            await server.stop()
+from tests.helpers.peer_helpers import TOKEN, Pool, ServeProcess, token_file
 
 
 @pytest.fixture
