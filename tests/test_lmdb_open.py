@@ -14,7 +14,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.lmdb import LMDBTier
-from tests.helpers.tmpfs import mounted_tmpfs
+from tests.helpers.tmpfs import fill_up, mounted_tmpfs
 
 
 async def test_cancelled_cold_open_is_reused_not_repeated(tmp_path: Path) -> None:
@@ -73,22 +73,12 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
 
 
-def _fill(mnt: Path) -> None:
-    with open(mnt / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-
-
 async def test_reopen_on_full_disk_keeps_the_cache(small_tmpfs: Path) -> None:
     # Issue 9, bug 13: the marker was rewritten with O_TRUNC; ENOSPC left it empty and the
     # next open unlinked data.mdb (100 of 100 blocks gone).
     db = small_tmpfs / "db"
     await _filled(db, 100)
-    _fill(small_tmpfs)
+    fill_up(small_tmpfs)
     await _intact(db, 100)  # the marker cannot be written: opens anyway
     await _intact(db, 100)
 
