@@ -74,6 +74,7 @@ def _in_flight(method: Callable[Concatenate[TieredStore, _P], Awaitable[_R]]
 
     return call
 
+
 class TieredStore:
     """A chain of tiers behind one async API (``get``/``put``/batch/prefix forms).
 
