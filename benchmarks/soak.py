@@ -89,6 +89,29 @@ def _dram_bytes(member: str, token: str) -> int:
                if t.get("scheme") == "dram")
 
 
+_METRIC = re.compile(r"^(kvtier_peer_repair_\w+?|kvtier_store_evictions|kvtier_store_blocks)"
+                     r"(?:_total)?(?:\{[^}]*scheme=\"dram\"[^}]*\})? (\S+)$", re.M)
+#: Per-server figures the soak reads from ``/metrics``: the DRAM tier's evictions and blocks,
+#: and the anti-entropy counters.
+FIGURES = ("evictions", "blocks", "passes", "checked", "pushed", "failed", "under_replicated")
+
+
+def _figures(member: str, token: str) -> dict[str, float]:
+    """The server's :data:`FIGURES` from its ``/metrics`` (empty if it does not answer)."""
+    request = urllib.request.Request(f"http://{member}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for name, value in _METRIC.findall(text):
+        short = name.removeprefix("kvtier_peer_repair_").removeprefix("kvtier_store_")
+        out[short] = out.get(short, 0.0) + float(value)
+    return out
+
+
 @contextlib.contextmanager
 def _tmpfs(path: Path, mib: int) -> Iterator[Path | None]:
     """A tmpfs of ``mib`` MiB at ``path`` (``None`` where mounting is not permitted)."""
@@ -180,6 +203,8 @@ class Tally:
     put_lat: list[float] = field(default_factory=list)
     get_lat: list[float] = field(default_factory=list)
     kills: list[tuple[float, int]] = field(default_factory=list)
+    # (time, server, "kill" | "end", its figures just before): see FIGURES
+    figures: list[tuple[float, int, str, dict[str, float]]] = field(default_factory=list)
     stops: int = 0
     joins: int = 0
     leaves: int = 0
@@ -289,6 +314,8 @@ async def _fault(servers: list[Server], tally: Tally, args: argparse.Namespace,
     if kill_next:
         picked = rng.sample(candidates, min(args.down_together, len(candidates)))
         for index in picked:
+            tally.figures.append((time.monotonic(), index, "kill", await asyncio.to_thread(
+                _figures, servers[index].member, "soak-token")))
             servers[index].kill()
             tally.kills.append((time.monotonic(), index))
         await asyncio.sleep(rng.uniform(0.5, 3.0))
@@ -392,7 +419,8 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
             f"&timeout={args.timeout}&health_interval=0.5&placement={args.placement}")
     # prefault=0: a prefaulted 2 GiB arena would put the whole capacity in every server's RSS
     # from its first seconds on, hiding the growth (a leak) that the RSS rows look for.
-    serve_args = ["--tier", "dram://?capacity=2GiB&prefault=0", "--token-file", str(token)]
+    serve_args = ["--tier", f"dram://?capacity={args.dram_capacity}&prefault=0",
+                  "--token-file", str(token)]
     if args.repair_interval > 0:
         serve_args += ["--pool", pool, "--repair-interval", str(args.repair_interval)]
     servers = [Server(p, serve_args, workdir) for p in ports]
@@ -470,6 +498,9 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                   f"{[(round(t - t0, 1), i) for t, i in tally.kills if t >= tally.acked[k]]}"
                   for k in avoidable]
         dropped = _count_in_logs(workdir, servers[0].port, "failed demote")
+        for i in rss_end:
+            tally.figures.append((time.monotonic(), i, "end", await asyncio.to_thread(
+                _figures, servers[i].member, "soak-token")))
     finally:
         for s in servers:
             s.stop_all()
@@ -478,7 +509,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
         "full_disk": disk is not None, "losses": losses, "dropped": dropped,
-        "on_full_disk": on_full_disk,
+        "on_full_disk": on_full_disk, "t0": t0,
     }
 
 
@@ -537,7 +568,22 @@ def table(r: dict[str, object]) -> str:
     losses: list[str] = r["losses"]  # type: ignore[assignment]
     if losses:
         out.append("avoidable losses (first 5): " + "; ".join(losses[:5]))
-    return "\n".join(out)
+    return "\n".join(out) + "\n\n" + figures_table(t, float(r["t0"]))  # type: ignore[arg-type]
+
+
+def figures_table(t: Tally, t0: float) -> str:
+    """Each server's DRAM evictions and blocks and its anti-entropy counters, just before
+    each kill (what the killed process had done) and at the end."""
+    head = ["t (s)", "server", "when", *FIGURES]
+    rows = [[f"{at - t0:.1f}", str(i), when,
+             *(f"{f[name]:.0f}" if name in f else "-" for name in FIGURES)]
+            for at, i, when, f in sorted(t.figures, key=lambda row: (row[2], row[1], row[0]))]
+    widths = [max(len(row[c]) for row in [head, *rows]) for c in range(len(head))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) + " |"
+              for row in rows]
+    return "\n".join(lines)
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -549,6 +595,9 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-bytes", type=int, default=16 << 10)
     parser.add_argument("--chaos-interval", type=float, default=15.0)
     parser.add_argument("--stop-seconds", type=float, default=3.0)
+    parser.add_argument("--dram-capacity", default="2GiB",
+                        help="each server's DRAM tier capacity (the blocks beyond it are "
+                             "evicted, oldest first)")
     parser.add_argument("--repair-interval", type=float, default=5.0,
                         help="servers' anti-entropy interval (0: no --repair)")
     parser.add_argument("--repair-grace", type=float, default=12.0,

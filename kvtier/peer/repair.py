@@ -123,6 +123,7 @@ class AntiEntropy:
         #: Set after every pass (cleared by whoever waits for the next one).
         self.passed = asyncio.Event()
         server.track_keys()
+        server.repair_stats = self.stats
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
