@@ -465,6 +465,12 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                    if s.proc and s.proc.poll() is None}
         held_mib = {i: _dram_bytes(servers[i].member, "soak-token") / (1 << 20)
                     for i in rss_end}
+        for i in rss_end:
+            tally.figures.append((time.monotonic(), i, "end", await asyncio.to_thread(
+                _figures, servers[i].member, "soak-token")))
+        # The servers whose DRAM tier evicts (full): LRU drops their least recent blocks.
+        evicting = {servers[i].member for _, i, when, f in tally.figures
+                    if when == "end" and f.get("evictions", 0) > 0}
         async with await kvtier.open_store([pool]) as reader:
             fresh, wrong_end = await _read_back(reader, batches, args.block_bytes)
         behind = sum(len(fresh - good) for good, _ in long_lived)
@@ -487,9 +493,15 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
 
         ring = HashRing([s.member for s in servers])
         index = {s.member: i for i, s in enumerate(servers)}
-        avoidable = [k for k in unreadable
-                     if not _excused(tally.acked[k], tally.kills, args.replicas,
-                                     args.repair_grace)]
+        not_excused = [k for k in unreadable
+                       if not _excused(tally.acked[k], tally.kills, args.replicas,
+                                       args.repair_grace)]
+        # Every owner evicting: the loss is the DRAM budget's (the pool holds fewer blocks
+        # than the acknowledged keys' copies), correct behaviour, not a replication failure.
+        budget = [k for k in not_excused
+                  if all(m in evicting for m in ring.owners(k, args.replicas))]
+        lost_to_budget = set(budget)
+        avoidable = [k for k in not_excused if k not in lost_to_budget]
         on_full_disk = sum(1 for k in avoidable
                            if disk is not None and servers[0].member in ring.owners(
                                k, args.replicas))
@@ -498,9 +510,6 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                   f"{[(round(t - t0, 1), i) for t, i in tally.kills if t >= tally.acked[k]]}"
                   for k in avoidable]
         dropped = _count_in_logs(workdir, servers[0].port, "failed demote")
-        for i in rss_end:
-            tally.figures.append((time.monotonic(), i, "end", await asyncio.to_thread(
-                _figures, servers[i].member, "soak-token")))
     finally:
         for s in servers:
             s.stop_all()
@@ -509,7 +518,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
         "full_disk": disk is not None, "losses": losses, "dropped": dropped,
-        "on_full_disk": on_full_disk, "t0": t0,
+        "on_full_disk": on_full_disk, "t0": t0, "budget": len(budget),
     }
 
 
@@ -539,9 +548,15 @@ def table(r: dict[str, object]) -> str:
         ("acknowledged keys unreadable at end (all servers up)",
          f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
-        ("  of which replication should have prevented", f"{unreadable - excused}"),
+        ("  of which every owner's DRAM was full and evicting (lost to the budget)",
+         f"{r['budget']}"),
+        ("  of which replication should have prevented",
+         f"{unreadable - excused - int(r['budget'])}"),  # type: ignore[call-overload]
         ("    of those, owned by the full-disk server",
          f"{r['on_full_disk']}"),
+        ("DRAM evictions (every server process) / pool DRAM blocks / acked keys x replicas",
+         f"{_evictions(t):.0f} / {a.servers * _size(a.dram_capacity) // a.block_bytes} / "
+         f"{len(t.acked) * a.replicas}"),
         ("wrong bytes returned", f"{r['wrong']}"),
         ("keys long-lived clients missed that a fresh client read", f"{r['behind']}"),
         ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
@@ -569,6 +584,18 @@ def table(r: dict[str, object]) -> str:
     if losses:
         out.append("avoidable losses (first 5): " + "; ".join(losses[:5]))
     return "\n".join(out) + "\n\n" + figures_table(t, float(r["t0"]))  # type: ignore[arg-type]
+
+
+def _evictions(t: Tally) -> float:
+    """DRAM evictions over every server process: each killed one's just before its kill,
+    each live one's at the end."""
+    return sum(f.get("evictions", 0.0) for _, _, _, f in t.figures)
+
+
+def _size(text: str) -> int:
+    from kvtier.urls import parse_size
+
+    return int(parse_size(text, "--dram-capacity"))
 
 
 def figures_table(t: Tally, t0: float) -> str:
@@ -629,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     t: Tally = result["tally"]  # type: ignore[assignment]
     bad = (int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
+           - int(result["budget"])  # type: ignore[call-overload]
            + int(result["wrong"]) + int(result["behind"])  # type: ignore[call-overload]
            + t.put_errors + t.get_errors)
     return 1 if bad else 0

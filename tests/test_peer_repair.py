@@ -471,3 +471,24 @@ async def test_a_pass_starts_soon_after_a_change_not_an_interval_later(pool: Poo
         assert await back.contains_many([key_of(1)]) == [True]
     finally:
         await repair.close()
+
+
+async def test_a_servers_metrics_show_its_anti_entropy_counters(pool: Pool) -> None:
+    """``/metrics`` carries the node's anti-entropy counters (what the chaos soak reads
+    before each kill), and a server with no anti-entropy shows none."""
+    members = [await pool.start() for _ in range(2)]
+    holder, other = pool.servers[members[0]], pool.servers[members[1]]
+    n = 8
+    repair = await _repairer(holder, members, replicas=2)
+    try:
+        for i in range(n):
+            await holder.segment.put(key_of(i), sample_block(i))
+        holder.stored(key_of(i) for i in range(n))
+        await repair.run_pass()
+        text = holder.metrics_text()
+        assert "kvtier_peer_repair_passes_total 1.0\n" in text
+        assert f"kvtier_peer_repair_checked_total {float(n)}\n" in text
+        assert f"kvtier_peer_repair_pushed_total {float(n)}\n" in text
+        assert "kvtier_peer_repair_" not in other.metrics_text()
+    finally:
+        await repair.close()
