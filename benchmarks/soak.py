@@ -23,9 +23,13 @@ and a fresh client read back every acknowledged key, and the table counts the ke
 long-lived client missed that the fresh one read. An unreadable key counts as "replication
 could not help" when `replicas` distinct servers were killed (or removed) after its put was
 acknowledged, each within `--repair-grace` seconds of the previous (no anti-entropy pass could
-have re-replicated in between); every other unreadable key is a loss replication should have
-prevented. Wrong bytes and exceptions must be 0. Server RSS is shown at start and end, and at
-the end also less the bytes its DRAM tier holds (the data it was given).
+have re-replicated in between); one all of whose owners' DRAM tiers were evicting at the end
+(`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys) counts as lost to the budget;
+every other unreadable key is a loss replication should have prevented. A second table
+shows each server's DRAM evictions and blocks and its anti-entropy counters (from
+``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be 0.
+Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier holds
+(the data it was given).
 """
 
 from __future__ import annotations
