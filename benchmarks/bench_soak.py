@@ -27,7 +27,8 @@ def run(quick: bool = False) -> list[Result]:
                    tally.put_lat, args.block_bytes, wall, args.concurrency),  # type: ignore[attr-defined]
             Result("soak", "get under chaos", f"{args.block_bytes >> 10}KiB",
                    tally.get_lat, args.block_bytes, wall, args.concurrency)]  # type: ignore[attr-defined]
-    lost = int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
+    lost = (int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
+            - int(result["budget"]))  # type: ignore[call-overload]
     behind = int(result["behind"])  # type: ignore[call-overload]
     bad = lost + int(result["wrong"]) + behind + tally.put_errors + tally.get_errors  # type: ignore[attr-defined, call-overload]
     if bad:

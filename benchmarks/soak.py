@@ -23,9 +23,13 @@ and a fresh client read back every acknowledged key, and the table counts the ke
 long-lived client missed that the fresh one read. An unreadable key counts as "replication
 could not help" when `replicas` distinct servers were killed (or removed) after its put was
 acknowledged, each within `--repair-grace` seconds of the previous (no anti-entropy pass could
-have re-replicated in between); every other unreadable key is a loss replication should have
-prevented. Wrong bytes and exceptions must be 0. Server RSS is shown at start and end, and at
-the end also less the bytes its DRAM tier holds (the data it was given).
+have re-replicated in between); one all of whose owners' DRAM tiers were evicting at the end
+(`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys) counts as lost to the budget;
+every other unreadable key is a loss replication should have prevented. A second table
+shows each server's DRAM evictions and blocks and its anti-entropy counters (from
+``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be 0.
+Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier holds
+(the data it was given).
 """
 
 from __future__ import annotations
@@ -87,6 +91,29 @@ def _dram_bytes(member: str, token: str) -> int:
         return 0
     return sum(int(t.get("used") or 0) for t in doc.get("tiers", ())
                if t.get("scheme") == "dram")
+
+
+_METRIC = re.compile(r"^(kvtier_peer_repair_\w+?|kvtier_store_evictions|kvtier_store_blocks)"
+                     r"(?:_total)?(?:\{[^}]*scheme=\"dram\"[^}]*\})? (\S+)$", re.M)
+#: Per-server figures the soak reads from ``/metrics``: the DRAM tier's evictions and blocks,
+#: and the anti-entropy counters.
+FIGURES = ("evictions", "blocks", "passes", "checked", "pushed", "failed", "under_replicated")
+
+
+def _figures(member: str, token: str) -> dict[str, float]:
+    """The server's :data:`FIGURES` from its ``/metrics`` (empty if it does not answer)."""
+    request = urllib.request.Request(f"http://{member}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for name, value in _METRIC.findall(text):
+        short = name.removeprefix("kvtier_peer_repair_").removeprefix("kvtier_store_")
+        out[short] = out.get(short, 0.0) + float(value)
+    return out
 
 
 @contextlib.contextmanager
@@ -180,6 +207,8 @@ class Tally:
     put_lat: list[float] = field(default_factory=list)
     get_lat: list[float] = field(default_factory=list)
     kills: list[tuple[float, int]] = field(default_factory=list)
+    # (time, server, "kill" | "end", its figures just before): see FIGURES
+    figures: list[tuple[float, int, str, dict[str, float]]] = field(default_factory=list)
     stops: int = 0
     joins: int = 0
     leaves: int = 0
@@ -289,6 +318,8 @@ async def _fault(servers: list[Server], tally: Tally, args: argparse.Namespace,
     if kill_next:
         picked = rng.sample(candidates, min(args.down_together, len(candidates)))
         for index in picked:
+            tally.figures.append((time.monotonic(), index, "kill", await asyncio.to_thread(
+                _figures, servers[index].member, "soak-token")))
             servers[index].kill()
             tally.kills.append((time.monotonic(), index))
         await asyncio.sleep(rng.uniform(0.5, 3.0))
@@ -392,7 +423,8 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
             f"&timeout={args.timeout}&health_interval=0.5&placement={args.placement}")
     # prefault=0: a prefaulted 2 GiB arena would put the whole capacity in every server's RSS
     # from its first seconds on, hiding the growth (a leak) that the RSS rows look for.
-    serve_args = ["--tier", "dram://?capacity=2GiB&prefault=0", "--token-file", str(token)]
+    serve_args = ["--tier", f"dram://?capacity={args.dram_capacity}&prefault=0",
+                  "--token-file", str(token)]
     if args.repair_interval > 0:
         serve_args += ["--pool", pool, "--repair-interval", str(args.repair_interval)]
     servers = [Server(p, serve_args, workdir) for p in ports]
@@ -437,6 +469,12 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                    if s.proc and s.proc.poll() is None}
         held_mib = {i: _dram_bytes(servers[i].member, "soak-token") / (1 << 20)
                     for i in rss_end}
+        for i in rss_end:
+            tally.figures.append((time.monotonic(), i, "end", await asyncio.to_thread(
+                _figures, servers[i].member, "soak-token")))
+        # The servers whose DRAM tier evicts (full): LRU drops their least recent blocks.
+        evicting = {servers[i].member for _, i, when, f in tally.figures
+                    if when == "end" and f.get("evictions", 0) > 0}
         async with await kvtier.open_store([pool]) as reader:
             fresh, wrong_end = await _read_back(reader, batches, args.block_bytes)
         behind = sum(len(fresh - good) for good, _ in long_lived)
@@ -459,9 +497,15 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
 
         ring = HashRing([s.member for s in servers])
         index = {s.member: i for i, s in enumerate(servers)}
-        avoidable = [k for k in unreadable
-                     if not _excused(tally.acked[k], tally.kills, args.replicas,
-                                     args.repair_grace)]
+        not_excused = [k for k in unreadable
+                       if not _excused(tally.acked[k], tally.kills, args.replicas,
+                                       args.repair_grace)]
+        # Every owner evicting: the loss is the DRAM budget's (the pool holds fewer blocks
+        # than the acknowledged keys' copies), correct behaviour, not a replication failure.
+        budget = [k for k in not_excused
+                  if all(m in evicting for m in ring.owners(k, args.replicas))]
+        lost_to_budget = set(budget)
+        avoidable = [k for k in not_excused if k not in lost_to_budget]
         on_full_disk = sum(1 for k in avoidable
                            if disk is not None and servers[0].member in ring.owners(
                                k, args.replicas))
@@ -478,7 +522,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
         "full_disk": disk is not None, "losses": losses, "dropped": dropped,
-        "on_full_disk": on_full_disk,
+        "on_full_disk": on_full_disk, "t0": t0, "budget": len(budget),
     }
 
 
@@ -508,9 +552,15 @@ def table(r: dict[str, object]) -> str:
         ("acknowledged keys unreadable at end (all servers up)",
          f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
-        ("  of which replication should have prevented", f"{unreadable - excused}"),
+        ("  of which every owner's DRAM was full and evicting (lost to the budget)",
+         f"{r['budget']}"),
+        ("  of which replication should have prevented",
+         f"{unreadable - excused - int(r['budget'])}"),  # type: ignore[call-overload]
         ("    of those, owned by the full-disk server",
          f"{r['on_full_disk']}"),
+        ("DRAM evictions (every server process) / pool DRAM blocks / acked keys x replicas",
+         f"{_evictions(t):.0f} / {a.servers * _size(a.dram_capacity) // a.block_bytes} / "
+         f"{len(t.acked) * a.replicas}"),
         ("wrong bytes returned", f"{r['wrong']}"),
         ("keys long-lived clients missed that a fresh client read", f"{r['behind']}"),
         ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
@@ -537,7 +587,34 @@ def table(r: dict[str, object]) -> str:
     losses: list[str] = r["losses"]  # type: ignore[assignment]
     if losses:
         out.append("avoidable losses (first 5): " + "; ".join(losses[:5]))
-    return "\n".join(out)
+    return "\n".join(out) + "\n\n" + figures_table(t, float(r["t0"]))  # type: ignore[arg-type]
+
+
+def _evictions(t: Tally) -> float:
+    """DRAM evictions over every server process: each killed one's just before its kill,
+    each live one's at the end."""
+    return sum(f.get("evictions", 0.0) for _, _, _, f in t.figures)
+
+
+def _size(text: str) -> int:
+    from kvtier.urls import parse_size
+
+    return int(parse_size(text, "--dram-capacity"))
+
+
+def figures_table(t: Tally, t0: float) -> str:
+    """Each server's DRAM evictions and blocks and its anti-entropy counters, just before
+    each kill (what the killed process had done) and at the end."""
+    head = ["t (s)", "server", "when", *FIGURES]
+    rows = [[f"{at - t0:.1f}", str(i), when,
+             *(f"{f[name]:.0f}" if name in f else "-" for name in FIGURES)]
+            for at, i, when, f in sorted(t.figures, key=lambda row: (row[2], row[1], row[0]))]
+    widths = [max(len(row[c]) for row in [head, *rows]) for c in range(len(head))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) + " |"
+              for row in rows]
+    return "\n".join(lines)
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -549,6 +626,9 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-bytes", type=int, default=16 << 10)
     parser.add_argument("--chaos-interval", type=float, default=15.0)
     parser.add_argument("--stop-seconds", type=float, default=3.0)
+    parser.add_argument("--dram-capacity", default="2GiB",
+                        help="each server's DRAM tier capacity (the blocks beyond it are "
+                             "evicted, oldest first)")
     parser.add_argument("--repair-interval", type=float, default=5.0,
                         help="servers' anti-entropy interval (0: no --repair)")
     parser.add_argument("--repair-grace", type=float, default=12.0,
@@ -580,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     t: Tally = result["tally"]  # type: ignore[assignment]
     bad = (int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
+           - int(result["budget"])  # type: ignore[call-overload]
            + int(result["wrong"]) + int(result["behind"])  # type: ignore[call-overload]
            + t.put_errors + t.get_errors)
     return 1 if bad else 0

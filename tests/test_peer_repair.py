@@ -447,3 +447,70 @@ async def test_a_pass_starts_soon_after_a_change_not_an_interval_later(pool: Poo
         assert await back.contains_many([key_of(1)]) == [True]
     finally:
         await repair.close()
+
+
+async def test_a_servers_metrics_show_its_anti_entropy_counters(pool: Pool) -> None:
+    """``/metrics`` carries the node's anti-entropy counters (what the chaos soak reads
+    before each kill), and a server with no anti-entropy shows none."""
+    members = [await pool.start() for _ in range(2)]
+    holder, other = pool.servers[members[0]], pool.servers[members[1]]
+    n = 8
+    repair = await _repairer(holder, members, replicas=2)
+    try:
+        for i in range(n):
+            await holder.segment.put(key_of(i), sample_block(i))
+        holder.stored(key_of(i) for i in range(n))
+        await repair.run_pass()
+        text = holder.metrics_text()
+        assert "kvtier_peer_repair_passes_total 1.0\n" in text
+        assert f"kvtier_peer_repair_checked_total {float(n)}\n" in text
+        assert f"kvtier_peer_repair_pushed_total {float(n)}\n" in text
+        assert "kvtier_peer_repair_" not in other.metrics_text()
+    finally:
+        await repair.close()
+
+
+async def _until_down(tier: PeerTier, member: str) -> None:
+    for _ in range(400):
+        if not tier.members.alive(member):
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"{member} never marked down")
+
+
+async def test_a_pass_begun_while_an_owner_was_down_stops_when_it_is_back(pool: Pool) -> None:
+    """Owner B is down when A's pass begins, so the pass pushes B's keys to the next live
+    member C (fallback copies). B comes back empty meanwhile: the pass stops instead of
+    pushing every key to C first (a refill that waits for it is what lost keys in the chaos
+    soak), and the next pass refills B."""
+    from kvtier.peer.ring import HashRing
+
+    members = [await pool.start() for _ in range(3)]
+    a, b, c = members
+    ring = HashRing(members)
+    keys = [k for k in (key_of(i) for i in range(400)) if set(ring.owners(k, 2)) == {a, b}]
+    keys = keys[:12]
+    holder = pool.servers[a]
+    # 64 KiB blocks at 128 KiB/s, 2 per round: the pass takes seconds, B is back long before.
+    repair = await _repairer(holder, members, replicas=2, batch=2, rate=128 << 10)
+    try:
+        for k in keys:
+            await holder.segment.put(k, np.frombuffer(k * 4096, np.uint8))
+        holder.stored(keys)
+        await pool.stop(b)
+        await _until_down(repair.pool, b)
+        task = asyncio.create_task(repair.run_pass())
+        fallback = pool.servers[c].segment
+        for _ in range(400):  # until the pass pushes to C
+            if any(await fallback.contains_many(keys)):
+                break
+            await asyncio.sleep(0.02)
+        await pool.start(int(b.rpartition(":")[2]))  # B back, empty
+        await _until_alive(repair.pool, b)
+        done = await task
+        assert sum(await fallback.contains_many(keys)) < len(keys)
+        assert done.get("superseded") == 1
+        await repair.run_pass()
+        assert all(await pool.servers[b].segment.contains_many(keys))
+    finally:
+        await repair.close()

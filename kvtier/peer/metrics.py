@@ -10,11 +10,12 @@ help text escaped as the text format requires.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["CONTENT_TYPE", "Family", "miss_families", "render", "store_families"]
+__all__ = ["CONTENT_TYPE", "Family", "miss_families", "render", "repair_families",
+           "store_families"]
 
 #: Content type of the hand-written exposition (Prometheus text format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -70,6 +71,21 @@ def miss_families(stats: dict[str, Any]) -> list[Family]:
             for reason, n in sorted(counts.items()):
                 family.add(n, op, str(reason))
     return [family] if family.samples else []
+
+
+def repair_families(stats: Callable[[], dict[str, Any]] | None) -> list[Family]:
+    """``kvtier_peer_repair_<counter>``: the anti-entropy counters of the node (passes,
+    checked, pushed, failed, under_replicated, ...; none when it runs no anti-entropy)."""
+    if stats is None:
+        return []
+    out = []
+    for name, value in sorted(stats().items()):
+        if _numeric(value):
+            family = Family(f"kvtier_peer_repair_{name}", "counter",
+                            f"Anti-entropy {name!r} over every pass (running total).")
+            family.add(value)
+            out.append(family)
+    return out
 
 
 def _numeric(value: object) -> bool:

@@ -22,6 +22,11 @@ owner and batch) whether they hold it, and pushes the block to those that do not
   see it holds the key and leave it): the refill of a member back empty is sent once.
 * Pushes are paced to a byte rate (``rate``), so a refill cannot starve client traffic.
 * Pushes only fill holes (``?fill=1``): a newer value that reached an owner stays.
+* A pass that began while a member was down stops as soon as that member is back (counted
+  in ``superseded``), and the next pass begins at once: otherwise the pass first pushes
+  the member's whole share to the fallback members standing in for it, and the member's
+  own refill waits for all of it (in the chaos soak, long enough for two more failures to
+  lose keys).
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ class AntiEntropy:
         #: Set after every pass (cleared by whoever waits for the next one).
         self.passed = asyncio.Event()
         server.track_keys()
+        server.repair_stats = self.stats
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -178,7 +184,7 @@ class AntiEntropy:
             tried_at, began = seen, time.monotonic()
             try:
                 done = await self.run_pass()
-                if not done.get("failed"):
+                if not done.get("failed") and not done.get("superseded"):
                     clean_at = seen
             except asyncio.CancelledError:
                 raise
@@ -189,11 +195,15 @@ class AntiEntropy:
         """Check every key this node holds, then push the missing copies, fewest copies
         first; returns this pass's counters."""
         done: dict[str, int] = defaultdict(int)
+        members = self.pool.members
+        down = members.dead
         try:
-            work = await self._survey(done)
+            work = await self._survey(done, down)
             # Fewest copies first; a stable sort keeps ring-walk order among equals.
             work.sort(key=lambda item: item[0])
             for start in range(0, len(work), self.batch):
+                if self._superseded(down, done):
+                    break
                 await self._push_round(work[start:start + self.batch], done)
         finally:
             done["passes"] = 1
@@ -205,12 +215,26 @@ class AntiEntropy:
                      "replicas)", done["checked"], done["pushed"], done["under_replicated"])
         return dict(done)
 
-    async def _survey(self, done: dict[str, int]) -> list[tuple[int, bytes, list[str]]]:
-        """``(copies found, key, owners missing it)`` of each key this node should push."""
+    def _superseded(self, down: frozenset[str], done: dict[str, int]) -> bool:
+        """Whether a member that was down when this pass began is back: the pass's owners
+        then hold fallback members in its place, and its own refill is missing. The pass
+        stops (counted in ``superseded``) and the loop begins the next one at once, rather
+        than first pushing the member's whole share to the fallbacks."""
+        if any(self.pool.members.alive(m) for m in down):
+            done["superseded"] = 1
+            return True
+        return False
+
+    async def _survey(self, done: dict[str, int], down: frozenset[str]
+                      ) -> list[tuple[int, bytes, list[str]]]:
+        """``(copies found, key, owners missing it)`` of each key this node should push
+        (none once the pass is superseded)."""
         held = self.server.stored_keys
         keys = list(held)
         work: list[tuple[int, bytes, list[str]]] = []
         for start in range(0, len(keys), self.batch):
+            if self._superseded(down, done):
+                return []
             chunk = keys[start:start + self.batch]
             present = await self.server.segment.contains_many(chunk)
             for key, here in zip(chunk, present, strict=True):
@@ -310,6 +334,7 @@ class AntiEntropy:
 
     def stats(self) -> dict[str, Any]:
         """Counters over every pass: ``passes``, ``checked``, ``pushed``, ``failed``,
-        ``under_replicated`` (keys found below ``replicas``), ``found_at_start``, and
+        ``under_replicated`` (keys found below ``replicas``), ``found_at_start``,
+        ``superseded`` (passes stopped because a member down at their start came back), and
         ``paced_s`` (seconds pushes waited for the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}

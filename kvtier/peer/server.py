@@ -38,7 +38,7 @@ from kvtier.peer.guards import (
 )
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
-from kvtier.peer.metrics import Family, miss_families, render, store_families
+from kvtier.peer.metrics import Family, miss_families, render, repair_families, store_families
 from kvtier.peer.writeorder import WriteOrder
 
 __all__ = ["PeerServer", "Segment"]
@@ -188,6 +188,9 @@ class PeerServer:
         # ordered; only when tracked
         self.stored_keys: dict[bytes, bytes | None] = {}
         self._track_keys = False
+        #: The anti-entropy counters of this node (set by :class:`kvtier.peer.repair.AntiEntropy`),
+        #: exposed in ``/metrics`` as ``kvtier_peer_repair_*``.
+        self.repair_stats: Callable[[], dict[str, Any]] | None = None
         self._accept_filter: AcceptErrorFilter | None = None
         self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
         self.write_order = WriteOrder()  # a PUT its client gave up on never lands late
@@ -648,8 +651,8 @@ class PeerServer:
             family = Family(name, kind, text)  # type: ignore[arg-type]
             family.add(value)
             out.append(family)
-        return out + store_families(_tier_stats(self.segment)) + \
-            miss_families(self.segment.stats())
+        return out + repair_families(self.repair_stats) + \
+            store_families(_tier_stats(self.segment)) + miss_families(self.segment.stats())
 
     def _open_connections(self) -> int:
         server = self._runner.server if self._runner is not None else None
