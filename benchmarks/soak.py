@@ -256,11 +256,15 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
                 tally.gets += 1
                 if got is None:
                     tally.get_misses += 1
-                elif not np.array_equal(np.asarray(got).view(np.uint8).ravel(),
-                                        block_for(key, args.block_bytes)):
+                elif not _right_bytes(key, got, args.block_bytes):
                     tally.wrong_bytes += 1
 
     await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+
+
+def _right_bytes(key: bytes, got: object, nbytes: int) -> bool:
+    """Whether a block read back for ``key`` holds the bytes its put wrote."""
+    return bool(np.array_equal(np.asarray(got).view(np.uint8).ravel(), block_for(key, nbytes)))
 
 
 async def _chain_op(store: object, tally: Tally, args: argparse.Namespace,
@@ -296,8 +300,7 @@ async def _chain_op(store: object, tally: Tally, args: argparse.Namespace,
     for key, block in zip(chain, got, strict=True):
         if block is None:
             tally.get_misses += 1
-        elif not np.array_equal(np.asarray(block).view(np.uint8).ravel(),
-                                block_for(key, args.block_bytes)):
+        elif not _right_bytes(key, block, args.block_bytes):
             tally.wrong_bytes += 1
 
 
@@ -366,7 +369,7 @@ async def _read_back(store: object, batches: list[list[bytes]], nbytes: int
         for key, got in zip(chunk, await store.get_many(chunk), strict=True):  # type: ignore[attr-defined]
             if got is None:
                 continue
-            if np.array_equal(np.asarray(got).view(np.uint8).ravel(), block_for(key, nbytes)):
+            if _right_bytes(key, got, nbytes):
                 good.add(key)
             else:
                 wrong += 1
