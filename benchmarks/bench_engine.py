@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,7 @@ class Setup:
     work: Path
     services: dict[str, Any]
     max_model_len: int
+    kvtier_extra: dict[str, Any] = field(default_factory=dict)
 
     def python_for(self, config: str) -> str:
         return self.lmcache_python if config == "lmcache" and self.lmcache_python else \
@@ -102,7 +103,8 @@ class Setup:
                  "file": [DRAM, f"file://{run_dir / 'file'}"],
                  "peers": [DRAM, self.services.get("peers", "")],
                  "redis": [self.services.get("redis", "")]}[config]
-        return {"kind": "kvtier", "tiers": tiers, "extra": {"model": "bench-engine-llama"}}
+        return {"kind": "kvtier", "tiers": tiers,
+                "extra": {"model": "bench-engine-llama", **self.kvtier_extra}}
 
     def engine(self, config: str, run_dir: Path, name: str) -> Engine:
         spec = {"model_dir": str(self.work / "model"), "model": BENCH_MODEL,
@@ -395,7 +397,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], 
     # keeps what it measured.
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-bench-engine-"))
     work.mkdir(parents=True, exist_ok=True)
-    setup = Setup(vllm_python, lmcache_python, work, {}, args.max_model_len)
+    setup = Setup(vllm_python, lmcache_python, work, {}, args.max_model_len,
+                  json.loads(args.kvtier_extra))
     print(f"[engine] work folder {work}; vLLM Python {vllm_python}; configurations "
           f"{configs}; workloads {workloads}; repeats {args.repeats}", file=sys.stderr,
           flush=True)
@@ -478,6 +481,9 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smallest", action="store_true",
                         help="the lane's setting: --configs file --repeats 1 "
                              "--workloads one-prompt --prompt-tokens 256")
+    parser.add_argument("--kvtier-extra", default="{}", metavar="JSON",
+                        help="more kv_connector_extra_config for the kvtier configurations, "
+                             'e.g. \'{"async_load": "never"}\'')
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 

@@ -24,7 +24,7 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -45,6 +45,7 @@ from kvtier.integrations.vllm_plan import (
 )
 from kvtier.keys import KeyNamespace
 from kvtier.store import TieredStore
+from kvtier.tiers.dram_arena import fault_in
 
 __all__ = ["KVTierConnector", "KVTierMetadata", "WorkerSide", "vllm_available"]
 
@@ -162,6 +163,48 @@ class _Load:
     plan: BlockPlan
     future: concurrent.futures.Future[list[bool]]
     staging: npt.NDArray[np.uint8]  # (blocks, block_bytes): row i is block_ids[i]
+    scattered: bool = False  # its rows were copied into the engine's pages (or dropped)
+
+
+class StagingArea:
+    """Host rows that loads land in before their scatter, faulted in once and reused.
+
+    A new array per load costs a page fault per 4 KiB on its first write: on the benchmark
+    VM 15-60 ms for a 16 MiB prompt, more than the copy itself (``docs/performance.md``).
+    Rows are handed out from the start of one array; the area starts over once every load
+    holding rows was scattered and its read ended. A load abandoned at its timeout (its
+    future cancelled while the store's thread may still be copying) keeps the old array for
+    itself: the area maps a new one. A load that does not fit gets a fresh array.
+    Called from the worker thread only.
+    """
+
+    def __init__(self, rows: npt.NDArray[np.uint8]) -> None:
+        fault_in(rows.reshape(-1))
+        self.rows = rows
+        self._next = 0
+        self._holders: list[_Load] = []
+        self.fresh = 0  # loads that did not fit and got an array of their own
+
+    def take(self, count: int, fresh: Callable[[int], npt.NDArray[np.uint8]]
+             ) -> npt.NDArray[np.uint8]:
+        """``count`` rows: from the area when they fit, else ``fresh(count)``."""
+        if self._holders and all(h.scattered and h.future.done() for h in self._holders):
+            if any(h.future.cancelled() for h in self._holders):
+                self.rows = np.empty_like(self.rows)
+                fault_in(self.rows.reshape(-1))
+            self._holders.clear()
+            self._next = 0
+        if self._next + count > len(self.rows):
+            self.fresh += 1
+            return fresh(count)
+        rows = self.rows[self._next:self._next + count]
+        self._next += count
+        return rows
+
+    def hold(self, load: _Load) -> None:
+        """Keep ``load``'s rows from reuse until it is scattered and its read ended."""
+        if np.shares_memory(load.staging, self.rows):
+            self._holders.append(load)
 
 
 class WorkerSide:
@@ -176,12 +219,14 @@ class WorkerSide:
     """
 
     def __init__(self, store: BlockingStore, keys: KeyMaker, shard: tuple[int, int],
-                 io_timeout_s: float) -> None:
+                 io_timeout_s: float, staging_blocks: int = 0) -> None:
         self.store = store
         self.keys = keys
         self.shard = shard
         self.io_timeout_s = io_timeout_s
+        self.staging_blocks = staging_blocks
         self.layers: PagedLayers | None = None
+        self.staging: StagingArea | None = None
         self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
         self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
         self._finishing: set[str] = set()
@@ -195,6 +240,9 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         self.layers = PagedLayers(kv_caches, num_blocks)
+        rows = min(self.staging_blocks, num_blocks)
+        if rows > 0:
+            self.staging = StagingArea(self.layers.empty(rows))
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
         n = plan.first + len(plan.block_ids)
@@ -215,9 +263,12 @@ class WorkerSide:
                     concurrent.futures.wait([saving], timeout=self.io_timeout_s)
             # Into host staging, never straight into vLLM's pages: a load abandoned at its
             # timeout keeps running in a thread and must not write a page vLLM recomputes.
-            staging = layers.empty(len(keys))
+            staging = layers.empty(len(keys)) if self.staging is None else \
+                self.staging.take(len(keys), layers.empty)
             future = self.store.submit(partial(_get_into, keys=keys, outs=list(staging)))
             load = _Load(plan, future, staging)
+            if self.staging is not None:
+                self.staging.hold(load)
             if plan.load_async:
                 self._async_loads.append(load)
             else:
@@ -241,6 +292,7 @@ class WorkerSide:
             if found:
                 layers.scatter_many([load.plan.block_ids[i] for i in found],
                                     load.staging[found])
+        load.scattered = True
 
     def finished_loads(self) -> set[str]:
         done = [load for load in self._async_loads if load.future.done()]
@@ -357,8 +409,16 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         self._planner: SchedulerPlanner | None = None
         self._worker: WorkerSide | None = None
         if self._is_worker:
-            self._worker = WorkerSide(BlockingStore(list(self._settings.tiers), **options),
-                                      keys, shard, self._settings.io_timeout_s)
+            block_bytes = _block_bytes(kv_cache_config)
+            staging_blocks = _staging_blocks(self._settings.staging_bytes, block_bytes,
+                                             int(vllm_config.model_config.max_model_len),
+                                             block_size)
+            self._worker = WorkerSide(
+                BlockingStore(list(self._settings.tiers),
+                              tier_options=_warm_answer_buffers(
+                                  self._settings.tiers, staging_blocks * block_bytes),
+                              **options),
+                keys, shard, self._settings.io_timeout_s, staging_blocks)
         else:
             note = cpu_reservation_note(vllm_config, os.cpu_count() or 1, os.environ)
             if note:
@@ -479,6 +539,34 @@ async def _put_and_wait_written(store: TieredStore, *, items: list[tuple[bytes, 
 
 async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -> list[bool]:
     return await store.get_many_into(keys, outs)
+
+
+def _block_bytes(kv_cache_config: Any) -> int:
+    """Bytes of one engine block across all layers of this worker (what a kvtier block
+    holds)."""
+    group = kv_cache_config.kv_cache_groups[0]
+    return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+
+
+def _staging_blocks(staging_bytes: int, block_bytes: int, max_model_len: int,
+                    block_size: int) -> int:
+    """Rows of the worker's staging area: one request of ``max_model_len`` tokens, within
+    ``staging_bytes``."""
+    if block_bytes <= 0:
+        return 0
+    return min(-(-max_model_len // block_size), staging_bytes // block_bytes)
+
+
+def _warm_answer_buffers(tiers: Iterable[str], staging: int) -> dict[str | int, dict[str, Any]]:
+    """``tier_options`` giving each peer tier whose URL does not choose ``recv_reserve``
+    two answer buffers the size of a full staging area (plus frame heads), faulted in at
+    open: the first hit after the engine started then lands in mapped memory."""
+    if staging <= 0:
+        return {}
+    reserve = 2 * (staging + staging // 64 + (64 << 10))
+    return {url: {"recv_reserve": reserve} for url in tiers
+            if url.split("://", 1)[0].lower() in ("peers", "peers+dns")
+            and "recv_reserve=" not in url}
 
 
 def _shard() -> tuple[int, int]:

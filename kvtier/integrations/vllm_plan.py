@@ -51,8 +51,11 @@ class ConnectorSettings:
     ``async_load`` (``"auto"``: asynchronous when the hit came from ``scheduler_tiers``;
     ``"always"``; ``"never"``), ``index_blocks`` (keys of blocks this engine saved that the
     scheduler remembers, default 65536), ``event_buffer`` (KV events ``take_events()`` holds
-    between two calls, oldest dropped past it; 0 turns events off; default 10000) and
-    ``store_options`` (passed to :class:`~kvtier.BlockingStore`).
+    between two calls, oldest dropped past it; 0 turns events off; default 10000),
+    ``staging_bytes`` (most bytes of the host staging area each worker faults in at start
+    and reuses for its loads: one request of ``max_model_len`` tokens, capped at this;
+    default 256 MiB; 0 allocates per load) and ``store_options`` (passed to
+    :class:`~kvtier.BlockingStore`).
     """
 
     tiers: tuple[str, ...]
@@ -66,6 +69,7 @@ class ConnectorSettings:
     async_load: Literal["auto", "always", "never"] = "auto"
     index_blocks: int = 65536
     event_buffer: int = 10_000
+    staging_bytes: int = 256 << 20
     store_options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -74,7 +78,7 @@ class ConnectorSettings:
         extra = dict(extra or {})
         known = {"tiers", "scheduler_tiers", "model", "layout", "salt", "key_scheme",
                  "lookup_timeout_s", "io_timeout_s", "async_load", "index_blocks",
-                 "event_buffer", "store_options"}
+                 "event_buffer", "staging_bytes", "store_options"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} "
@@ -109,6 +113,11 @@ class ConnectorSettings:
         event_buffer = extra.get("event_buffer", 10_000)
         if isinstance(event_buffer, bool) or not isinstance(event_buffer, int) or event_buffer < 0:
             raise ConfigError('kv_connector_extra_config["event_buffer"]: expected an int >= 0')
+        staging_bytes = extra.get("staging_bytes", 256 << 20)
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) \
+                or staging_bytes < 0:
+            raise ConfigError('kv_connector_extra_config["staging_bytes"]: expected an int '
+                              ">= 0 (bytes)")
         options = extra.get("store_options", {})
         if not isinstance(options, Mapping):
             raise ConfigError('kv_connector_extra_config["store_options"]: expected a mapping')
@@ -118,7 +127,8 @@ class ConnectorSettings:
                    lookup_timeout_s=float(extra.get("lookup_timeout_s", 0.1)),
                    io_timeout_s=float(extra.get("io_timeout_s", 30.0)),
                    async_load=extra.get("async_load", "auto"), index_blocks=index_blocks,
-                   event_buffer=event_buffer, store_options=dict(options))
+                   event_buffer=event_buffer, staging_bytes=staging_bytes,
+                   store_options=dict(options))
 
 
 def page_hash_keys(tokens: Sequence[int], page_size: int, namespace: KeyNamespace

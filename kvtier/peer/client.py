@@ -26,6 +26,7 @@ from aiohttp.abc import AbstractStreamWriter
 from kvtier.codec import EncodedFrame
 from kvtier.errors import PeerError, PeerStatusError
 from kvtier.peer import protocol as proto
+from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.fastread import RawPool
 from kvtier.redact import mask_secrets
 
@@ -149,12 +150,15 @@ class PeerClient:
     budget
         The time budget rule, shared by a pool's clients (default: ``timeout`` plus bytes
         at :data:`DEFAULT_MIN_RATE`).
+    buffers
+        Answer buffers shared by a pool's clients (default: this client's own).
     """
 
     def __init__(self, member: str, *, token: str | None, timeout: float,
                  ssl_context: ssl.SSLContext | None = None, pool_limit: int = 64,
                  limits: proto.Limits | None = None, tls_server_name: str | None = None,
-                 max_answer_bytes: int = 2 << 30, budget: TimeBudget | None = None) -> None:
+                 max_answer_bytes: int = 2 << 30, budget: TimeBudget | None = None,
+                 buffers: BodyBuffers | None = None) -> None:
         self.member = member
         self.base_url = f"{'https' if ssl_context else 'http'}://{member}"
         self.timeout = timeout
@@ -169,7 +173,8 @@ class PeerClient:
         host, _, port = member.rpartition(":")
         # Block GET/PUT and batch get take the one-copy path; everything else uses aiohttp.
         self._raw = RawPool(host.strip("[]"), int(port), token=token, ssl_context=ssl_context,
-                            limit=pool_limit, server_hostname=tls_server_name)
+                            limit=pool_limit, server_hostname=tls_server_name,
+                            buffers=buffers)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=pool_limit, ssl=ssl_context or False,
                                            enable_cleanup_closed=False),

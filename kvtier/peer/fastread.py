@@ -226,15 +226,18 @@ class RawPool:
         Most connections in use at once.
     buffer_budget
         Most bytes of response buffers kept for reuse (see :class:`BodyBuffers`).
+    buffers
+        Response buffers shared with other pools (``buffer_budget`` is then unused).
     server_hostname
         Name the peer's TLS certificate must carry (default: ``host``).
     """
 
     def __init__(self, host: str, port: int, *, token: str | None,
                  ssl_context: ssl.SSLContext | None, limit: int,
-                 buffer_budget: int = 256 << 20, server_hostname: str | None = None) -> None:
+                 buffer_budget: int = 256 << 20, server_hostname: str | None = None,
+                 buffers: BodyBuffers | None = None) -> None:
         self.host, self.port = host, port
-        self.buffers = BodyBuffers(buffer_budget)
+        self.buffers = buffers if buffers is not None else BodyBuffers(buffer_budget)
         self.connections_made = 0
         self._ssl = ssl_context
         self._server_hostname = server_hostname or host

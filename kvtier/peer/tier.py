@@ -25,6 +25,7 @@ from kvtier.codec import parse_compress as _compress_level
 from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError, PeerStatusError
 from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
+from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, PeerUnreachableError, TimeBudget
 from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
@@ -52,7 +53,7 @@ _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "t
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
             "change_window", "repair_bytes", "block_bytes", "min_rate", "fail_after",
-            "rejoin_after", "hedge", "placement", "anchor_memo"}
+            "rejoin_after", "hedge", "placement", "anchor_memo", "recv_reserve"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
 _HANDOFF_BATCH = 64  # hinted keys checked and copied at once when their owner is back
@@ -137,6 +138,13 @@ class PeerTier(Tier):
     anchor_memo
         Keys whose chain position this client remembers (from :meth:`note_chain`) under a
         chain placement; a key it does not know is placed by its own key.
+    recv_reserve
+        Bytes of answer buffers faulted in at :meth:`open` and kept for good, as two buffers
+        of half the size each, shared by all members' connections (default 0: buffers are
+        mapped on demand and dropped after an idle period). A batch answer that fits one of
+        them lands in memory already mapped; a fresh multi-MiB buffer costs a page fault
+        per 4 KiB, 15-60 ms for 16 MiB on the benchmark VM (``docs/performance.md``). The
+        vLLM connector sets it to twice its staging size.
 
     Examples
     --------
@@ -160,14 +168,16 @@ class PeerTier(Tier):
                  change_window: float = 300.0, repair_bytes: int = 256 << 20,
                  block_bytes: int | None = None, min_rate: float = DEFAULT_MIN_RATE,
                  fail_after: int = 3, rejoin_after: int = 2, hedge: bool = False,
-                 placement: str = "block", anchor_memo: int = 1 << 18) -> None:
+                 placement: str = "block", anchor_memo: int = 1 << 18,
+                 recv_reserve: int = 0) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
         if min_copies is not None and not 1 <= min_copies <= replicas:
             raise ConfigError(f"min_copies: expected 1..replicas ({replicas}), got {min_copies!r}")
-        if read_walk < 0 or change_window < 0 or repair_bytes < 0:
-            raise ConfigError("read_walk, change_window, repair_bytes: expected >= 0")
+        if read_walk < 0 or change_window < 0 or repair_bytes < 0 or recv_reserve < 0:
+            raise ConfigError("read_walk, change_window, repair_bytes, recv_reserve: "
+                              "expected >= 0")
         if not timeout > 0:
             raise ConfigError(f"timeout: expected > 0, got {timeout!r}")
         if not min_rate > 0 or fail_after < 1 or rejoin_after < 1:
@@ -201,6 +211,9 @@ class PeerTier(Tier):
             raise ConfigError(f"block_bytes: expected 1..max_block_bytes "
                               f"({self.limits.max_block_bytes}), got {block_bytes!r}")
         self.block_bytes = block_bytes
+        self.recv_reserve = recv_reserve
+        # One pool of answer buffers for every member: a budget per tier, not per member.
+        self.answer_buffers = BodyBuffers(256 << 20)
         self.members = Membership(
             members, dns=dns, vnodes=vnodes, replicas=replicas, self_id=self_id,
             health_interval=health_interval, dns_interval=dns_interval,
@@ -209,7 +222,8 @@ class PeerTier(Tier):
                                                 ssl_context=ssl_context,
                                                 pool_limit=pool_limit, limits=self.limits,
                                                 tls_server_name=tls_server_name,
-                                                budget=self.budget))
+                                                budget=self.budget,
+                                                buffers=self.answer_buffers))
         self.members.placement_key = self.chains.placement_key
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -284,6 +298,7 @@ class PeerTier(Tier):
             hedge=parse_bool(opts.get("hedge", False), "hedge"),  # type: ignore[arg-type]
             placement=str(opts.get("placement", "block")),
             anchor_memo=parse_number(opts.get("anchor_memo", 1 << 18), "anchor_memo", int, 0),
+            recv_reserve=parse_size(str(opts.get("recv_reserve", 0)), "recv_reserve"),
         )
 
     @property
@@ -317,6 +332,8 @@ class PeerTier(Tier):
             order); they join the path when a health probe reaches them.
         """
         await self._start()
+        if self.recv_reserve and not self.answer_buffers.reserved_bytes:
+            await self.answer_buffers.reserve(self.recv_reserve // 2, 2)
         probed = await self.members.check_health()
         members, answers = list(probed), list(probed.values())
         refused = [m for m, a in probed.items() if a == "refused"]
@@ -959,4 +976,6 @@ class PeerTier(Tier):
                 "walk_limit": self.walk_limit(), "repairs_in_flight": len(self._repairs),
                 "placement": self.chains.mode, "anchors_known": len(self.chains),
                 "member_failures": self.members.failures,
-                "member_recoveries": self.members.recoveries}
+                "member_recoveries": self.members.recoveries,
+                "answer_buffers_reserved": self.answer_buffers.reserved_bytes,
+                "answer_buffers_reused": self.answer_buffers.reused}

@@ -47,7 +47,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 
-__all__ = ["HostArena", "slot_bytes"]
+__all__ = ["HostArena", "fault_in", "slot_bytes"]
 
 _ALIGN = 64  # a cache line: copies into a slot never share a line with a neighbour
 _PAGE = mmap.PAGESIZE
@@ -90,6 +90,23 @@ def _populate(ref: weakref.ref[HostArena], limit: int) -> None:
             arena._prefault_done = True
             raise
         del arena  # not held between chunks
+
+
+def fault_in(buffer: npt.NDArray[np.uint8]) -> None:
+    """Fault every page of ``buffer`` in now, so later writes into it pay no page fault.
+
+    ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (no GIL held, contents kept);
+    else a write of one byte per page, which zeroes those bytes. Blocks the calling thread
+    for about ``buffer.nbytes`` / (a few GB/s): call it from a worker thread.
+    """
+    base = int(buffer.__array_interface__["data"][0])
+    start = (base + _PAGE - 1) // _PAGE * _PAGE  # madvise takes page-aligned addresses
+    if _MADVISE is not None and start < base + buffer.nbytes and \
+            _MADVISE(start, base + buffer.nbytes - start, _MADV_POPULATE_WRITE) == 0:
+        if start > base:
+            buffer[0] = buffer[0]  # the partial page before the first aligned one
+        return
+    buffer[::_PAGE] = 0
 
 
 def available_memory() -> int | None:

@@ -32,7 +32,7 @@ def vllm_config(extra: dict[str, Any], *, tp_size: int = 1, kv_events: bool = Tr
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
         model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny",
-                                     dtype="float16"),
+                                     dtype="float16", max_model_len=32 * BLOCK),
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1),
         device_config=SimpleNamespace(device_type="cpu"),
@@ -40,7 +40,9 @@ def vllm_config(extra: dict[str, Any], *, tp_size: int = 1, kv_events: bool = Tr
 
 
 def kv_cache_config() -> Any:
-    spec = SimpleNamespace(num_kv_heads=2, head_size=4, block_size=BLOCK)
+    # page_size_bytes as vLLM's FullAttentionSpec has it: K and V of one block of one layer.
+    spec = SimpleNamespace(num_kv_heads=2, head_size=4, block_size=BLOCK,
+                           page_size_bytes=2 * BLOCK * 2 * 4 * 2)
     return SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_groups=[
         SimpleNamespace(layer_names=["layers.0.attn", "layers.1.attn"], kv_cache_spec=spec)])
 
