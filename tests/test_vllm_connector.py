@@ -55,11 +55,35 @@ def test_engine_b_loads_what_engine_a_saved_into_other_block_ids(
     try:
         ext, load_async, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
         assert ext == 5 * BLOCK and errors == set()
-        assert load_async  # found in the file:// tier, not in this engine's own DRAM
+        # Found in the file:// tier, but nothing else runs: no steps for the load to overlap.
+        assert not load_async
         for index, block_id in enumerate([20, 2, 21, 1, 22]):
             assert b.block_bytes(block_id) == _expected(b, PROMPT, index)
         # Nothing was saved by this request (all its full blocks came from kvtier).
         assert b.finish(Request("b-1", PROMPT)) == set()
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_shared_tier_hit_loads_asynchronously_while_other_requests_run(
+        shared: dict[str, object]) -> None:
+    a = FakeEngine(shared)
+    a.prefill(Request("a-1", PROMPT), [3, 9, 4, 10, 5, 11])
+    a.finish(Request("a-1", PROMPT))
+    b = FakeEngine(shared)
+    try:
+        other = [(7 * i + 3) % 991 + 1 for i in range(9)]
+        b.prefill(Request("b-other", other), [12, 13, 14])  # still running: not finished
+        ext, load_async, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
+        assert ext == 5 * BLOCK and errors == set() and load_async
+        for index, block_id in enumerate([20, 2, 21, 1, 22]):
+            assert b.block_bytes(block_id) == _expected(b, PROMPT, index)
+        # A hit in this engine's own DRAM is synchronous even then (no I/O to wait for).
+        b.finish(Request("b-other", other))
+        b.prefill(Request("b-other2", other), [15, 16, 17])
+        ext, load_async, _ = b.prefill(Request("b-2", PROMPT), [24, 25, 26, 27, 28, 29])
+        assert ext == 5 * BLOCK and not load_async
     finally:
         b.close()
         a.close()
@@ -99,9 +123,11 @@ def test_block_evicted_between_lookup_and_load_is_a_load_error(
         assert ext == 5 * BLOCK
         shutil.rmtree(tmp_path / "pool")  # every block vanishes after the lookup
         (tmp_path / "pool").mkdir()
-        b.scheduler.update_state_after_alloc(req, Blocks([8, 9, 10, 11, 12, 13]), ext)
-        assert load_async
-        errors = b.wait_for_async_load(req)
+        ids = [8, 9, 10, 11, 12, 13]
+        b.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
+        assert not load_async  # nothing else runs: loaded before this step's forward pass
+        b.run_step(new_step(req, ids, ext, len(PROMPT) - ext))
+        _, errors = b.finish_step(req, ids, ext // BLOCK, len(PROMPT))
         assert errors == {8, 9, 10, 11, 12}  # vLLM recomputes these
     finally:
         b.close()

@@ -109,6 +109,9 @@ def test_failed_load_is_announced_removed(shared: dict[str, object], tmp_path: P
     a.close()
     b = FakeEngine(shared)
     try:
+        # Another request runs (too short to save a block), so the load is asynchronous:
+        # with none it would be synchronous.
+        b.prefill(Request("b-other", [5, 6, 7]), [20])
         req = Request("b-1", PROMPT)
         ext, load_async = b.scheduler.get_num_new_matched_tokens(req, 0)
         assert ext == 5 * BLOCK and load_async
