@@ -9,18 +9,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm import StagingArea, _Load, _warm_answer_buffers
-from kvtier.integrations.vllm_plan import BlockPlan
+from kvtier.integrations.vllm import StagingArea, _warm_answer_buffers
 from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.tiers.dram import DRAMTier
 from tests.helpers.peer_helpers import TOKEN
+from tests.helpers.vllm_fakes import BLOCK, FakeEngine, Request
 
 
 def _rss_kib() -> int:
@@ -102,43 +104,79 @@ def test_connector_reserves_answer_buffers_only_for_peer_tiers_that_did_not_choo
 
 
 # ---------------------------------------------------------------- staging area
-def _load(rows: np.ndarray) -> _Load:
-    plan = BlockPlan(req_id="r", tokens=[], salt="", first=0, block_ids=list(range(len(rows))))
-    return _Load(plan, concurrent.futures.Future(), rows)
+def _fresh(log: list[int]) -> Callable[[int], np.ndarray]:
+    def new(count: int) -> np.ndarray:
+        log.append(count)
+        return np.empty((count, 64), np.uint8)
+    return new
 
 
-def test_staging_rows_are_reused_only_after_every_holder_was_scattered_and_ended() -> None:
+def test_staging_rows_come_back_oldest_first_once_their_transfer_ended() -> None:
     area = StagingArea(np.empty((8, 64), np.uint8))
     fresh: list[int] = []
+    a_rows = area.take(4, _fresh(fresh))
+    a_done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    a_scattered = [False]
+    area.hold(a_rows, a_done, lambda: a_scattered[0])
+    b_rows = area.take(3, _fresh(fresh))
+    b_done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    area.hold(b_rows, b_done)
+    assert not np.shares_memory(a_rows, b_rows)
+    assert fresh == [] and np.shares_memory(b_rows, area.rows)
+    c_rows = area.take(2, _fresh(fresh))  # 7 of 8 rows held: a fresh array
+    assert fresh == [2] and not np.shares_memory(c_rows, area.rows)
+    a_done.set_result(None)  # ended, but a load's rows are not scattered yet: still held
+    assert not np.shares_memory(area.take(2, _fresh(fresh)), area.rows) and fresh == [2, 2]
+    a_scattered[0] = True
+    d_rows = area.take(2, _fresh(fresh))  # wraps to the rows a gave back
+    area.hold(d_rows, concurrent.futures.Future())
+    assert fresh == [2, 2] and np.shares_memory(d_rows, a_rows)
+    e_rows = area.take(2, _fresh(fresh))  # rows 2-3 are free, between d and b
+    area.hold(e_rows, concurrent.futures.Future())
+    assert fresh == [2, 2] and np.shares_memory(e_rows, a_rows)
+    assert not np.shares_memory(e_rows, d_rows)
+    area.take(1, _fresh(fresh))  # full
+    assert fresh == [2, 2, 1]
 
-    def new(count: int) -> np.ndarray:
-        fresh.append(count)
-        return np.empty((count, 64), np.uint8)
 
-    a = _load(area.take(4, new))
-    area.hold(a)
-    b = _load(area.take(3, new))
-    area.hold(b)
-    assert not np.shares_memory(a.staging, b.staging)
-    c = area.take(2, new)  # 7 of 8 rows are held: a fresh array
-    assert fresh == [2] and not np.shares_memory(c, area.rows)
-    a.scattered = True
-    a.future.set_result([True])
-    assert np.shares_memory(area.take(1, new), area.rows)  # b still holds rows 4-6: row 7
-    b.scattered = True  # scattered, but its read has not ended: still held
-    assert fresh == [2]
-    assert not np.shares_memory(area.take(1, new), area.rows) and fresh == [2, 1]
-    b.future.set_result([True])
-    again = area.take(4, new)
-    assert np.shares_memory(again, a.staging)  # everything ended: from the start again
-
-
-def test_a_cancelled_load_keeps_its_rows_and_the_area_maps_new_ones() -> None:
+def test_a_failed_or_abandoned_transfer_keeps_its_rows_and_the_area_maps_new_ones() -> None:
     area = StagingArea(np.empty((4, 64), np.uint8))
+    fresh: list[int] = []
     old = area.rows
-    a = _load(area.take(4, lambda n: np.empty((n, 64), np.uint8)))
-    area.hold(a)
-    a.future.cancel()  # abandoned at its timeout: the store's thread may still write it
-    a.scattered = True
-    rows = area.take(4, lambda n: np.empty((n, 64), np.uint8))
-    assert np.shares_memory(rows, area.rows) and not np.shares_memory(rows, old)
+    a_rows = area.take(2, _fresh(fresh))
+    a_done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    area.hold(a_rows, a_done)
+    b_rows = area.take(2, _fresh(fresh))
+    b_done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    area.hold(b_rows, b_done)
+    a_done.cancel()  # abandoned: the store's thread may still be using its rows
+    assert not np.shares_memory(area.take(2, _fresh(fresh)), old) and fresh == [2]
+    b_done.set_exception(RuntimeError("failed"))
+    rows = area.take(4, _fresh(fresh))  # nothing holds rows now: a new array
+    assert fresh == [2] and np.shares_memory(rows, area.rows) and not np.shares_memory(rows, old)
+
+
+def test_engine_loads_and_saves_reuse_their_staging_areas(tmp_path: Path) -> None:
+    shared = {"tiers": ["dram://?capacity=4MiB", f"file://{tmp_path / 'pool'}"],
+              "model": "tiny-test"}
+    prompt = [(13 * i + 7) % 997 + 1 for i in range(22)]
+    a = FakeEngine(shared)
+    b = FakeEngine(shared)
+    try:
+        a.prefill(Request("a-1", prompt), [3, 9, 4, 10, 5, 11])
+        a.finish(Request("a-1", prompt))
+        other = [(7 * i + 3) % 991 + 1 for i in range(22)]
+        a.prefill(Request("a-2", other), [12, 13, 14, 15, 16, 17])
+        a.finish(Request("a-2", other))
+        saves = a.worker._worker.save_staging
+        assert saves is not None and saves.fresh == 0
+        for n, ids in enumerate(([20, 2, 21, 1, 22, 0], [23, 24, 25, 26, 27, 28])):
+            ext, _, errors = b.prefill(Request(f"b-{n}", prompt if n == 0 else other), ids)
+            assert ext == 5 * BLOCK and errors == set()
+            b.finish(Request(f"b-{n}", prompt if n == 0 else other))
+        loads = b.worker._worker.staging
+        assert loads is not None and loads.fresh == 0
+        assert b.block_bytes(23) == a.block_bytes(12)  # the second load, same rows: right bytes
+    finally:
+        b.close()
+        a.close()

@@ -19,6 +19,7 @@ same metadata-binding methods), so it can be driven by fakes and type-checked an
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import importlib
 import logging
@@ -166,45 +167,80 @@ class _Load:
     scattered: bool = False  # its rows were copied into the engine's pages (or dropped)
 
 
-class StagingArea:
-    """Host rows that loads land in before their scatter, faulted in once and reused.
+@dataclass
+class _Held:
+    offset: int
+    count: int
+    future: concurrent.futures.Future[Any]
+    ready: Callable[[], bool] | None  # more than the future's end that must happen first
 
-    A new array per load costs a page fault per 4 KiB on its first write: on the benchmark
-    VM 15-60 ms for a 16 MiB prompt, more than the copy itself (``docs/performance.md``).
-    Rows are handed out from the start of one array; the area starts over once every load
-    holding rows was scattered and its read ended. A load abandoned at its timeout (its
-    future cancelled while the store's thread may still be copying) keeps the old array for
-    itself: the area maps a new one. A load that does not fit gets a fresh array.
-    Called from the worker thread only.
+
+class StagingArea:
+    """Host rows that loads land in before their scatter (or saves gather into), faulted in
+    once and reused.
+
+    A new array per transfer costs a page fault per 4 KiB on its first write: on the
+    benchmark VM 15-60 ms for a 16 MiB prompt, more than the copy itself
+    (``docs/performance.md``). Rows are handed out as a ring: each transfer holds its rows
+    until its future ended (and, for a load, its rows were scattered), and rows come back
+    oldest first. A transfer that failed or was abandoned at its timeout (the store's thread
+    may still be using its rows) keeps the old array for itself: the area maps a new one once
+    nothing else holds rows. A transfer that does not fit gets a fresh array. Called from
+    the worker thread only.
     """
 
     def __init__(self, rows: npt.NDArray[np.uint8]) -> None:
         fault_in(rows.reshape(-1))
         self.rows = rows
-        self._next = 0
-        self._holders: list[_Load] = []
-        self.fresh = 0  # loads that did not fit and got an array of their own
+        self._held: collections.deque[_Held] = collections.deque()
+        self._given: _Held | None = None  # taken, not yet held
+        self._spoiled = False  # a failed transfer's rows are in the array
+        self.fresh = 0  # transfers that did not fit and got an array of their own
+
+    def _release(self) -> None:
+        while self._held and self._ended(self._held[0]):
+            done = self._held.popleft().future
+            self._spoiled |= done.cancelled() or done.exception() is not None
+        if not self._held and self._spoiled:
+            self.rows = np.empty_like(self.rows)
+            fault_in(self.rows.reshape(-1))
+            self._spoiled = False
+
+    @staticmethod
+    def _ended(held: _Held) -> bool:
+        return held.future.done() and (held.ready is None or held.ready())
+
+    def _offset(self, count: int) -> int | None:
+        size = len(self.rows)
+        if not self._held:
+            return 0 if count <= size else None
+        oldest, newest = self._held[0], self._held[-1]
+        end = newest.offset + newest.count
+        if newest.offset >= oldest.offset:  # one run [oldest, end): room after it, or at 0
+            if end + count <= size:
+                return end
+            return 0 if count <= oldest.offset else None
+        return end if end + count <= oldest.offset else None  # wrapped: room in between
 
     def take(self, count: int, fresh: Callable[[int], npt.NDArray[np.uint8]]
              ) -> npt.NDArray[np.uint8]:
-        """``count`` rows: from the area when they fit, else ``fresh(count)``."""
-        if self._holders and all(h.scattered and h.future.done() for h in self._holders):
-            if any(h.future.cancelled() for h in self._holders):
-                self.rows = np.empty_like(self.rows)
-                fault_in(self.rows.reshape(-1))
-            self._holders.clear()
-            self._next = 0
-        if self._next + count > len(self.rows):
+        """``count`` rows: from the area when they fit, else ``fresh(count)``. Rows from the
+        area must be given to :meth:`hold` before the next call."""
+        self._release()
+        offset = None if self._spoiled else self._offset(count)
+        if offset is None:
             self.fresh += 1
             return fresh(count)
-        rows = self.rows[self._next:self._next + count]
-        self._next += count
-        return rows
+        self._given = _Held(offset, count, concurrent.futures.Future(), None)
+        return self.rows[offset:offset + count]
 
-    def hold(self, load: _Load) -> None:
-        """Keep ``load``'s rows from reuse until it is scattered and its read ended."""
-        if np.shares_memory(load.staging, self.rows):
-            self._holders.append(load)
+    def hold(self, rows: npt.NDArray[np.uint8], future: concurrent.futures.Future[Any],
+             ready: Callable[[], bool] | None = None) -> None:
+        """Keep ``rows`` (as :meth:`take` returned them) from reuse until ``future`` is done
+        and ``ready()`` is true."""
+        given, self._given = self._given, None
+        if given is not None and np.shares_memory(rows, self.rows):
+            self._held.append(_Held(given.offset, given.count, future, ready))
 
 
 class WorkerSide:
@@ -226,7 +262,8 @@ class WorkerSide:
         self.io_timeout_s = io_timeout_s
         self.staging_blocks = staging_blocks
         self.layers: PagedLayers | None = None
-        self.staging: StagingArea | None = None
+        self.staging: StagingArea | None = None  # loads land here
+        self.save_staging: StagingArea | None = None  # saves gather here
         self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
         self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
         self._finishing: set[str] = set()
@@ -243,6 +280,7 @@ class WorkerSide:
         rows = min(self.staging_blocks, num_blocks)
         if rows > 0:
             self.staging = StagingArea(self.layers.empty(rows))
+            self.save_staging = StagingArea(self.layers.empty(rows))
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
         n = plan.first + len(plan.block_ids)
@@ -268,7 +306,7 @@ class WorkerSide:
             future = self.store.submit(partial(_get_into, keys=keys, outs=list(staging)))
             load = _Load(plan, future, staging)
             if self.staging is not None:
-                self.staging.hold(load)
+                self.staging.hold(staging, future, partial(_scattered, load))
             if plan.load_async:
                 self._async_loads.append(load)
             else:
@@ -307,8 +345,12 @@ class WorkerSide:
         layers = self._layers()
         for plan in meta.saves:
             keys = self._keys(plan)
-            items = list(zip(keys, layers.gather_many(plan.block_ids), strict=True))
+            rows = layers.empty(len(keys)) if self.save_staging is None else \
+                self.save_staging.take(len(keys), layers.empty)
+            items = list(zip(keys, layers.gather_many(plan.block_ids, out=rows), strict=True))
             future = self.store.submit(partial(_put_and_wait_written, items=items))
+            if self.save_staging is not None:
+                self.save_staging.hold(rows, future)
             for key in keys:
                 self._saving[key] = future
             self._req_saves.setdefault(plan.req_id, []).append(future)
@@ -539,6 +581,10 @@ async def _put_and_wait_written(store: TieredStore, *, items: list[tuple[bytes, 
 
 async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -> list[bool]:
     return await store.get_many_into(keys, outs)
+
+
+def _scattered(load: _Load) -> bool:
+    return load.scattered
 
 
 def _block_bytes(kv_cache_config: Any) -> int:

@@ -49,12 +49,13 @@ class ConnectorSettings:
     ``"page-sha256"``: SGLang's page hashes, to share a pool with SGLang), ``lookup_timeout_s``
     (bound on the scheduler's lookup, default 0.1), ``io_timeout_s`` (worker loads, default 30),
     ``async_load`` (``"auto"``: asynchronous when the hit came from ``scheduler_tiers`` and
-    the engine has other requests whose steps the load can overlap; ``"always"``; ``"never"``), ``index_blocks`` (keys of blocks this engine saved that the
-    scheduler remembers, default 65536), ``event_buffer`` (KV events ``take_events()`` holds
-    between two calls, oldest dropped past it; 0 turns events off; default 10000),
-    ``staging_bytes`` (most bytes of the host staging area each worker faults in at start
-    and reuses for its loads: one request of ``max_model_len`` tokens, capped at this;
-    default 256 MiB; 0 allocates per load) and ``store_options`` (passed to
+    the engine has other requests whose steps the load can overlap; ``"always"``;
+    ``"never"``), ``index_blocks`` (keys of blocks this engine saved that the scheduler
+    remembers, default 65536), ``event_buffer`` (KV events ``take_events()`` holds between two
+    calls, oldest dropped past it; 0 turns events off; default 10000), ``staging_bytes``
+    (bytes of each of the two host staging areas, for loads and for saves, each worker faults
+    in at start and reuses: one request of ``max_model_len`` tokens, capped at this; default
+    256 MiB; 0 allocates per transfer) and ``store_options`` (passed to
     :class:`~kvtier.BlockingStore`).
     """
 
