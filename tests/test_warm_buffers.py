@@ -180,3 +180,25 @@ def test_engine_loads_and_saves_reuse_their_staging_areas(tmp_path: Path) -> Non
     finally:
         b.close()
         a.close()
+
+
+async def test_server_batch_put_bodies_land_in_reserved_then_reused_buffers() -> None:
+    server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True, body_reserve=8 << 20)
+    async with server:
+        assert server._bodies.reserved_bytes == 8 << 20
+        tier = PeerTier.from_url(f"peers://{server.member_id}?token={TOKEN}&timeout=5")
+        async with tier:
+            for round_ in range(3):
+                items = [(bytes([round_, i]) * 8, np.full(1 << 20, i + round_, np.uint8))
+                         for i in range(3)]  # a 3 MiB batch PUT: fits a 4 MiB reserved one
+                await tier.put_many(items)
+                got = await tier.get_many([k for k, _ in items])
+                assert all(g is not None and np.array_equal(g, b)
+                           for g, (_, b) in zip(got, items, strict=True))
+            # Every body was taken from the pool (the reserved buffers), none mapped anew.
+            assert server._bodies.reused >= 3 and server._bodies.held_bytes == 0
+
+
+def test_body_reserve_is_validated() -> None:
+    with pytest.raises(ConfigError, match="body_reserve"):
+        PeerServer(DRAMTier(), token=TOKEN, body_reserve=-1)

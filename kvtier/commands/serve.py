@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=int, default=4096, metavar="N",
                         help="open connections served at once; more get 503 and are closed "
                              "(default 4096; clamped to the open-files limit less 128)")
+    parser.add_argument("--body-reserve", default="64MiB", metavar="SIZE",
+                        help="PUT body buffers faulted in at start and kept, as two buffers "
+                             "of half the size: bodies that fit pay no page faults (default "
+                             "64MiB; 0: map on demand)")
     parser.add_argument("--no-data-plane", action="store_true",
                         help="serve every request through aiohttp (by default block "
                              "GET/PUT and batch get take the data plane, docs/peer-pool.md)")
@@ -171,7 +175,8 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
                             body_timeout=args.body_timeout,
                             min_body_rate=parse_size(args.min_body_rate, "--min-body-rate"),
                             max_connections=args.max_connections,
-                            data_plane=not args.no_data_plane)
+                            data_plane=not args.no_data_plane,
+                            body_reserve=parse_size(args.body_reserve, "--body-reserve"))
         try:
             bound_host, bound_port = await server.start()
         except OSError as exc:  # address in use, not ours to bind, unknown host
