@@ -404,16 +404,22 @@ class ReadPath:
 
     async def get_many_into(self, keys: list[bytes], outs: list[Any], deadline: float | None
                             ) -> list[bool]:
-        """Batch :meth:`get_into`: the top tier per key, then one shared batch fetch below
-        for the misses; the hits are touched tail-to-head in the top tier."""
+        """Batch :meth:`get_into`: one batch call of the top tier, then one shared batch
+        fetch below for the misses; the hits are touched tail-to-head in the top tier."""
         since = time.perf_counter_ns()
-        hits: list[bool] = []
         trouble: dict[int, Trouble] = {}
-        for j, (key, out) in enumerate(zip(keys, outs, strict=True)):
-            hit = await self._top_into(key, out, deadline)
-            if isinstance(hit, Trouble):
-                trouble[j] = hit
-            hits.append(hit is True)
+        # One batch call of the top tier (a remote top tier: one request, not one per key).
+        top = await self._guarded(0, "get_many_into", deadline,
+                                  self._chain.tiers[0]._get_many_into, keys, outs,
+                                  passthrough=(TypeError, ValueError))
+        if isinstance(top, Trouble):
+            trouble = dict.fromkeys(range(len(keys)), top)
+            hits = [False] * len(keys)
+        else:
+            hits = [bool(h) for h in top]
+            found = sum(hits)
+            self._chain.tier_counters[0].count_read(time.perf_counter_ns() - since,
+                                                    hits=found, misses=len(keys) - found)
         missing = [j for j, hit in enumerate(hits) if not hit]
         if missing and len(self._chain) > 1:
             results: list[Block | None] = [None] * len(keys)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import numpy as np
 import pytest
 
+from kvtier import open_store
 from kvtier.errors import ConfigError
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
@@ -125,6 +126,21 @@ async def test_batch_is_one_request_per_owner(pool: list[PeerServer]) -> None:
         assert await tier.contains_many([key_of(i) for i in range(30)]) == [True] * 30
         for s in pool:
             assert sum(s.requests.values()) - before[s.member_id] == 2
+
+
+async def test_store_get_many_into_a_peer_top_tier_is_one_request_per_owner(
+        pool: list[PeerServer]) -> None:
+    # A store whose top tier is the pool (no DRAM above it) once asked each key separately:
+    # 30 round trips where a batch needs one per owner.
+    async with open_store([_url(pool)]) as store:
+        await store.put_many([(key_of(i), sample_block(i)) for i in range(30)])
+        await store.flush()
+        before = {s.member_id: sum(s.requests.values()) for s in pool}
+        outs = [np.empty_like(sample_block(i)) for i in range(30)]
+        assert await store.get_many_into([key_of(i) for i in range(30)], outs) == [True] * 30
+        assert all(o.tobytes() == sample_block(i).tobytes() for i, o in enumerate(outs))
+        for s in pool:
+            assert sum(s.requests.values()) - before[s.member_id] <= 1
 
 
 async def test_compressed_puts_roundtrip(pool: list[PeerServer]) -> None:

@@ -252,6 +252,22 @@ class Tier(abc.ABC):
         copy_into(block, out)
         return True
 
+    async def _get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        """Batch :meth:`_get_into`, ``outs[i]`` for ``keys[i]``. A tier with its own
+        ``_get_into`` (a copy with no block in between: LMDB, HBM) runs it per key; the
+        others fetch the batch with ``_get_many`` (one request to a remote tier, not one
+        round trip per key) and copy each hit into its buffer, on the loop, after the
+        fetch: a call cut short never writes a buffer afterwards."""
+        if type(self)._get_into is not Tier._get_into:
+            return [await self._get_into(key, out) for key, out in zip(keys, outs, strict=True)]
+        blocks = await self._get_many(keys)
+        hits: list[bool] = []
+        for i, (block, out) in enumerate(zip(blocks, outs, strict=True)):
+            if block is not None:
+                copy_into(block, out, f"outs[{i}]")
+            hits.append(block is not None)
+        return hits
+
     async def _touch_chain(self, keys: Sequence[bytes]) -> None:
         """Refresh recency from the chain's tail to its head (no-op for unbounded tiers)."""
 
