@@ -91,15 +91,18 @@ class Setup:
         return self.lmcache_python if config == "lmcache" and self.lmcache_python else \
             self.vllm_python
 
-    def connector(self, config: str, run_dir: Path) -> dict[str, Any] | None:
-        """The connector spec ``engine_run.py`` takes for ``config`` (fresh folders)."""
+    def connector(self, config: str, run_dir: Path, name: str = "engine"
+                  ) -> dict[str, Any] | None:
+        """The connector spec ``engine_run.py`` takes for ``config`` (fresh folders). One
+        process owns an LMDB directory, so each engine (``name``) gets its own: an LMDB tier
+        is private to its engine, and another process never loads from it."""
         if config == "none":
             return None
         if config == "example":
             return {"kind": "example", "path": str(run_dir / "example")}
         if config == "lmcache":
             return {"kind": "lmcache", "port": self.services["lmcache"]}
-        tiers = {"lmdb": [DRAM, f"lmdb://{run_dir / 'lmdb'}?capacity=2GiB"],
+        tiers = {"lmdb": [DRAM, f"lmdb://{run_dir / ('lmdb-' + name)}?capacity=2GiB"],
                  "file": [DRAM, f"file://{run_dir / 'file'}"],
                  "peers": [DRAM, self.services.get("peers", "")],
                  "redis": [self.services.get("redis", "")]}[config]
@@ -109,7 +112,7 @@ class Setup:
     def engine(self, config: str, run_dir: Path, name: str) -> Engine:
         spec = {"model_dir": str(self.work / "model"), "model": BENCH_MODEL,
                 "max_model_len": self.max_model_len,
-                "connector": self.connector(config, run_dir)}
+                "connector": self.connector(config, run_dir, name)}
         run_dir.mkdir(parents=True, exist_ok=True)
         return Engine(self.python_for(config), spec, run_dir / f"{name}.log")
 
