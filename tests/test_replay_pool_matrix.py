@@ -88,3 +88,17 @@ def test_runs_on_the_first_requests_of_a_shared_trace() -> None:
     assert len({r["block_refs"] for r in rows}) == 1 and {r["limit"] for r in rows} == {200}
     table = pool_matrix.markdown(rows)
     assert "### `mooncake_synthetic_trace.jsonl`" in table and "(first 200 requests" in table
+
+
+def test_only_runs_the_named_rows_and_judges_nothing_without_baselines(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "tiny.jsonl")
+    proc = subprocess.run([sys.executable, "-m", "kvtier.replay.pool_matrix", "--nodes", "2",
+                           "--capacity-blocks", "20", "--only", "anchor:1 owner spill 0.1",
+                           str(trace)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| 2 | 20 |")]
+    assert len(lines) == 1 and "anchor:1 owner spill 0.1 (arc)" in lines[0]
+    assert lines[0].endswith("| ? |")
+    bad = subprocess.run([sys.executable, "-m", "kvtier.replay.pool_matrix", "--only", "nope",
+                          str(trace)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--only" in bad.stderr

@@ -70,6 +70,7 @@ def test_spill_keeps_the_written_blocks_within_the_bound() -> None:
     assert imbalance(spilled) <= 1.1 + 301 / (sum(spilled.shard_writes) / 4)
     assert imbalance(spilled) < imbalance(plain) - 0.15
     assert spilled.spilled > 0 and spilled.result(1)["spilled_chains"] == spilled.spilled
+    assert spilled.result(1)["shard_write_imbalance"] == pytest.approx(imbalance(spilled))
     assert max(spilled.hit_blocks, plain.hit_blocks) < 200  # only the shared block 0 hits
 
 

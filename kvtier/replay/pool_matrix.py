@@ -6,7 +6,8 @@ chain placement routed to each chain's owner (with and without bounded-load spil
 
 Every row has the same total memory (N x C blocks). Per cell it reports the prefix hit rate,
 the remote blocks moved per request (pool reads of remote shards plus writes of new blocks to
-remote owners) and the busiest node's requests over the mean, and judges each pooled
+remote owners), the busiest node's requests over the mean and, for pooled rows, the largest
+shard's written blocks over the mean, and judges each pooled
 candidate against the goal: hit rate >= max(per-node session best, per-node locate-bounded
 best, ideal LRU) - :data:`SLACK` points, blocks moved <= :data:`MOVED_SHARE` of pooled
 round-robin's, busiest node <= :data:`LOAD_LIMIT` times the mean.
@@ -116,10 +117,12 @@ def cell_rows(cell: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]
     per-node families at their best policy), then every other pooled configuration.
 
     A pooled candidate's verdict is ``yes`` when it meets all three parts of the goal, else
-    the parts it misses (``hit``, ``moved``, ``load``); baselines get ``-``.
+    the parts it misses (``hit``, ``moved``, ``load``); baselines get ``-``, and candidates
+    of a run without the baselines or ``pooled rr`` (``--only``) ``?``.
     """
     base = [_best(cell, f) for f in ("per-node session", "per-node locate-b", "ideal")]
-    target = max(100 * r["prefix_hit_rate_blocks"] for r in base if r is not None)
+    target = max((100 * r["prefix_hit_rate_blocks"] for r in base if r is not None),
+                 default=None)
     rr = _best(cell, "pooled rr")
     lines: list[tuple[str, dict[str, Any], str]] = []
     for row in [*base, rr]:
@@ -128,11 +131,13 @@ def cell_rows(cell: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]
     for row in cell.values():
         if row["family"] in ("per-node session", "per-node locate-b", "ideal", "pooled rr"):
             continue
+        if target is None or rr is None:  # a run without the baselines: nothing to judge
+            lines.append((f"{row['family']} ({row['policy']})", row, "?"))
+            continue
         misses = []
         if 100 * row["prefix_hit_rate_blocks"] < target - SLACK:
             misses.append("hit")
-        if rr is None or row["remote_bytes_per_request"] > MOVED_SHARE * rr[
-                "remote_bytes_per_request"]:
+        if row["remote_bytes_per_request"] > MOVED_SHARE * rr["remote_bytes_per_request"]:
             misses.append("moved")
         if row["load_imbalance"] > LOAD_LIMIT:
             misses.append("load")
@@ -152,19 +157,22 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     for trace in sorted({k[0] for k in cells}):
         out += [f"### `{trace}`", "",
                 "| N | C/node | configuration | hit % | target - hit | blocks moved / request "
-                "| busiest / mean | goal |", "|---:|---:|---|---:|---:|---:|---:|---|"]
+                "| busiest / mean | largest shard / mean | goal |",
+                "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
         for (t, n, c), cell in sorted(cells.items()):
             if t != trace:
                 continue
             lines = cell_rows(cell)
-            target = max(100 * row["prefix_hit_rate_blocks"] for _, row, v in lines
-                         if v == "-" and row["mode"] != "pooled")
+            target = max((100 * row["prefix_hit_rate_blocks"] for _, row, v in lines
+                          if v == "-" and row["mode"] != "pooled"), default=float("nan"))
             for name, row, verdict in lines:
                 hit = 100 * row["prefix_hit_rate_blocks"]
+                shard = row.get("shard_write_imbalance")
                 out.append(f"| {n} | {c} | {name} | {hit:.2f} | {target - hit:+.2f} | "
                            f"{row['remote_bytes_per_request']:.1f} | "
-                           f"{row['load_imbalance']:.2f} | {verdict} |")
-                if verdict != "-":
+                           f"{row['load_imbalance']:.2f} | "
+                           f"{'-' if shard is None else f'{shard:.2f}'} | {verdict} |")
+                if verdict not in ("-", "?"):
                     tally = met.setdefault(name, [0, 0])
                     tally[0] += verdict == "yes"
                     tally[1] += 1
@@ -187,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay only the first N requests of each trace")
     parser.add_argument("--baseline-policies", default=",".join(BASELINE_POLICIES),
                         help="policies the per-node rows try (each family shows its best)")
+    parser.add_argument("--only", metavar="NAMES",
+                        help="run only these configurations (comma-separated row names, "
+                        "e.g. 'pooled rr,anchor:1 owner'); the goal needs the baselines")
     parser.add_argument("--out", help="append rows to this JSON file (rewritten after each "
                         "trace and N, so an interrupted run keeps what it finished)")
     parser.add_argument("--table", nargs="+", metavar="JSON",
@@ -199,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give TRACE files (or --table)")
     caps = [int(c) for c in args.capacity_blocks.split(",")]
     rows_of = configs(args.baseline_policies.split(","))
+    if args.only:
+        names = set(args.only.split(","))
+        rows_of = [c for c in rows_of if c.name in names]
+        if not rows_of:
+            parser.error(f"--only: no configuration named {args.only!r}")
     rows = collect_rows(args.traces, args.nodes, args.out,
                         lambda trace, n: run_pass(trace, n, caps, rows_of, args.limit))
     print(markdown(rows))

@@ -378,6 +378,7 @@ class Simulation:
         """The result row (rates are fractions in [0, 1])."""
         hits = self.hit_blocks
         pooled = self.mode == "pooled"
+        written: int = sum(self.shard_writes)
         row: dict[str, Any] = {
             "mode": self.mode,
             "routing": self.routing,
@@ -398,6 +399,8 @@ class Simulation:
             "orphans_dropped": self.orphans_dropped,
             "spill": self.spill,
             "spilled_chains": self.spilled,
+            "shard_write_imbalance": (max(self.shard_writes) * self.nodes / written
+                                      if pooled and written else None),
             "bytes_remote_read": self.remote_hits * block_bytes if pooled else 0,
             "bytes_remote_written": self.remote_writes * block_bytes if pooled else 0,
             "bytes_moved": ((self.remote_hits + self.remote_writes) * block_bytes if pooled
