@@ -60,13 +60,17 @@ class Config:
 
 
 # Pooled candidates judged against the goal: chain placement with owner routing, plain (also
-# under LRU, the policy of the first anchored measurements) and with bounded-load spill at
-# two epsilons.
+# under LRU, the policy of the first anchored measurements), with bounded-load spill at two
+# epsilons, and with long chains split every 128 or 256 blocks, each run spilled on its own.
 CANDIDATES: tuple[Config, ...] = (
     Config("anchor:1 owner", "pooled", "owner", POOL_POLICY, "anchor:1"),
     Config("anchor:1 owner", "pooled", "owner", "lru", "anchor:1"),
     Config("anchor:1 owner spill 0.1", "pooled", "owner", POOL_POLICY, "anchor:1", 0.1),
     Config("anchor:1 owner spill 0.25", "pooled", "owner", POOL_POLICY, "anchor:1", 0.25),
+    Config("anchor:1:128 owner spill 0.1", "pooled", "owner", POOL_POLICY, "anchor:1:128",
+           0.1),
+    Config("anchor:1:256 owner spill 0.1", "pooled", "owner", POOL_POLICY, "anchor:1:256",
+           0.1),
 )
 
 
