@@ -31,12 +31,20 @@ def test_rows_differ_only_in_what_each_row_is_about() -> None:
         assert [(c.mode, c.routing, c.placement) for _, c in rows] == [
             ("per-node", "rr", "block"), ("per-node", "session", "block"),
             ("per-node", "locate", "block"), ("pooled", "rr", "block"),
-            ("pooled", "owner", "anchor:1")]
+            ("pooled", "owner", "anchor:6")]  # the built-in system prompt: 3000 tokens
         base = rows[0][1]
         assert not base.shared_file  # no row gets a tier the others lack
         for _, config in rows[1:]:
             assert dataclasses.replace(config, mode=base.mode, routing=base.routing,
                                        placement=base.placement) == base
+
+
+def test_chain_row_anchors_past_the_shared_system_prompt(tmp_path: Path) -> None:
+    # Anchored on a block of the shared prompt, every chain behind it would have one owner.
+    assert demo.chain_placement(_args()) == "anchor:6"
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("")
+    assert demo.chain_placement(_args("--trace", str(trace))) == "anchor:1"
 
 
 @pytest.mark.slow
