@@ -1,4 +1,4 @@
-"""``kvtier demo``: four rows at equal tiers and capacity, on a real 4-node pool on loopback."""
+"""``kvtier demo``: five rows at equal tiers and capacity, on a real 4-node pool on loopback."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 from kvtier.commands import demo
 
 REPO = Path(__file__).resolve().parents[1]
-LABELS = ("per-node rr", "per-node session", "pooled rr", "pooled + locate")
+LABELS = ("per-node rr", "per-node session", "per-node locate-b", "pooled rr",
+          "pooled chain+owner")
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -27,12 +28,23 @@ def test_rows_differ_only_in_what_each_row_is_about() -> None:
     for argv in ((), ("--quick",), ("--dram-blocks", "7", "--lmdb-blocks", "3")):
         rows = demo.row_configs(_args(*argv))
         assert [label for label, _ in rows] == list(LABELS)
-        assert [(c.mode, c.routing) for _, c in rows] == [
-            ("per-node", "rr"), ("per-node", "session"), ("pooled", "rr"), ("pooled", "locate")]
+        assert [(c.mode, c.routing, c.placement) for _, c in rows] == [
+            ("per-node", "rr", "block"), ("per-node", "session", "block"),
+            ("per-node", "locate", "block"), ("pooled", "rr", "block"),
+            ("pooled", "owner", "anchor:6")]  # the built-in system prompt: 3000 tokens
         base = rows[0][1]
         assert not base.shared_file  # no row gets a tier the others lack
         for _, config in rows[1:]:
-            assert dataclasses.replace(config, mode=base.mode, routing=base.routing) == base
+            assert dataclasses.replace(config, mode=base.mode, routing=base.routing,
+                                       placement=base.placement) == base
+
+
+def test_chain_row_anchors_past_the_shared_system_prompt(tmp_path: Path) -> None:
+    # Anchored on a block of the shared prompt, every chain behind it would have one owner.
+    assert demo.chain_placement(_args()) == "anchor:6"
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("")
+    assert demo.chain_placement(_args("--trace", str(trace))) == "anchor:1"
 
 
 @pytest.mark.slow
@@ -42,15 +54,24 @@ def test_demo_quick_prints_the_honest_table() -> None:
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    hits = {}
+    hits, moved = {}, {}
     for label in LABELS:
         line = next(ln for ln in out.splitlines() if ln.startswith(label + " "))
         hits[label] = float(re.findall(r"(\d+\.\d+)%", line)[0])
+        moved[label] = float(line.split()[-6])  # MB/req
     assert "legend:" in out and "10,000 tokens/s" in out and "Prefill compute is not" in out
     assert re.search(r"pooled vs per-node session affinity at equal capacity: [+-]\d+\.\d "
                      r"points, \d+\.\d\d MB moved per request", out)
-    # Round-robin per-node caches split every session over 4 nodes: the pool must beat them.
+    assert re.search(r"pooled chain\+owner vs per-node locate-b \(the strongest per-node "
+                     r"setup\): [+-]\d+\.\d points, \d+\.\d\d MB moved per request", out)
+    # Round-robin per-node caches split every session over 4 nodes: the pool must beat them,
+    # and so must routing by where a prefix lives.
     assert hits["pooled rr"] > hits["per-node rr"]
+    assert hits["per-node locate-b"] > hits["per-node rr"]
+    # Per-node caches move nothing; owner routing over chains moves far less than the pool
+    # with blocks spread over every member.
+    assert moved["per-node locate-b"] == moved["per-node session"] == 0
+    assert 0 < moved["pooled chain+owner"] < 0.5 * moved["pooled rr"]
 
 
 def test_demo_rejects_bad_sizes() -> None:

@@ -79,13 +79,14 @@ def test_cli_prints_routing_columns_and_refuses_real(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--dry only" in proc.stderr
 
 
-def test_real_engine_locate_routing_needs_the_pool() -> None:
+def test_real_engine_locate_routing_needs_nodes_to_route_between() -> None:
     from kvtier.errors import ConfigError
     from kvtier.replay.real import RealConfig
 
     with pytest.raises(ConfigError, match="locate"):
-        RealConfig(mode="per-node", routing="locate")
+        RealConfig(mode="ideal", routing="locate")
     assert RealConfig(mode="pooled", routing="locate").routing == "locate"
+    assert RealConfig(mode="per-node", routing="locate").routing == "locate"
 
 
 def test_owner_routing_with_anchor_placement_makes_pooled_hits_local() -> None:

@@ -2,9 +2,12 @@
 
 Four nodes in this process on loopback (real ``PeerServer``s for the pool), every node with
 the same ``dram://`` + ``lmdb://`` tiers in a temp dir, the built-in synthetic agentic
-workload (or ``--trace``) with real bytes. Four rows at equal tiers and total capacity, which
-differ only in what the row is about: per-node caches routed round-robin, per-node caches with
-session affinity, the pool routed round-robin, the pool routed by ``POST /v1/locate``.
+workload (or ``--trace``) with real bytes. Five rows at equal tiers and total capacity, which
+differ only in what the row is about: per-node caches routed round-robin, with session
+affinity, and by where a prefix lives (each node's ``locate_prefix``, load bounded); the pool
+with per-block placement routed round-robin; the pool with chain placement
+(``placement=anchor:R``, R past the shared system prompt) routed to each chain's owner by
+``store.route``.
 """
 
 from __future__ import annotations
@@ -23,13 +26,20 @@ from kvtier.replay.trace import BLOCK_TOKENS, Request
 
 NAME = "demo"
 HELP = ("show what pooling buys on an embedded default: 4 nodes on loopback replaying a "
-        "synthetic agentic workload, per-node vs pooled at equal capacity (under a minute)")
+        "synthetic agentic workload, per-node caches (round-robin, session, locate) vs the pool "
+        "(block placement, chain placement + owner routing) at equal capacity (under a minute)")
 
-# (label, mode, routing): what each row is about; everything else is the same in every row.
-ROWS = (("per-node rr", "per-node", "rr"),
-        ("per-node session", "per-node", "session"),
-        ("pooled rr", "pooled", "rr"),
-        ("pooled + locate", "pooled", "locate"))
+# (label, mode, routing, placement): what each row is about; everything else is the same in
+# every row. "anchor": a whole chain on the owner of its first block after the shared system
+# prompt (see chain_placement).
+ROWS = (("per-node rr", "per-node", "rr", "block"),
+        ("per-node session", "per-node", "session", "block"),
+        ("per-node locate-b", "per-node", "locate", "block"),
+        ("pooled rr", "pooled", "rr", "block"),
+        ("pooled chain+owner", "pooled", "owner", "anchor"))
+# The row that runs first, bounded by the time limit: the slowest (HTTP on most blocks).
+SLOWEST = "pooled rr"
+LABEL_WIDTH = max(len(label) for label, *_ in ROWS)
 
 # Prefill estimate defaults (flags change them): a Llama-3.1-8B-class model in bf16 has
 # 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes = 128 KiB of KV per token.
@@ -65,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def row_configs(args: argparse.Namespace) -> list[tuple[str, RealConfig]]:
-    """The four rows' configurations: one base config, with only mode and routing changed.
+    """The rows' configurations: one base config, with only mode, routing and placement
+    changed.
 
     Raises
     ------
@@ -90,8 +101,22 @@ def row_configs(args: argparse.Namespace) -> list[tuple[str, RealConfig]]:
         raise ConfigError(f"--lmdb-blocks: expected >= 0, got {lmdb}")
     base = RealConfig(mode="per-node", routing="rr", nodes=args.nodes, block_bytes=block_bytes,
                       dram_blocks=dram, lmdb_blocks=lmdb, shared_file=False, time_limit=limit)
-    return [(label, dataclasses.replace(base, mode=mode, routing=routing))
-            for label, mode, routing in ROWS]
+    anchored = chain_placement(args)
+    return [(label, dataclasses.replace(base, mode=mode, routing=routing,
+                                        placement=anchored if placement == "anchor" else placement))
+            for label, mode, routing, placement in ROWS]
+
+
+def chain_placement(args: argparse.Namespace) -> str:
+    """The chain row's ``placement=anchor:R``: R is the first block past the system prompt
+    every session shares (block 1 in the shared traces; the built-in workload's prompt spans
+    several blocks). Anchored on a shared block, all the chains behind one system prompt
+    would land on one owner."""
+    from kvtier.workload import WorkloadConfig
+
+    if args.trace:
+        return "anchor:1"
+    return f"anchor:{-(-WorkloadConfig().system_prompt_tokens // BLOCK_TOKENS)}"
 
 
 def _load(args: argparse.Namespace) -> list[Request]:
@@ -125,9 +150,10 @@ def _net_bytes_per_request(row: dict[str, Any]) -> float:
 
 def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Namespace) -> str:
     """The table, its legend and the summary line."""
-    header = (f"{'configuration':<17} {'hit(blk)':>8} {'hit(tok)':>8} {'remote':>7} "
+    w = LABEL_WIDTH
+    header = (f"{'configuration':<{w}} {'hit(blk)':>8} {'hit(tok)':>8} {'remote':>7} "
               f"{'MB/req':>7} {'load':>5} {'prefill saved':>21} {'fetch':>8} {'net':>8}")
-    sub = (f"{'':<17} {'':>8} {'':>8} {'':>7} {'':>7} {'':>5} "
+    sub = (f"{'':<{w}} {'':>8} {'':>8} {'':>7} {'':>7} {'':>5} "
            f"{'tokens/req':>10} {'ms/req':>10} {'ms/req':>8} {'ms/req':>8}")
     lines = [header, sub, "-" * len(header)]
     for label, row in results:
@@ -135,7 +161,7 @@ def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Names
         remote = "-" if row["remote_share"] is None else f"{row['remote_share'] * 100:.0f}%"
         tokens = row["hit_tokens"] / max(1, int(row["requests"]))
         lines.append(
-            f"{label:<17} {row['prefix_hit_rate_blocks'] * 100:>7.1f}% "
+            f"{label:<{w}} {row['prefix_hit_rate_blocks'] * 100:>7.1f}% "
             f"{row['prefix_hit_rate_tokens'] * 100:>7.1f}% {remote:>7} "
             f"{_net_bytes_per_request(row) / 1e6:>7.2f} {row['load_imbalance']:>5.2f} "
             f"{tokens:>10.0f} {saved_ms:>10.1f} {fetch_ms:>8.1f} {saved_ms - fetch_ms:>8.1f}")
@@ -149,6 +175,11 @@ def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Names
         "  MB/req    bytes that crossed the network per request (pool reads of remote blocks",
         "            and writes of new blocks to their owners), at this demo's block size",
         "  load      busiest node's requests / mean (1.00 = even)",
+        f"  chain+owner  the pool with placement={chain_placement(args)} (a whole chain on the "
+        "owner of its first",
+        "            block past the shared system prompt), each request routed to its chain's "
+        "owner",
+        "            by store.route (load bounded at 1.25x the mean)",
         f"  prefill saved  hit tokens per request, and the prefill time they save at "
         f"{args.prefill_rate:,.0f} tokens/s",
         f"  fetch     time to pull the remote hits over a {args.link_gbps:g} Gbit/s link, "
@@ -161,7 +192,8 @@ def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Names
     by_label = dict(results)
     pooled, session = by_label["pooled rr"], by_label["per-node session"]
     gain = (pooled["prefix_hit_rate_blocks"] - session["prefix_hit_rate_blocks"]) * 100
-    located = by_label["pooled + locate"]
+    chained, located = by_label["pooled chain+owner"], by_label["per-node locate-b"]
+    chain_gain = (chained["prefix_hit_rate_blocks"] - located["prefix_hit_rate_blocks"]) * 100
     # The demo moves small blocks; the modelled engine's block of BLOCK_TOKENS tokens is larger.
     scale = args.kv_bytes_per_token * BLOCK_TOKENS / pooled["block_bytes"]
     lines += [
@@ -169,7 +201,11 @@ def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Names
         f"pooled vs per-node session affinity at equal capacity: {gain:+.1f} points, "
         f"{_net_bytes_per_request(pooled) / 1e6:.2f} MB moved per request "
         f"({_net_bytes_per_request(pooled) * scale / 1e6:,.0f} MB at {kv_kib:,.0f} KiB of KV "
-        f"per token; with locate routing {_net_bytes_per_request(located) / 1e6:.2f} MB).",
+        "per token).",
+        f"pooled chain+owner vs per-node locate-b (the strongest per-node setup): "
+        f"{chain_gain:+.1f} points, {_net_bytes_per_request(chained) / 1e6:.2f} MB moved per "
+        f"request ({_net_bytes_per_request(chained) * scale / 1e6:,.0f} MB at "
+        f"{kv_kib:,.0f} KiB of KV per token).",
         "prefill saved net of fetches (estimate at the stated rates): "
         + ", ".join(f"{label} {_net_ms(row, args):.1f}" for label, row in results)
         + " ms per request.",
@@ -191,9 +227,9 @@ async def _run(args: argparse.Namespace) -> int:
           f"({BLOCK_TOKENS} tokens per block)")
     print(f"workload: {source}: {len(requests)} requests, {refs:,} block refs "
           f"(sessions, shared system prompts, sub-agents)\n")
-    # The slowest row (pooled + locate: a locate round trip per request) runs first, bounded
-    # by the time limit; the others replay exactly the requests it got through.
-    order = [configs[-1], *configs[:-1]]
+    # The slowest row runs first, bounded by the time limit; the others replay exactly the
+    # requests it got through.
+    order = sorted(configs, key=lambda item: item[0] != SLOWEST)
     done: dict[str, dict[str, Any]] = {}
     count: int | None = None
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
@@ -201,7 +237,7 @@ async def _run(args: argparse.Namespace) -> int:
             todo = requests if count is None else requests[:count]
             if count is not None:  # same requests as the first row: no time bound
                 config = dataclasses.replace(config, time_limit=1e9)
-            progress = Progress(len(todo), f"{label:<17}",
+            progress = Progress(len(todo), f"{label:<{LABEL_WIDTH}}",
                                 enabled=False if args.no_progress else None)
             with progress:
                 workdir = Path(tmp) / f"run{i}"

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=["per-node", "pooled", "ideal"], help=",".join(MODES))
     parser.add_argument("--routing", type=_csv(str, "--routing"), default=["rr", "session"],
                         help=f"{','.join((*ROUTINGS, *LOCATE_ROUTINGS))} "
-                             "(default rr,session; locate: --dry only, see docs/replay.md)")
+                             "(default rr,session; --real: rr, session, locate-bounded, "
+                             "owner; see docs/replay.md)")
     parser.add_argument("--policy", type=_csv(str, "--policy"), default=["lru"],
                         help=f"{','.join(POLICIES)} (default lru)")
     parser.add_argument("--vnodes", type=int, default=None,
@@ -62,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--dry: when a block leaves a node or the pool, drop the blocks "
                              "chained after it too (tail-first eviction across shards)")
     parser.add_argument("--placement", default="block", metavar="block|chunk:N|root:R|anchor:R[:D]",
-                        help="--dry pooled: place each block by its own key (default), runs "
+                        help="pooled: place each block by its own key (default), runs "
                              "of N blocks by their first block's key, blocks from R on by "
                              "block R's key, or a whole chain by block R's key")
     engine = parser.add_mutually_exclusive_group()
@@ -115,9 +116,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--placement: {exc}") from None
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: expected >= 1, got {args.limit}")
-    if args.real and set(args.routing) & set(LOCATE_ROUTINGS):
-        raise ConfigError("--routing: locate routings run in --dry only here (kvtier demo "
-                          "runs pooled + locate with real peers)")
+    if args.real and "locate" in args.routing:
+        raise ConfigError("--routing: unbounded locate runs in --dry only; --real runs "
+                          "locate-bounded and owner")
+    if args.real and args.placement != "block" and set(args.mode) - {"pooled"}:
+        raise ConfigError("--placement: with --real, a chain placement needs --mode pooled")
     for flag, values, known in (("--mode", args.mode, MODES), ("--routing", args.routing,
                                 ROUTINGS + LOCATE_ROUTINGS), ("--policy", args.policy,
                                                               tuple(POLICIES))):
@@ -226,11 +229,14 @@ def _run_real(args: argparse.Namespace) -> dict[str, object]:
     for cap in args.capacity_blocks:
         for mode in modes:
             for routing in (["none"] if mode == "ideal" else args.routing):
-                config = RealConfig(mode=mode, routing="rr" if routing == "none" else routing,
+                # The real engine's locate routing is always load-bounded.
+                real_routing = {"none": "rr", "locate-bounded": "locate"}.get(routing, routing)
+                config = RealConfig(mode=mode, routing=real_routing,
                                     nodes=args.nodes, block_bytes=args.block_bytes,
                                     dram_blocks=cap, lmdb_blocks=args.lower_blocks,
                                     vnodes=args.vnodes or DEFAULT_POOL_VNODES,
-                                    time_limit=args.time_limit if count is None else 1e9)
+                                    time_limit=args.time_limit if count is None else 1e9,
+                                    placement=args.placement if mode == "pooled" else "block")
                 todo = requests if count is None else requests[:count]
                 progress = Progress(len(todo), f"real {mode}/{routing}/C={cap}",
                                     enabled=False if args.no_progress else None)

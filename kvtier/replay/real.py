@@ -5,10 +5,13 @@ Every serving node is a :class:`~kvtier.store.TieredStore`. ``per-node``: each n
 ``lmdb://``) with a real :class:`~kvtier.peer.server.PeerServer`, and reads/writes the pool
 through a :class:`~kvtier.peer.tier.PeerTier` (its own keys without HTTP). ``ideal``: one
 chain with the capacity of all nodes. An optional shared ``file://`` tier sits at the bottom
-of every node's chain. Routing ``locate`` (pooled) asks every member ``POST /v1/locate`` and
-sends the request to the longest local prefix, within the load bound of
-:mod:`kvtier.replay.routing`. A request does what an inference server does: ``lookup_prefix``, then
-``get_many`` of the hit prefix (payloads are verified), then ``put_many`` of the rest.
+of every node's chain. Routing ``locate`` sends a request to the node with the longest local
+prefix, within the load bound of :mod:`kvtier.routing`: pooled, it asks every member
+``POST /v1/locate``; per-node, it asks every node's store :meth:`~kvtier.TieredStore.locate_prefix`
+in process (what each node's server would answer). Routing ``owner`` (pooled) asks a router's own
+store :meth:`~kvtier.TieredStore.route`, with no request to the pool; ``placement`` is the pool's
+``peers://...?placement=``. A request does what an inference server does: ``lookup_prefix``,
+then ``get_many`` of the hit prefix (payloads are verified), then ``put_many`` of the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ConfigError
+from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.ring import HashRing
 from kvtier.progress import Progress
 from kvtier.replay.trace import BLOCK_TOKENS, Request
@@ -35,7 +39,9 @@ from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 
-__all__ = ["Cluster", "RealConfig", "block_payload", "real_key", "replay_real"]
+__all__ = ["REAL_ROUTINGS", "Cluster", "RealConfig", "block_payload", "real_key", "replay_real"]
+
+REAL_ROUTINGS = ("rr", "session", "locate", "owner")
 
 
 def real_key(block_id: int) -> bytes:
@@ -65,15 +71,25 @@ class RealConfig:
     vnodes: int = 8192
     time_limit: float = 20.0
     concurrency: int = 1
+    placement: str = "block"
 
     def __post_init__(self) -> None:
         if self.mode not in ("per-node", "pooled", "ideal"):
             raise ConfigError(f"mode: unknown {self.mode!r}; known: per-node, pooled, ideal")
-        if self.routing not in ("rr", "session", "locate"):
-            raise ConfigError(f"routing: --real supports rr, session and locate, "
+        if self.routing not in REAL_ROUTINGS:
+            raise ConfigError(f"routing: --real supports {', '.join(REAL_ROUTINGS)}, "
                               f"got {self.routing!r}")
-        if self.routing == "locate" and self.mode != "pooled":
-            raise ConfigError("routing: locate (by POST /v1/locate) needs mode pooled")
+        if self.routing == "locate" and self.mode == "ideal":
+            raise ConfigError("routing: locate needs mode per-node or pooled")
+        if self.routing == "owner" and self.mode != "pooled":
+            raise ConfigError("routing: owner (store.route over the pool) needs mode pooled")
+        try:
+            ChainPlacement(self.placement, memo_keys=0)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.placement != "block" and self.mode != "pooled":
+            raise ConfigError(f"placement: {self.placement!r} places a pool's blocks; it "
+                              "needs mode pooled")
         for name in ("nodes", "block_bytes", "dram_blocks", "vnodes", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
@@ -89,6 +105,7 @@ class Cluster:
         self.segments: list[TieredStore] = []
         self.servers: list[Any] = []
         self.ring: HashRing | None = None  # pooled: who owns a key, as the PeerTiers see it
+        self.router: TieredStore | None = None  # owner routing: a router process's own store
         self.token = secrets.token_urlsafe(16)
 
     def _local_tiers(self, index: int, scale: int) -> list[Tier]:
@@ -136,15 +153,19 @@ class Cluster:
         self.ring = HashRing(members, vnodes=cfg.vnodes)
         for server, segment in zip(self.servers, self.segments, strict=True):
             peers = PeerTier(members, token=token, self_id=server.member_id, local=segment,
-                             timeout=5.0, vnodes=cfg.vnodes)
+                             timeout=5.0, vnodes=cfg.vnodes, placement=cfg.placement)
             shared = self._shared()
             # The pool tier has no budget of its own (the segments evict), so nothing is ever
             # demoted out of it: a shared tier below must be written through.
             self.stores.append(TieredStore([peers, *shared], write_policy="write_through"
                                            if shared else "write_back"))
+        if cfg.routing == "owner":
+            # A router holds no blocks: its pool tier only knows the members and placement.
+            self.router = TieredStore([PeerTier(members, token=token, timeout=5.0,
+                                                vnodes=cfg.vnodes, placement=cfg.placement)])
 
     async def __aexit__(self, *exc: object) -> None:
-        for store in self.stores:
+        for store in [*self.stores, *([self.router] if self.router else [])]:
             with contextlib.suppress(Exception):
                 await store.aclose()
         for server in self.servers:
@@ -189,8 +210,10 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
     ring = cluster.ring
     stream = iter(requests)
     node_requests = [0] * config.nodes
+    placement = ChainPlacement(config.placement, memo_keys=0)
+    members = [s.member_id for s in cluster.servers]
     http = None
-    if config.routing == "locate":
+    if config.routing == "locate" and config.mode == "pooled":
         import aiohttp
 
         http = aiohttp.ClientSession()
@@ -200,6 +223,12 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
         keys = [real_key(b) for b in req.hash_ids]
         if http is not None:
             node = await _locate_node(cluster, http, keys, node_requests)
+        elif config.routing == "locate":
+            node = await _local_node(cluster, keys, node_requests)
+        elif cluster.router is not None:
+            member = cluster.router.route(keys, members, dict(zip(members, node_requests,
+                                                                  strict=True)))
+            node = members.index(member)
         elif config.routing == "session" and req.session is not None:
             node = sessions.setdefault(req.session, next(rr) % config.nodes)
         else:
@@ -219,8 +248,9 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
                 raise AssertionError(f"block {block_id}: wrong payload read back")
             served += 1
         if ring is not None:
-            me = cluster.servers[node].member_id
-            counts["remote_hits"] += sum(ring.primary(k) != me for k in keys[:served])
+            me = members[node]
+            counts["remote_hits"] += sum(ring.primary(k) != me for k in
+                                         placement.placement_keys(keys)[:served])
         new = []
         for block_id, key in zip(req.hash_ids[served:], keys[served:], strict=True):
             payload = payloads.get(block_id)
@@ -284,6 +314,16 @@ async def _locate_node(cluster: Cluster, http: Any, keys: list[bytes],
     return pick_node([found[m].blocks if m in found else 0 for m in members], node_requests)
 
 
+async def _local_node(cluster: Cluster, keys: list[bytes], node_requests: list[int]) -> int:
+    """Per-node caches: the node whose own tiers hold the longest prefix (each store's
+    :meth:`~kvtier.TieredStore.locate_prefix`, nothing refreshed), within the load bound."""
+    from kvtier.routing import pick_node
+
+    found = [await store.locate_prefix(keys) for store in cluster.stores]
+    return pick_node([f.nodes[f.node].blocks if f.node in f.nodes else 0 for f in found],
+                     node_requests)
+
+
 def _tier_shares(cluster: Cluster) -> tuple[list[str], list[float], dict[str, int]]:
     """Hits per tier name summed over nodes; pooled hits are split by the segment tiers."""
     hits: dict[str, int] = {}
@@ -319,6 +359,7 @@ def _row(config: RealConfig, cluster: Cluster, elapsed: float, latencies: list[f
     remote_bytes = sum(srv.bytes_out + srv.bytes_in for srv in cluster.servers)
     return {
         "mode": config.mode, "routing": "none" if config.mode == "ideal" else config.routing,
+        "placement": config.placement,
         "policy": "lru", "engine": "real", "nodes": config.nodes,
         "capacity_blocks": config.dram_blocks, "lmdb_blocks": config.lmdb_blocks,
         "requests": n_req, "block_refs": blocks,

@@ -127,11 +127,17 @@ class Simulation:
         Blocks per node in each tier, top first.
     ring
         Placement for ``pooled`` (default: a :class:`HashRing` over ``node0..``).
+    spill
+        ``pooled`` with a chain placement (``anchor:R``, ...) only: bounded-load placement.
+        A placement key seen for the first time goes to the first member in its ring order
+        whose shard has taken at most ``1 + spill`` times the mean of blocks written so far
+        (this one included), and stays there; ``None`` (default): always its ring owner.
     """
 
     def __init__(self, mode: str, routing: str, policy: str, nodes: int,
                  capacities: Sequence[int], *, ring: HashRing | None = None,
-                 seed: int = 0, placement: str = "block", cascade: bool = False) -> None:
+                 seed: int = 0, placement: str = "block", cascade: bool = False,
+                 spill: float | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: unknown {mode!r}; known: {', '.join(MODES)}")
         if routing not in ROUTINGS and mode != "ideal":
@@ -144,6 +150,11 @@ class Simulation:
         self.capacities = list(capacities)
         self.placement = placement
         self._placement = ChainPlacement(placement, memo_keys=0)
+        if spill is not None and (mode != "pooled" or self._placement.per_block
+                                  or not spill >= 0):
+            raise ValueError(f"spill: needs mode pooled, a chain placement and a value >= 0, "
+                             f"got {spill!r} with {mode} {placement}")
+        self.spill = spill
         if mode == "ideal":
             self.chains = [Chain([make_policy(policy, c * nodes) for c in capacities])]
         else:
@@ -175,6 +186,8 @@ class Simulation:
         self.remote_hits = 0
         self.remote_writes = 0
         self.inserted = 0
+        self.shard_writes = [0] * nodes  # pooled: blocks written to each owner's shard
+        self.spilled = 0  # placement keys placed past their ring owner (``spill``)
         self.node_requests = [0] * nodes
 
     @property
@@ -221,7 +234,26 @@ class Simulation:
         """Pool member index owning ``key`` (memoised ring lookup)."""
         node = self._owner.get(key)
         if node is None:
-            node = self._owner[key] = self._member_index[self.ring.primary(key)]
+            if self.spill is None:
+                node = self._member_index[self.ring.primary(key)]
+            else:
+                node = self._bounded_owner(key)
+            self._owner[key] = node
+        return node
+
+    def _bounded_owner(self, key: bytes) -> int:
+        # Consistent hashing with bounded loads: walk the ring from the key's owner and take
+        # the first member within the bound; the least written one when none is.
+        writes = self.shard_writes
+        limit = (1 + (self.spill or 0.0)) * (sum(writes) + 1) / self.nodes
+        order = [self._member_index[m] for m in self.ring.owners(key, self.nodes)]
+        for node in order:
+            if writes[node] + 1 <= limit:
+                break
+        else:
+            node = min(order, key=writes.__getitem__)
+        if node != order[0]:
+            self.spilled += 1
         return node
 
     @staticmethod
@@ -291,6 +323,7 @@ class Simulation:
                     if not tops[o].touch(keys[i]):
                         self._admit_top(chains[o], keys[i])
                         self.inserted += 1
+                        self.shard_writes[o] += 1
                         if o != node:
                             self.remote_writes += 1
             else:
@@ -305,6 +338,7 @@ class Simulation:
                 for i in range(nkeys - 1, -1, -1):
                     if chains[owners[i]].refresh(keys[i]):
                         self.inserted += 1
+                        self.shard_writes[owners[i]] += 1
                         if owners[i] != node:
                             self.remote_writes += 1
         else:
@@ -344,6 +378,7 @@ class Simulation:
         """The result row (rates are fractions in [0, 1])."""
         hits = self.hit_blocks
         pooled = self.mode == "pooled"
+        written: int = sum(self.shard_writes)
         row: dict[str, Any] = {
             "mode": self.mode,
             "routing": self.routing,
@@ -362,6 +397,10 @@ class Simulation:
             "demotions": sum(c.demotions for c in self.chains),
             "evictions": sum(c.drops for c in self.chains),
             "orphans_dropped": self.orphans_dropped,
+            "spill": self.spill,
+            "spilled_chains": self.spilled,
+            "shard_write_imbalance": (max(self.shard_writes) * self.nodes / written
+                                      if pooled and written else None),
             "bytes_remote_read": self.remote_hits * block_bytes if pooled else 0,
             "bytes_remote_written": self.remote_writes * block_bytes if pooled else 0,
             "bytes_moved": ((self.remote_hits + self.remote_writes) * block_bytes if pooled
