@@ -27,6 +27,14 @@ owner and batch) whether they hold it, and pushes the block to those that do not
   the member's whole share to the fallback members standing in for it, and the member's
   own refill waits for all of it (in the chaos soak, long enough for two more failures to
   lose keys).
+* Stand-in copies are dropped once they are spare: a node holding a key of which it is not
+  an owner (a put, push or read repair while an owner was down) deletes its copy when every
+  one of the key's ring owners is in the path and answered, in this pass, that it holds
+  the key; never while an owner is down, silent or "not here", never for a key a join or
+  leave moved within the pool's ``change_window``, and never a copy stored here again
+  since the pass began. Without it those copies pile up with every failure until they
+  evict owners' copies. A pass that leaves stand-ins waiting for an owner's refill is
+  retried like a failed one (``standins_waiting``), so the copy goes once the refill lands.
 """
 
 from __future__ import annotations
@@ -184,7 +192,9 @@ class AntiEntropy:
             tried_at, began = seen, time.monotonic()
             try:
                 done = await self.run_pass()
-                if not done.get("failed") and not done.get("superseded"):
+                # A stand-in copy not yet confirmed on every owner is retried too: the
+                # owner's refill is on its way (pushed by another holder) or was just made.
+                if not any(done.get(n) for n in ("failed", "superseded", "standins_waiting")):
                     clean_at = seen
             except asyncio.CancelledError:
                 raise
@@ -198,7 +208,8 @@ class AntiEntropy:
         members = self.pool.members
         down = members.dead
         try:
-            work = await self._survey(done, down)
+            with self.server.watch_writes() as written:
+                work = await self._survey(done, down, written)
             # Fewest copies first; a stable sort keeps ring-walk order among equals.
             work.sort(key=lambda item: item[0])
             for start in range(0, len(work), self.batch):
@@ -225,10 +236,11 @@ class AntiEntropy:
             return True
         return False
 
-    async def _survey(self, done: dict[str, int], down: frozenset[str]
+    async def _survey(self, done: dict[str, int], down: frozenset[str], written: set[bytes]
                       ) -> list[tuple[int, bytes, list[str]]]:
         """``(copies found, key, owners missing it)`` of each key this node should push
-        (none once the pass is superseded)."""
+        (none once the pass is superseded); drops the stand-in copies every owner holds,
+        except those in ``written`` (stored here since the pass began)."""
         held = self.server.stored_keys
         keys = list(held)
         work: list[tuple[int, bytes, list[str]]] = []
@@ -242,11 +254,23 @@ class AntiEntropy:
                     held.pop(key, None)
             chunk = [k for k, here in zip(chunk, present, strict=True) if here]
             done["checked"] += len(chunk)
-            work += await self._check_chunk(chunk, done)
+            found, standins = await self._check_chunk(chunk, done)
+            work += found
+            if standins:
+                await self._drop_standins(standins, written, done)
         return work
 
+    async def _drop_standins(self, keys: list[bytes], written: set[bytes],
+                             done: dict[str, int]) -> None:
+        dropped = await self.server.drop_copies(keys, written)
+        done["standins_pruned"] += len(dropped)
+        # Stored again here since the pass began: checked again by the next pass.
+        done["standins_waiting"] += sum(1 for k in keys if k in written)
+
     async def _check_chunk(self, chunk: list[bytes], done: dict[str, int]
-                           ) -> list[tuple[int, bytes, list[str]]]:
+                           ) -> tuple[list[tuple[int, bytes, list[str]]], list[bytes]]:
+        """The chunk's keys to push (as :meth:`_survey`), and the stand-in copies here
+        that every owner holds (:meth:`_is_spare`)."""
         members = self.pool.members
         me = members.self_id
         held = self.server.stored_keys
@@ -266,8 +290,13 @@ class AntiEntropy:
                 if flag is not None:  # None: the owner did not answer
                     holds[member, key] = flag
         work = []
+        spare = []
         for key in chunk:
             found = owners[key]
+            if me not in found and self._is_spare(held.get(key) or key, found, holds, key,
+                                                  done):
+                spare.append(key)
+                continue
             holders = [m for m in found if m == me or holds.get((m, key), False)]
             # An owner that did not answer counts as missing nothing (this pass skips it).
             missing = [m for m in found if m != me and (m, key) in holds
@@ -280,7 +309,27 @@ class AntiEntropy:
             if copies < self.pool.replicas:
                 done["under_replicated"] += 1
             work.append((copies, key, missing))
-        return work
+        return work, spare
+
+    def _is_spare(self, placed: bytes, owners: list[str],
+                  holds: dict[tuple[str, bytes], bool], key: bytes,
+                  done: dict[str, int]) -> bool:
+        """Whether this node's copy of ``key`` (of which it is not a live owner) is a spare
+        stand-in: every one of the key's ring owners is in the path and answered that it
+        holds the key in this pass, and no join or leave moved the key within the pool's
+        ``change_window`` (two nodes whose rings differ could each take the other for an
+        owner). A copy standing in for an owner that is down, did not answer, or answered
+        "not here" is kept."""
+        members = self.pool.members
+        replicas = self.pool.replicas
+        if owners != members.ring.owners(placed, replicas):
+            return False  # an owner is out of the path: this copy may be one of its stand-ins
+        if members.moved(placed, replicas, self.pool.change_window):
+            return False
+        if all(holds.get((m, key), False) for m in owners):
+            return True
+        done["standins_waiting"] += 1  # its owners' refill is on its way: checked again
+        return False
 
     async def _holds(self, member: str, keys: list[bytes], done: dict[str, int]
                      ) -> list[bool | None]:
@@ -335,6 +384,8 @@ class AntiEntropy:
     def stats(self) -> dict[str, Any]:
         """Counters over every pass: ``passes``, ``checked``, ``pushed``, ``failed``,
         ``under_replicated`` (keys found below ``replicas``), ``found_at_start``,
-        ``superseded`` (passes stopped because a member down at their start came back), and
-        ``paced_s`` (seconds pushes waited for the byte budget)."""
+        ``superseded`` (passes stopped because a member down at their start came back),
+        ``standins_pruned`` (stand-in copies dropped once every owner held them),
+        ``standins_waiting`` (stand-in copies kept for an owner's refill, checked again),
+        and ``paced_s`` (seconds pushes waited for the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}

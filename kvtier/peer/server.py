@@ -10,12 +10,13 @@ whole request is valid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence, Set
 from typing import Any, Protocol
 
 import numpy as np
@@ -188,6 +189,7 @@ class PeerServer:
         # ordered; only when tracked
         self.stored_keys: dict[bytes, bytes | None] = {}
         self._track_keys = False
+        self._write_watches: list[set[bytes]] = []  # see watch_writes
         #: The anti-entropy counters of this node (set by :class:`kvtier.peer.repair.AntiEntropy`),
         #: exposed in ``/metrics`` as ``kvtier_peer_repair_*``.
         self.repair_stats: Callable[[], dict[str, Any]] | None = None
@@ -269,10 +271,43 @@ class PeerServer:
 
     def stored(self, keys: Iterable[bytes], anchor: bytes | None = None) -> None:
         """Note keys stored through this server, under the placement key ``anchor`` (chain
-        placement) or their own (kept only after :meth:`track_keys`)."""
+        placement) or their own (kept only after :meth:`track_keys`). Every write calls this
+        right after its write-order turn ends, before any other task runs."""
+        if not self._track_keys and not self._write_watches:
+            return
+        keys = tuple(keys)
         if self._track_keys:
             for key in keys:
                 self.stored_keys[key] = anchor
+        for watch in self._write_watches:
+            watch.update(keys)
+
+    @contextlib.contextmanager
+    def watch_writes(self) -> Iterator[set[bytes]]:
+        """A set that collects every key stored through this server while the block runs
+        (what :meth:`drop_copies` must keep)."""
+        watch: set[bytes] = set()
+        self._write_watches.append(watch)
+        try:
+            yield watch
+        finally:
+            self._write_watches.remove(watch)
+
+    async def drop_copies(self, keys: Sequence[bytes], keep: Set[bytes]) -> list[bytes]:
+        """Delete this node's copies of ``keys``, except those in ``keep`` (a
+        :meth:`watch_writes` set: keys written since the caller checked them); returns the
+        keys dropped. Runs in the keys' write-order turn, so a write that arrived before it
+        has either finished (and is in ``keep``) or lands after it."""
+        dropped = []
+        async with self.write_order.turn(keys):
+            for key in keys:
+                if key in keep:
+                    continue
+                self.stored_keys.pop(key, None)
+                self.frames.forget(key)
+                if await self.segment.delete(key):
+                    dropped.append(key)
+        return dropped
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then close the segment if owned."""
