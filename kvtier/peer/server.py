@@ -108,6 +108,12 @@ class PeerServer:
         Bytes of request bodies and batch answers held at once, server-wide (at least the
         largest body); a request past it is refused with ``503`` and ``Retry-After``
         before anything is allocated.
+    repair_reserve_bytes
+        The share of ``max_inflight_bytes`` only repair writes (``?fill=1`` puts: read
+        repair, hinted handoff, anti-entropy) may take, so they are admitted while client
+        requests get ``503``. Default: an eighth of the budget, less where a client body
+        of ``max_body_bytes`` would not fit beside it; at most ``max_inflight_bytes -
+        max_body_bytes``.
     idle_timeout
         Seconds a connection may sit idle, or take to send a request head, before it is
         closed.
@@ -138,6 +144,7 @@ class PeerServer:
                  port: int = 0, node_id: str | None = None, limits: proto.Limits | None = None,
                  ssl_context: ssl.SSLContext | None = None, insecure_no_auth: bool = False,
                  close_segment: bool = False, max_inflight_bytes: int = 1 << 30,
+                 repair_reserve_bytes: int | None = None,
                  idle_timeout: float = 15.0, body_timeout: float = 10.0,
                  min_body_rate: float = 256 << 10, max_connections: int = 4096,
                  data_plane: bool = True) -> None:
@@ -156,7 +163,13 @@ class PeerServer:
         if max_inflight_bytes < self.limits.max_body_bytes:
             raise ConfigError(f"max_inflight_bytes: expected >= max_body_bytes "
                               f"({self.limits.max_body_bytes}), got {max_inflight_bytes!r}")
-        self.budget = BodyBudget(max_inflight_bytes)
+        client_room = max_inflight_bytes - self.limits.max_body_bytes
+        if repair_reserve_bytes is None:
+            repair_reserve_bytes = min(max_inflight_bytes // 8, client_room)
+        if not 0 <= repair_reserve_bytes <= client_room:
+            raise ConfigError(f"repair_reserve_bytes: expected 0 to max_inflight_bytes less "
+                              f"max_body_bytes ({client_room}), got {repair_reserve_bytes!r}")
+        self.budget = BodyBudget(max_inflight_bytes, repair_reserve_bytes)
         self._reserved: dict[int, int] = {}  # budget bytes held, by id(request)
         self.idle_timeout = idle_timeout
         self.body_timeout = body_timeout
@@ -384,7 +397,7 @@ class PeerServer:
     def _reserve(self, request: web.Request, nbytes: int) -> None:
         """Take ``nbytes`` of the in-flight budget for this request (given back when the
         request ends, by the metrics middleware), or refuse it with 503."""
-        if not self.budget.try_take(nbytes):
+        if not self.budget.try_take(nbytes, repair=_fills(request)):
             raise _error(web.HTTPServiceUnavailable,
                          f"server busy: {self.budget.held} of {self.budget.limit} in-flight "
                          f"body bytes taken; retry", headers={"Retry-After": "1"})
@@ -668,6 +681,9 @@ class PeerServer:
              "Requests refused because their body stalled."),
             ("kvtier_peer_busy_refusals", "counter", self.budget.refused,
              "Requests refused with 503 because the in-flight body budget was taken."),
+            ("kvtier_peer_reserve_admissions", "counter",
+             self.budget.reserve_admissions,
+             "Repair writes (?fill=1) admitted into the in-flight budget's repair reserve."),
             ("kvtier_peer_connections_refused", "counter", self.connections_refused,
              "Connections refused at the connection cap."),
             ("kvtier_peer_batch_truncated", "counter", self.batch_truncated,
@@ -696,9 +712,12 @@ class PeerServer:
 
 
 def _fills(request: web.Request) -> bool:
-    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`). The data
-    plane hands any request with a query to aiohttp, so only these routes see it."""
-    return request.query_string == proto.FILL_QUERY
+    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`, also
+    beside ``anchor=``): a repair write. The data plane hands any request with a query to
+    aiohttp, so only these routes see it."""
+    name, _, value = proto.FILL_QUERY.partition("=")
+    writes = request.method == "PUT" or request.path == proto.BATCH_PUT_PATH
+    return writes and request.query.get(name) == value
 
 
 def _error(cls: type[web.HTTPException], text: str, **kwargs: Any) -> web.HTTPException:
