@@ -33,8 +33,9 @@ owner and batch) whether they hold it, and pushes the block to those that do not
   the key; never while an owner is down, silent or "not here", never for a key a join or
   leave moved within the pool's ``change_window``, and never a copy stored here again
   since the pass began. Without it those copies pile up with every failure until they
-  evict owners' copies. A pass that leaves stand-ins waiting for an owner's refill is
-  retried like a failed one (``standins_waiting``), so the copy goes once the refill lands.
+  evict owners' copies. The stand-ins a pass keeps for an owner's refill (or for the ring
+  to settle) are checked again every ``interval`` (``standins_waiting``; only those keys,
+  counted in ``rechecks``), so the copy goes once the refill lands.
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ class AntiEntropy:
         self.batch = batch
         self.pacer = BytePacer(rate)
         self.counts: dict[str, int] = defaultdict(int)
+        #: The stand-in copies the last pass kept for an owner's refill or for the ring to
+        #: settle (checked again every ``interval``, see :meth:`run_pass`).
+        self.waiting: set[bytes] = set()
         #: Set after every pass (cleared by whoever waits for the next one).
         self.passed = asyncio.Event()
         server.track_keys()
@@ -180,36 +184,42 @@ class AntiEntropy:
         clean_at = -1  # membership change count when the last pass with no failures began
         tried_at = -1  # change count when the last pass began
         began = -float("inf")  # when the last pass began
+        rechecked = -float("inf")  # when the stand-ins a pass kept were last checked again
         while True:
             await asyncio.sleep(_WATCH)
             seen = self.pool.members.change_count
-            if seen == clean_at:
-                # Nobody failed, restarted, joined or left since a pass that reached every
-                # owner: every put since then reached its owners too. Nothing to do.
-                continue
-            if seen == tried_at and time.monotonic() - began < self.interval:
-                continue  # no new change since a pass that failed: it is retried later
-            tried_at, began = seen, time.monotonic()
+            now = time.monotonic()
             try:
-                done = await self.run_pass()
-                # A stand-in copy not yet confirmed on every owner is retried too: the
-                # owner's refill is on its way (pushed by another holder) or was just made.
-                if not any(done.get(n) for n in ("failed", "superseded", "standins_waiting")):
-                    clean_at = seen
+                # Nobody failed, restarted, joined or left since a pass that reached every
+                # owner: every put since then reached its owners too. A pass runs after a
+                # change, and a pass that failed is retried every interval.
+                if seen != clean_at and (seen != tried_at or now - began >= self.interval):
+                    tried_at, began = seen, now
+                    done = await self.run_pass()
+                    if not done.get("failed") and not done.get("superseded"):
+                        clean_at = seen
+                elif self.waiting and now - max(began, rechecked) >= self.interval:
+                    # The stand-in copies a pass kept for an owner's refill (or for the
+                    # ring to settle) are checked again every interval, not every key held.
+                    rechecked = now
+                    await self.run_pass(list(self.waiting))
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("anti-entropy pass failed; retrying in %.1f s", self.interval)
 
-    async def run_pass(self) -> dict[str, int]:
-        """Check every key this node holds, then push the missing copies, fewest copies
-        first; returns this pass's counters."""
+    async def run_pass(self, keys: list[bytes] | None = None) -> dict[str, int]:
+        """Check every key this node holds (or only ``keys``: counted as a ``recheck``, not
+        a pass), then push the missing copies, fewest copies first, and drop the spare
+        stand-in copies; returns this pass's counters. The stand-ins it keeps for an
+        owner's refill are :attr:`waiting`."""
         done: dict[str, int] = defaultdict(int)
         members = self.pool.members
         down = members.dead
+        self.waiting = set()
         try:
             with self.server.watch_writes() as written:
-                work = await self._survey(done, down, written)
+                work = await self._survey(done, down, written, keys)
             # Fewest copies first; a stable sort keeps ring-walk order among equals.
             work.sort(key=lambda item: item[0])
             for start in range(0, len(work), self.batch):
@@ -217,7 +227,7 @@ class AntiEntropy:
                     break
                 await self._push_round(work[start:start + self.batch], done)
         finally:
-            done["passes"] = 1
+            done["passes" if keys is None else "rechecks"] = 1
             for name, n in done.items():
                 self.counts[name] += n
             self.passed.set()
@@ -236,13 +246,14 @@ class AntiEntropy:
             return True
         return False
 
-    async def _survey(self, done: dict[str, int], down: frozenset[str], written: set[bytes]
-                      ) -> list[tuple[int, bytes, list[str]]]:
+    async def _survey(self, done: dict[str, int], down: frozenset[str], written: set[bytes],
+                      only: list[bytes] | None) -> list[tuple[int, bytes, list[str]]]:
         """``(copies found, key, owners missing it)`` of each key this node should push
-        (none once the pass is superseded); drops the stand-in copies every owner holds,
-        except those in ``written`` (stored here since the pass began)."""
+        (of those in ``only`` if given; none once the pass is superseded); drops the
+        stand-in copies every owner holds, except those in ``written`` (stored here since
+        the pass began)."""
         held = self.server.stored_keys
-        keys = list(held)
+        keys = list(held) if only is None else [k for k in only if k in held]
         work: list[tuple[int, bytes, list[str]]] = []
         for start in range(0, len(keys), self.batch):
             if self._superseded(down, done):
@@ -264,8 +275,10 @@ class AntiEntropy:
                              done: dict[str, int]) -> None:
         dropped = await self.server.drop_copies(keys, written)
         done["standins_pruned"] += len(dropped)
-        # Stored again here since the pass began: checked again by the next pass.
-        done["standins_waiting"] += sum(1 for k in keys if k in written)
+        # Stored again here since the pass began: checked again later.
+        again = [k for k in keys if k in written]
+        done["standins_waiting"] += len(again)
+        self.waiting.update(again)
 
     async def _check_chunk(self, chunk: list[bytes], done: dict[str, int]
                            ) -> tuple[list[tuple[int, bytes, list[str]]], list[bytes]]:
@@ -324,11 +337,12 @@ class AntiEntropy:
         replicas = self.pool.replicas
         if owners != members.ring.owners(placed, replicas):
             return False  # an owner is out of the path: this copy may be one of its stand-ins
-        if members.moved(placed, replicas, self.pool.change_window):
-            return False
-        if all(holds.get((m, key), False) for m in owners):
+        if not members.moved(placed, replicas, self.pool.change_window) and all(
+                holds.get((m, key), False) for m in owners):
             return True
-        done["standins_waiting"] += 1  # its owners' refill is on its way: checked again
+        # Its owners' refill is on its way, or the ring settles: checked again.
+        done["standins_waiting"] += 1
+        self.waiting.add(key)
         return False
 
     async def _holds(self, member: str, keys: list[bytes], done: dict[str, int]
@@ -387,5 +401,6 @@ class AntiEntropy:
         ``superseded`` (passes stopped because a member down at their start came back),
         ``standins_pruned`` (stand-in copies dropped once every owner held them),
         ``standins_waiting`` (stand-in copies kept for an owner's refill, checked again),
-        and ``paced_s`` (seconds pushes waited for the byte budget)."""
+        ``rechecks`` (checks of those alone), and ``paced_s`` (seconds pushes waited for
+        the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}
