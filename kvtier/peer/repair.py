@@ -137,6 +137,7 @@ class AntiEntropy:
         #: The stand-in copies the last pass kept for an owner's refill or for the ring to
         #: settle (checked again every ``interval``, see :meth:`run_pass`).
         self.waiting: set[bytes] = set()
+        self._recheck_of: int | None = None  # change count when the running recheck began
         #: Set after every pass (cleared by whoever waits for the next one).
         self.passed = asyncio.Event()
         server.track_keys()
@@ -216,6 +217,7 @@ class AntiEntropy:
         done: dict[str, int] = defaultdict(int)
         members = self.pool.members
         down = members.dead
+        self._recheck_of = None if keys is None else members.change_count
         self.waiting = set()
         try:
             with self.server.watch_writes() as written:
@@ -240,8 +242,12 @@ class AntiEntropy:
         """Whether a member that was down when this pass began is back: the pass's owners
         then hold fallback members in its place, and its own refill is missing. The pass
         stops (counted in ``superseded``) and the loop begins the next one at once, rather
-        than first pushing the member's whole share to the fallbacks."""
-        if any(self.pool.members.alive(m) for m in down):
+        than first pushing the member's whole share to the fallbacks. A recheck of the
+        waiting stand-ins stops at any membership change (the full pass it calls for goes
+        first)."""
+        members = self.pool.members
+        if any(members.alive(m) for m in down) or (
+                self._recheck_of is not None and members.change_count != self._recheck_of):
             done["superseded"] = 1
             return True
         return False
