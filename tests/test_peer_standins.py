@@ -249,3 +249,40 @@ async def test_a_copy_a_join_moved_is_kept_until_the_ring_settles(pool: Pool) ->
         assert not any(await pool.servers[b].segment.contains_many(keys))
     finally:
         await repair.close()
+
+
+async def test_a_recheck_of_waiting_standins_stops_at_a_membership_change(
+        pool: Pool) -> None:
+    """The loop rechecks the stand-ins a pass kept; a member fails during that recheck:
+    the recheck stops (the full pass the change calls for, a refill, goes first)."""
+    members = [await pool.start() for _ in range(2)]
+    hooked = PeerServer(_HookedDRAM(), token=TOKEN, close_segment=True)
+    await hooked.start()
+    pool.servers[hooked.member_id] = hooked
+    members.append(hooked.member_id)
+    ring = HashRing(members)
+    c = hooked.member_id
+    a, b = [m for m in members if m != c]
+    keys = [k for k in map(key_of, range(600)) if ring.owners(k, 2) == [b, a]][:8]
+    for key in keys:  # a lacks them: c's copies wait for its refill
+        for holder in (b, c):
+            await pool.servers[holder].segment.put(key, sample_block(1))
+    node = PeerTier.from_url(_url(members, replicas=2), self=c, local=hooked.segment)
+    repair = AntiEntropy(hooked, node, interval=3600, batch=2)
+    await repair.pool.open()
+    hooked.stored(keys)
+
+    async def a_fails() -> None:
+        await pool.stop(a)
+        await _until(repair.pool, a, alive=False)
+
+    try:
+        await repair.run_pass()
+        assert repair.waiting == set(keys)
+        hooked.segment.hook = a_fails  # type: ignore[attr-defined]
+        done = await repair.run_pass(sorted(repair.waiting))
+        assert done.get("superseded") == 1 and done.get("rechecks") == 1
+        assert done.get("checked") == 2  # the first two keys, then it stopped
+        assert all(await hooked.segment.contains_many(keys))
+    finally:
+        await repair.close()
