@@ -97,7 +97,8 @@ _METRIC = re.compile(r"^(kvtier_peer_repair_\w+?|kvtier_store_evictions|kvtier_s
                      r"(?:_total)?(?:\{[^}]*scheme=\"dram\"[^}]*\})? (\S+)$", re.M)
 #: Per-server figures the soak reads from ``/metrics``: the DRAM tier's evictions and blocks,
 #: and the anti-entropy counters.
-FIGURES = ("evictions", "blocks", "passes", "checked", "pushed", "failed", "under_replicated")
+FIGURES = ("evictions", "blocks", "passes", "checked", "pushed", "failed", "under_replicated",
+           "standins_pruned")
 
 
 def _figures(member: str, token: str) -> dict[str, float]:

@@ -255,3 +255,40 @@ async def test_batch_answers_stop_at_the_body_limit_and_the_client_gets_everythi
             got = await tier.get_many([key_of(i) for i in range(12)])
         assert all(g is not None and np.array_equal(g, b) for g, b in zip(got, blocks,
                                                                            strict=True))
+
+
+async def test_repair_writes_are_admitted_while_client_writes_get_503() -> None:
+    """Client PUTs hold the in-flight budget: the next client PUT gets 503, while a repair
+    PUT (``?fill=1``: what read repair, hinted handoff and anti-entropy send) is still
+    admitted, into the budget's repair reserve, and stored."""
+    limits = proto.Limits(max_block_bytes=1 << 20, max_body_bytes=1 << 20)
+    async with PeerServer(DRAMTier(), token=TOKEN, limits=limits, max_inflight_bytes=4 << 20,
+                          min_body_rate=0) as s:
+        stalled, pending = [], []
+        for i in range(40):  # declared 256 KiB bodies that never arrive, until one is refused
+            before = s.budget.held
+            reader, writer = await _raw(s, _put_head(key_of(100 + i), 256 << 10) + b"x")
+            stalled.append(writer)
+            answer = asyncio.ensure_future(reader.read(64))
+            pending.append(answer)
+            await _until(lambda b=before, a=answer: s.budget.held > b or a.done())
+            if answer.done():
+                assert answer.result().startswith(b"HTTP/1.1 503"), answer.result()
+                break
+        else:
+            raise AssertionError("the in-flight budget never filled")
+        frame = encode_frame(sample_block(1, 64 << 10), key=key_of(1)).to_bytes()
+        statuses = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            for query in ("", f"?{proto.FILL_QUERY}"):
+                async with http.put(f"{s.url}/v1/blocks/{key_of(1).hex()}{query}",
+                                    data=frame) as r:
+                    statuses.append(r.status)
+        for answer in pending:
+            answer.cancel()
+        for writer in stalled:
+            writer.close()
+        assert statuses == [503, 204]
+        assert await s.segment.contains(key_of(1))
+        assert s.budget.reserve_admissions == 1
+        await _until(lambda: s.budget.held == 0)

@@ -84,6 +84,7 @@ async def test_guard_flags_reach_the_server(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-inflight", "1MiB"], "max_inflight_bytes: expected >= max_body_bytes"),
     (["--max-inflight", "lots"], "--max-inflight"),
+    (["--repair-reserve", "1GiB"], "repair_reserve_bytes: expected 0 to max_inflight_bytes"),
     (["--body-timeout", "0"], "body_timeout: expected > 0 seconds"),
     (["--max-connections", "0"], "max_connections: expected >= 1"),
 ])

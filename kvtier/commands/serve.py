@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="request body and batch answer bytes held at once, server-wide; "
                              "a request past it gets 503 with Retry-After (default 1GiB; at "
                              "least --max-body)")
+    parser.add_argument("--repair-reserve", default=None, metavar="SIZE",
+                        help="the share of --max-inflight only repair writes (?fill=1: read "
+                             "repair, handoff, anti-entropy) may take, so they are admitted "
+                             "while client requests get 503 (default: an eighth, at most "
+                             "--max-inflight less --max-body)")
     parser.add_argument("--idle-timeout", type=float, default=15.0, metavar="SECONDS",
                         help="close a connection idle, or still sending its request head, "
                              "this long (default 15)")
@@ -166,12 +171,15 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
                     max_batch=args.max_batch,
                     max_body_bytes=parse_size(args.max_body, "--max-body"))
     max_inflight = parse_size(args.max_inflight, "--max-inflight")
+    repair_reserve = None if args.repair_reserve is None else \
+        parse_size(args.repair_reserve, "--repair-reserve")
     store = await open_store(args.tier, tier_options=segment_policy(args.tier, args.policy))
     try:
         server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,
                             limits=limits, ssl_context=ctx,
                             insecure_no_auth=args.insecure_no_auth, close_segment=True,
-                            max_inflight_bytes=max_inflight, idle_timeout=args.idle_timeout,
+                            max_inflight_bytes=max_inflight,
+                            repair_reserve_bytes=repair_reserve, idle_timeout=args.idle_timeout,
                             body_timeout=args.body_timeout,
                             min_body_rate=parse_size(args.min_body_rate, "--min-body-rate"),
                             max_connections=args.max_connections,

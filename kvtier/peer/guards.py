@@ -27,32 +27,47 @@ class BodyBudget:
     refused (``503`` with ``Retry-After``) rather than queued, so a burst of large declared
     bodies costs the senders a retry, not the server its memory.
 
+    The last ``repair_reserve`` bytes are taken only by repair writes (read repair, hinted
+    handoff and anti-entropy pushes: the ``?fill=1`` puts), so when clients fill the budget
+    the copies that keep blocks at ``replicas`` are still admitted and clients are refused
+    first.
+
     Parameters
     ----------
     limit
         Most bytes reserved at once.
+    repair_reserve
+        Bytes of ``limit`` only repair writes may take (``0 <= repair_reserve < limit``).
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, repair_reserve: int = 0) -> None:
         if limit < 1:
             raise ValueError(f"limit: expected >= 1, got {limit!r}")
+        if not 0 <= repair_reserve < limit:
+            raise ValueError(f"repair_reserve: expected 0 <= reserve < limit {limit}, "
+                             f"got {repair_reserve!r}")
         self.limit = limit
+        self.repair_reserve = repair_reserve
         self.held = 0
         self.refused = 0
+        self.reserve_admissions = 0  # repair writes admitted past the client share
 
-    def try_take(self, nbytes: int) -> bool:
-        """Reserve ``nbytes``; ``False`` (and counted) when that would pass the limit."""
-        if self.held + nbytes > self.limit:
+    def try_take(self, nbytes: int, *, repair: bool = False) -> bool:
+        """Reserve ``nbytes`` (``repair``: a repair write, which may use the repair
+        reserve); ``False`` (and counted) when that would pass its limit."""
+        if not self.try_take_quietly(nbytes, repair=repair):
             self.refused += 1
             return False
-        self.held += nbytes
         return True
 
-    def try_take_quietly(self, nbytes: int) -> bool:
+    def try_take_quietly(self, nbytes: int, *, repair: bool = False) -> bool:
         """Reserve ``nbytes`` if they fit, without counting a refusal (for a caller that
         hands a request that does not fit to a path which refuses, and counts, it)."""
-        if self.held + nbytes > self.limit:
+        client_limit = self.limit - self.repair_reserve
+        if self.held + nbytes > (self.limit if repair else client_limit):
             return False
+        if self.held + nbytes > client_limit:
+            self.reserve_admissions += 1
         self.held += nbytes
         return True
 

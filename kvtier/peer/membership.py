@@ -215,9 +215,13 @@ class Membership:
     def unsettled(self, key: bytes, replicas: int, window: float) -> bool:
         """Whether the ring moved ``key`` in the last ``window`` seconds (a member joined
         or left, and its owners differ from those of a ring before)."""
+        return self.moved(self.placement_key(key), replicas, window)
+
+    def moved(self, placed: bytes, replicas: int, window: float) -> bool:
+        """Whether the ring moved the owners of the placement key ``placed`` in the last
+        ``window`` seconds (see :meth:`unsettled`)."""
         since = time.monotonic() - window
         owners = None
-        placed = self.placement_key(key)
         for ring, until in self._previous:
             if until >= since:
                 owners = set(self.ring.owners(placed, replicas)) if owners is None else owners

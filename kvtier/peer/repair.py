@@ -27,6 +27,15 @@ owner and batch) whether they hold it, and pushes the block to those that do not
   the member's whole share to the fallback members standing in for it, and the member's
   own refill waits for all of it (in the chaos soak, long enough for two more failures to
   lose keys).
+* Stand-in copies are dropped once they are spare: a node holding a key of which it is not
+  an owner (a put, push or read repair while an owner was down) deletes its copy when every
+  one of the key's ring owners is in the path and answered, in this pass, that it holds
+  the key; never while an owner is down, silent or "not here", never for a key a join or
+  leave moved within the pool's ``change_window``, and never a copy stored here again
+  since the pass began. Without it those copies pile up with every failure until they
+  evict owners' copies. The stand-ins a pass keeps for an owner's refill (or for the ring
+  to settle) are checked again every ``interval`` (``standins_waiting``; only those keys,
+  counted in ``rechecks``), so the copy goes once the refill lands.
 """
 
 from __future__ import annotations
@@ -125,6 +134,10 @@ class AntiEntropy:
         self.batch = batch
         self.pacer = BytePacer(rate)
         self.counts: dict[str, int] = defaultdict(int)
+        #: The stand-in copies the last pass kept for an owner's refill or for the ring to
+        #: settle (checked again every ``interval``, see :meth:`run_pass`).
+        self.waiting: set[bytes] = set()
+        self._recheck_of: int | None = None  # change count when the running recheck began
         #: Set after every pass (cleared by whoever waits for the next one).
         self.passed = asyncio.Event()
         server.track_keys()
@@ -172,33 +185,43 @@ class AntiEntropy:
         clean_at = -1  # membership change count when the last pass with no failures began
         tried_at = -1  # change count when the last pass began
         began = -float("inf")  # when the last pass began
+        rechecked = -float("inf")  # when the stand-ins a pass kept were last checked again
         while True:
             await asyncio.sleep(_WATCH)
             seen = self.pool.members.change_count
-            if seen == clean_at:
-                # Nobody failed, restarted, joined or left since a pass that reached every
-                # owner: every put since then reached its owners too. Nothing to do.
-                continue
-            if seen == tried_at and time.monotonic() - began < self.interval:
-                continue  # no new change since a pass that failed: it is retried later
-            tried_at, began = seen, time.monotonic()
+            now = time.monotonic()
             try:
-                done = await self.run_pass()
-                if not done.get("failed") and not done.get("superseded"):
-                    clean_at = seen
+                # Nobody failed, restarted, joined or left since a pass that reached every
+                # owner: every put since then reached its owners too. A pass runs after a
+                # change, and a pass that failed is retried every interval.
+                if seen != clean_at and (seen != tried_at or now - began >= self.interval):
+                    tried_at, began = seen, now
+                    done = await self.run_pass()
+                    if not done.get("failed") and not done.get("superseded"):
+                        clean_at = seen
+                elif self.waiting and now - max(began, rechecked) >= self.interval:
+                    # The stand-in copies a pass kept for an owner's refill (or for the
+                    # ring to settle) are checked again every interval, not every key held.
+                    rechecked = now
+                    await self.run_pass(list(self.waiting))
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("anti-entropy pass failed; retrying in %.1f s", self.interval)
 
-    async def run_pass(self) -> dict[str, int]:
-        """Check every key this node holds, then push the missing copies, fewest copies
-        first; returns this pass's counters."""
+    async def run_pass(self, keys: list[bytes] | None = None) -> dict[str, int]:
+        """Check every key this node holds (or only ``keys``: counted as a ``recheck``, not
+        a pass), then push the missing copies, fewest copies first, and drop the spare
+        stand-in copies; returns this pass's counters. The stand-ins it keeps for an
+        owner's refill are :attr:`waiting`."""
         done: dict[str, int] = defaultdict(int)
         members = self.pool.members
         down = members.dead
+        self._recheck_of = None if keys is None else members.change_count
+        self.waiting = set()
         try:
-            work = await self._survey(done, down)
+            with self.server.watch_writes() as written:
+                work = await self._survey(done, down, written, keys)
             # Fewest copies first; a stable sort keeps ring-walk order among equals.
             work.sort(key=lambda item: item[0])
             for start in range(0, len(work), self.batch):
@@ -206,7 +229,7 @@ class AntiEntropy:
                     break
                 await self._push_round(work[start:start + self.batch], done)
         finally:
-            done["passes"] = 1
+            done["passes" if keys is None else "rechecks"] = 1
             for name, n in done.items():
                 self.counts[name] += n
             self.passed.set()
@@ -219,18 +242,24 @@ class AntiEntropy:
         """Whether a member that was down when this pass began is back: the pass's owners
         then hold fallback members in its place, and its own refill is missing. The pass
         stops (counted in ``superseded``) and the loop begins the next one at once, rather
-        than first pushing the member's whole share to the fallbacks."""
-        if any(self.pool.members.alive(m) for m in down):
+        than first pushing the member's whole share to the fallbacks. A recheck of the
+        waiting stand-ins stops at any membership change (the full pass it calls for goes
+        first)."""
+        members = self.pool.members
+        if any(members.alive(m) for m in down) or (
+                self._recheck_of is not None and members.change_count != self._recheck_of):
             done["superseded"] = 1
             return True
         return False
 
-    async def _survey(self, done: dict[str, int], down: frozenset[str]
-                      ) -> list[tuple[int, bytes, list[str]]]:
+    async def _survey(self, done: dict[str, int], down: frozenset[str], written: set[bytes],
+                      only: list[bytes] | None) -> list[tuple[int, bytes, list[str]]]:
         """``(copies found, key, owners missing it)`` of each key this node should push
-        (none once the pass is superseded)."""
+        (of those in ``only`` if given; none once the pass is superseded); drops the
+        stand-in copies every owner holds, except those in ``written`` (stored here since
+        the pass began)."""
         held = self.server.stored_keys
-        keys = list(held)
+        keys = list(held) if only is None else [k for k in only if k in held]
         work: list[tuple[int, bytes, list[str]]] = []
         for start in range(0, len(keys), self.batch):
             if self._superseded(down, done):
@@ -242,11 +271,25 @@ class AntiEntropy:
                     held.pop(key, None)
             chunk = [k for k, here in zip(chunk, present, strict=True) if here]
             done["checked"] += len(chunk)
-            work += await self._check_chunk(chunk, done)
+            found, standins = await self._check_chunk(chunk, done)
+            work += found
+            if standins:
+                await self._drop_standins(standins, written, done)
         return work
 
+    async def _drop_standins(self, keys: list[bytes], written: set[bytes],
+                             done: dict[str, int]) -> None:
+        dropped = await self.server.drop_copies(keys, written)
+        done["standins_pruned"] += len(dropped)
+        # Stored again here since the pass began: checked again later.
+        again = [k for k in keys if k in written]
+        done["standins_waiting"] += len(again)
+        self.waiting.update(again)
+
     async def _check_chunk(self, chunk: list[bytes], done: dict[str, int]
-                           ) -> list[tuple[int, bytes, list[str]]]:
+                           ) -> tuple[list[tuple[int, bytes, list[str]]], list[bytes]]:
+        """The chunk's keys to push (as :meth:`_survey`), and the stand-in copies here
+        that every owner holds (:meth:`_is_spare`)."""
         members = self.pool.members
         me = members.self_id
         held = self.server.stored_keys
@@ -266,8 +309,13 @@ class AntiEntropy:
                 if flag is not None:  # None: the owner did not answer
                     holds[member, key] = flag
         work = []
+        spare = []
         for key in chunk:
             found = owners[key]
+            if me not in found and self._is_spare(held.get(key) or key, found, holds, key,
+                                                  done):
+                spare.append(key)
+                continue
             holders = [m for m in found if m == me or holds.get((m, key), False)]
             # An owner that did not answer counts as missing nothing (this pass skips it).
             missing = [m for m in found if m != me and (m, key) in holds
@@ -280,7 +328,28 @@ class AntiEntropy:
             if copies < self.pool.replicas:
                 done["under_replicated"] += 1
             work.append((copies, key, missing))
-        return work
+        return work, spare
+
+    def _is_spare(self, placed: bytes, owners: list[str],
+                  holds: dict[tuple[str, bytes], bool], key: bytes,
+                  done: dict[str, int]) -> bool:
+        """Whether this node's copy of ``key`` (of which it is not a live owner) is a spare
+        stand-in: every one of the key's ring owners is in the path and answered that it
+        holds the key in this pass, and no join or leave moved the key within the pool's
+        ``change_window`` (two nodes whose rings differ could each take the other for an
+        owner). A copy standing in for an owner that is down, did not answer, or answered
+        "not here" is kept."""
+        members = self.pool.members
+        replicas = self.pool.replicas
+        if owners != members.ring.owners(placed, replicas):
+            return False  # an owner is out of the path: this copy may be one of its stand-ins
+        if not members.moved(placed, replicas, self.pool.change_window) and all(
+                holds.get((m, key), False) for m in owners):
+            return True
+        # Its owners' refill is on its way, or the ring settles: checked again.
+        done["standins_waiting"] += 1
+        self.waiting.add(key)
+        return False
 
     async def _holds(self, member: str, keys: list[bytes], done: dict[str, int]
                      ) -> list[bool | None]:
@@ -335,6 +404,9 @@ class AntiEntropy:
     def stats(self) -> dict[str, Any]:
         """Counters over every pass: ``passes``, ``checked``, ``pushed``, ``failed``,
         ``under_replicated`` (keys found below ``replicas``), ``found_at_start``,
-        ``superseded`` (passes stopped because a member down at their start came back), and
-        ``paced_s`` (seconds pushes waited for the byte budget)."""
+        ``superseded`` (passes stopped because a member down at their start came back),
+        ``standins_pruned`` (stand-in copies dropped once every owner held them),
+        ``standins_waiting`` (stand-in copies kept for an owner's refill, checked again),
+        ``rechecks`` (checks of those alone), and ``paced_s`` (seconds pushes waited for
+        the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}

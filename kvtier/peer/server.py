@@ -10,12 +10,13 @@ whole request is valid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence, Set
 from typing import Any, Protocol
 
 import numpy as np
@@ -107,6 +108,12 @@ class PeerServer:
         Bytes of request bodies and batch answers held at once, server-wide (at least the
         largest body); a request past it is refused with ``503`` and ``Retry-After``
         before anything is allocated.
+    repair_reserve_bytes
+        The share of ``max_inflight_bytes`` only repair writes (``?fill=1`` puts: read
+        repair, hinted handoff, anti-entropy) may take, so they are admitted while client
+        requests get ``503``. Default: an eighth of the budget, less where a client body
+        of ``max_body_bytes`` would not fit beside it; at most ``max_inflight_bytes -
+        max_body_bytes``.
     idle_timeout
         Seconds a connection may sit idle, or take to send a request head, before it is
         closed.
@@ -143,6 +150,7 @@ class PeerServer:
                  port: int = 0, node_id: str | None = None, limits: proto.Limits | None = None,
                  ssl_context: ssl.SSLContext | None = None, insecure_no_auth: bool = False,
                  close_segment: bool = False, max_inflight_bytes: int = 1 << 30,
+                 repair_reserve_bytes: int | None = None,
                  idle_timeout: float = 15.0, body_timeout: float = 10.0,
                  min_body_rate: float = 256 << 10, max_connections: int = 4096,
                  data_plane: bool = True, body_reserve: int = 0) -> None:
@@ -164,7 +172,13 @@ class PeerServer:
         if max_inflight_bytes < self.limits.max_body_bytes:
             raise ConfigError(f"max_inflight_bytes: expected >= max_body_bytes "
                               f"({self.limits.max_body_bytes}), got {max_inflight_bytes!r}")
-        self.budget = BodyBudget(max_inflight_bytes)
+        client_room = max_inflight_bytes - self.limits.max_body_bytes
+        if repair_reserve_bytes is None:
+            repair_reserve_bytes = min(max_inflight_bytes // 8, client_room)
+        if not 0 <= repair_reserve_bytes <= client_room:
+            raise ConfigError(f"repair_reserve_bytes: expected 0 to max_inflight_bytes less "
+                              f"max_body_bytes ({client_room}), got {repair_reserve_bytes!r}")
+        self.budget = BodyBudget(max_inflight_bytes, repair_reserve_bytes)
         self._reserved: dict[int, int] = {}  # budget bytes held, by id(request)
         self.idle_timeout = idle_timeout
         self.body_timeout = body_timeout
@@ -197,6 +211,7 @@ class PeerServer:
         # ordered; only when tracked
         self.stored_keys: dict[bytes, bytes | None] = {}
         self._track_keys = False
+        self._write_watches: list[set[bytes]] = []  # see watch_writes
         #: The anti-entropy counters of this node (set by :class:`kvtier.peer.repair.AntiEntropy`),
         #: exposed in ``/metrics`` as ``kvtier_peer_repair_*``.
         self.repair_stats: Callable[[], dict[str, Any]] | None = None
@@ -280,10 +295,43 @@ class PeerServer:
 
     def stored(self, keys: Iterable[bytes], anchor: bytes | None = None) -> None:
         """Note keys stored through this server, under the placement key ``anchor`` (chain
-        placement) or their own (kept only after :meth:`track_keys`)."""
+        placement) or their own (kept only after :meth:`track_keys`). Every write calls this
+        right after its write-order turn ends, before any other task runs."""
+        if not self._track_keys and not self._write_watches:
+            return
+        keys = tuple(keys)
         if self._track_keys:
             for key in keys:
                 self.stored_keys[key] = anchor
+        for watch in self._write_watches:
+            watch.update(keys)
+
+    @contextlib.contextmanager
+    def watch_writes(self) -> Iterator[set[bytes]]:
+        """A set that collects every key stored through this server while the block runs
+        (what :meth:`drop_copies` must keep)."""
+        watch: set[bytes] = set()
+        self._write_watches.append(watch)
+        try:
+            yield watch
+        finally:
+            self._write_watches.remove(watch)
+
+    async def drop_copies(self, keys: Sequence[bytes], keep: Set[bytes]) -> list[bytes]:
+        """Delete this node's copies of ``keys``, except those in ``keep`` (a
+        :meth:`watch_writes` set: keys written since the caller checked them); returns the
+        keys dropped. Runs in the keys' write-order turn, so a write that arrived before it
+        has either finished (and is in ``keep``) or lands after it."""
+        dropped = []
+        async with self.write_order.turn(keys):
+            for key in keys:
+                if key in keep:
+                    continue
+                self.stored_keys.pop(key, None)
+                self.frames.forget(key)
+                if await self.segment.delete(key):
+                    dropped.append(key)
+        return dropped
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then close the segment if owned."""
@@ -360,7 +408,7 @@ class PeerServer:
     def _reserve(self, request: web.Request, nbytes: int) -> None:
         """Take ``nbytes`` of the in-flight budget for this request (given back when the
         request ends, by the metrics middleware), or refuse it with 503."""
-        if not self.budget.try_take(nbytes):
+        if not self.budget.try_take(nbytes, repair=_fills(request)):
             raise _error(web.HTTPServiceUnavailable,
                          f"server busy: {self.budget.held} of {self.budget.limit} in-flight "
                          f"body bytes taken; retry", headers={"Retry-After": "1"})
@@ -644,6 +692,9 @@ class PeerServer:
              "Requests refused because their body stalled."),
             ("kvtier_peer_busy_refusals", "counter", self.budget.refused,
              "Requests refused with 503 because the in-flight body budget was taken."),
+            ("kvtier_peer_reserve_admissions", "counter",
+             self.budget.reserve_admissions,
+             "Repair writes (?fill=1) admitted into the in-flight budget's repair reserve."),
             ("kvtier_peer_connections_refused", "counter", self.connections_refused,
              "Connections refused at the connection cap."),
             ("kvtier_peer_batch_truncated", "counter", self.batch_truncated,
@@ -672,9 +723,12 @@ class PeerServer:
 
 
 def _fills(request: web.Request) -> bool:
-    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`). The data
-    plane hands any request with a query to aiohttp, so only these routes see it."""
-    return request.query_string == proto.FILL_QUERY
+    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`, also
+    beside ``anchor=``): a repair write. The data plane hands any request with a query to
+    aiohttp, so only these routes see it."""
+    name, _, value = proto.FILL_QUERY.partition("=")
+    writes = request.method == "PUT" or request.path == proto.BATCH_PUT_PATH
+    return writes and request.query.get(name) == value
 
 
 def _error(cls: type[web.HTTPException], text: str, **kwargs: Any) -> web.HTTPException:
