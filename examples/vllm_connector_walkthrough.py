@@ -89,7 +89,9 @@ def main() -> None:
         ids_b = [40, 41, 42, 43, 44]
         sched_b.update_state_after_alloc(req_b, NS(get_block_ids=lambda: (ids_b,)), tokens)
         step(sched_b, worker_b, req_b, [], 0)  # the step that carries the load
-        while "b" not in (worker_b.get_finished(set())[1] or set()):
+        # Nothing else runs in B, so the load was synchronous (done before the forward
+        # pass). An asynchronous one (with other requests running) ends in a later step.
+        while load_async and "b" not in (worker_b.get_finished(set())[1] or set()):
             time.sleep(0.001)
         same = all(np.array_equal(kv_a[n][a], kv_b[n][b]) for n in kv_a
                    for a, b in zip([0, 1, 2, 3], ids_b[:4], strict=True))

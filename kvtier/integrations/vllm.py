@@ -255,12 +255,14 @@ class WorkerSide:
     """
 
     def __init__(self, store: BlockingStore, keys: KeyMaker, shard: tuple[int, int],
-                 io_timeout_s: float, staging_blocks: int = 0) -> None:
+                 io_timeout_s: float, staging_bytes: int = 0,
+                 max_blocks: int | None = None) -> None:
         self.store = store
         self.keys = keys
         self.shard = shard
         self.io_timeout_s = io_timeout_s
-        self.staging_blocks = staging_blocks
+        self.staging_bytes = staging_bytes
+        self.max_blocks = max_blocks  # blocks of the longest request (max_model_len)
         self.layers: PagedLayers | None = None
         self.staging: StagingArea | None = None  # loads land here
         self.save_staging: StagingArea | None = None  # saves gather here
@@ -277,7 +279,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         self.layers = PagedLayers(kv_caches, num_blocks)
-        rows = min(self.staging_blocks, num_blocks)
+        rows = min(_staging_blocks(self.staging_bytes, self.layers.block_bytes,
+                                   self.max_blocks), num_blocks)
         if rows > 0:
             self.staging = StagingArea(self.layers.empty(rows))
             self.save_staging = StagingArea(self.layers.empty(rows))
@@ -451,16 +454,18 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         self._planner: SchedulerPlanner | None = None
         self._worker: WorkerSide | None = None
         if self._is_worker:
-            block_bytes = _block_bytes(kv_cache_config)
-            staging_blocks = _staging_blocks(self._settings.staging_bytes, block_bytes,
-                                             int(vllm_config.model_config.max_model_len),
-                                             block_size)
+            max_len = getattr(vllm_config.model_config, "max_model_len", None)
+            max_blocks = -(-int(max_len) // block_size) if max_len else None
+            # Known before the layers register only where vLLM's spec says it.
+            staging = _staging_blocks(self._settings.staging_bytes,
+                                      _block_bytes(kv_cache_config), max_blocks) \
+                * _block_bytes(kv_cache_config)
             self._worker = WorkerSide(
                 BlockingStore(list(self._settings.tiers),
-                              tier_options=_warm_answer_buffers(
-                                  self._settings.tiers, staging_blocks * block_bytes),
+                              tier_options=_warm_answer_buffers(self._settings.tiers, staging),
                               **options),
-                keys, shard, self._settings.io_timeout_s, staging_blocks)
+                keys, shard, self._settings.io_timeout_s, self._settings.staging_bytes,
+                max_blocks)
         else:
             note = cpu_reservation_note(vllm_config, os.cpu_count() or 1, os.environ)
             if note:
@@ -589,18 +594,19 @@ def _scattered(load: _Load) -> bool:
 
 def _block_bytes(kv_cache_config: Any) -> int:
     """Bytes of one engine block across all layers of this worker (what a kvtier block
-    holds)."""
+    holds), from vLLM's KV cache spec; 0 where the spec does not say."""
     group = kv_cache_config.kv_cache_groups[0]
-    return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+    page = getattr(group.kv_cache_spec, "page_size_bytes", None)
+    return int(page) * len(group.layer_names) if page else 0
 
 
-def _staging_blocks(staging_bytes: int, block_bytes: int, max_model_len: int,
-                    block_size: int) -> int:
-    """Rows of the worker's staging area: one request of ``max_model_len`` tokens, within
+def _staging_blocks(staging_bytes: int, block_bytes: int, max_blocks: int | None) -> int:
+    """Rows of a staging area: the blocks of the longest request, within
     ``staging_bytes``."""
     if block_bytes <= 0:
         return 0
-    return min(-(-max_model_len // block_size), staging_bytes // block_bytes)
+    rows = staging_bytes // block_bytes
+    return rows if max_blocks is None else min(rows, max_blocks)
 
 
 def _warm_answer_buffers(tiers: Iterable[str], staging: int) -> dict[str | int, dict[str, Any]]:
