@@ -372,6 +372,41 @@ async def test_a_refill_starts_before_the_survey_of_every_held_key_ends(
         await repair.close()
 
 
+async def test_a_pass_checks_the_keys_of_a_member_back_empty_first(pool: Pool) -> None:
+    """Member B restarts empty; C, unchanged, lacks its keys too. The holder's pass checks
+    (and so pushes) B's keys before C's, although they are interleaved in the walk."""
+    holder = PeerServer(_CountingDRAM(), token=TOKEN, close_segment=True)
+    await holder.start()
+    b = await pool.start()
+    c_server = PeerServer(_ArrivalDRAM(holder.segment), token=TOKEN,  # type: ignore[arg-type]
+                          close_segment=True)
+    await c_server.start()
+    c = c_server.member_id
+    pool.servers.update({holder.member_id: holder, c: c_server})
+    members = [holder.member_id, b, c]
+    batch = 8
+    repair = await _repairer(holder, members, replicas=2, batch=batch)
+    try:
+        ring = repair.pool.members.ring
+        of_b = [k for k in map(key_of, range(2000)) if b in ring.owners(k, 2)
+                and holder.member_id in ring.owners(k, 2)][:160]
+        of_c = [k for k in map(key_of, range(2000)) if c in ring.owners(k, 2)
+                and holder.member_id in ring.owners(k, 2)][:160]
+        walk = [k for pair in zip(of_c, of_b, strict=True) for k in pair]
+        await holder.segment.put_many([(k, sample_block(1, 256)) for k in walk])
+        holder.stored(walk)
+        await pool.restart_empty(b)
+        await _until_changed(repair.pool, b)
+        holder.segment.checks = 0  # type: ignore[attr-defined]
+        done = await repair.run_pass()
+        assert done["pushed"] == len(walk)
+        first_to_c = c_server.segment.checks_at_first  # type: ignore[attr-defined]
+        assert first_to_c is not None and first_to_c >= len(of_b) // batch, (
+            f"C got a push after {first_to_c} batches, before B's {len(of_b) // batch}")
+    finally:
+        await repair.close()
+
+
 async def test_a_refill_is_pushed_once_not_by_every_holder(pool: Pool) -> None:
     """replicas=3 of three members, one back empty: of its two co-owners only the first
     holder in each key's ring order pushes, so each block travels once."""

@@ -20,7 +20,8 @@ owner and batch) whether they hold it, and pushes the block to those that do not
   queue, and the pushes take from it the keys with the fewest copies found so far (one
   copy left before two). A member back empty thus gets its first blocks within a round
   trip or two of the pass's start, and the pacing, slower than the survey, lets the queue
-  fill so the most exposed blocks found go first.
+  fill so the most exposed blocks found go first. The keys owned by a member that failed,
+  restarted or joined since the last pass that reached every owner are checked first.
 * Of the holders a pass finds, only the first in the key's ring order pushes (the others
   see it holds the key and leave it): the refill of a member back empty is sent once.
 * Pushes are paced to a byte rate (``rate``), so a refill cannot starve client traffic.
@@ -176,6 +177,9 @@ class AntiEntropy:
         #: settle (checked again every ``interval``, see :meth:`run_pass`).
         self.waiting: set[bytes] = set()
         self._recheck_of: int | None = None  # change count when the running recheck began
+        # When the last pass that reached every owner began (members changed since then
+        # have their keys checked first).
+        self._clean_since = time.monotonic()
         #: Set after every pass (cleared by whoever waits for the next one).
         self.passed = asyncio.Event()
         server.track_keys()
@@ -257,6 +261,7 @@ class AntiEntropy:
         down = members.dead
         self._recheck_of = None if keys is None else members.change_count
         self.waiting = set()
+        began = time.monotonic()
         queue = _PushQueue()
         try:
             async with asyncio.TaskGroup() as group:
@@ -274,6 +279,8 @@ class AntiEntropy:
             raise error from None
         finally:
             done["passes" if keys is None else "rechecks"] = 1
+            if keys is None and not done.get("failed") and not done.get("superseded"):
+                self._clean_since = began
             for name, n in done.items():
                 self.counts[name] += n
             self.passed.set()
@@ -312,7 +319,10 @@ class AntiEntropy:
         up to ``_SURVEY_AHEAD`` batches at once; drops the stand-in copies every owner
         holds, except those in ``written`` (stored here since the pass began)."""
         held = self.server.stored_keys
-        keys = list(held) if only is None else [k for k in only if k in held]
+        if only is None:
+            keys = await self._owned_by_changed_first(list(held))
+        else:
+            keys = [k for k in only if k in held]
         # Shared by the checkers: each takes the next batch when it is done with one.
         starts = iter(range(0, len(keys), self.batch))
 
@@ -338,6 +348,25 @@ class AntiEntropy:
         async with asyncio.TaskGroup() as group:
             for _ in range(ahead):
                 group.create_task(check_batches())
+
+    async def _owned_by_changed_first(self, keys: list[bytes]) -> list[bytes]:
+        """``keys``, those owned by a live member that failed, restarted or joined since
+        the last pass that reached every owner first (a member back empty lacks them all),
+        in their order otherwise."""
+        members = self.pool.members
+        changed = {m for m in members.recently_changed(time.monotonic() - self._clean_since)
+                   if members.alive(m)}
+        if not changed:
+            return keys
+        held = self.server.stored_keys
+        first: list[bytes] = []
+        rest: list[bytes] = []
+        for i, key in enumerate(keys):
+            if i % 1024 == 1023:
+                await asyncio.sleep(0)  # tens of thousands of ring walks: let others run
+            owners = members.owners_of(held.get(key) or key, self.pool.replicas)
+            (first if changed.intersection(owners) else rest).append(key)
+        return first + rest
 
     async def _drop_standins(self, keys: list[bytes], written: set[bytes],
                              done: dict[str, int]) -> None:
