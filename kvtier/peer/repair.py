@@ -279,11 +279,11 @@ class AntiEntropy:
             raise error from None
         finally:
             done["passes" if keys is None else "rechecks"] = 1
-            if keys is None and not done.get("failed") and not done.get("superseded"):
-                self._clean_since = began
             for name, n in done.items():
                 self.counts[name] += n
             self.passed.set()
+        if keys is None and not done.get("failed") and not done.get("superseded"):
+            self._clean_since = began
         if done["pushed"]:
             log.info("anti-entropy: %d blocks checked, %d copies pushed (%d blocks below "
                      "replicas)", done["checked"], done["pushed"], done["under_replicated"])
