@@ -288,15 +288,15 @@ async def _repairer(server: PeerServer, members: list[str], replicas: int,
 
 
 async def test_anti_entropy_pushes_the_keys_with_fewest_copies_first(pool: Pool) -> None:
-    """Keys down to this node's copy alone go out before keys that still have two copies,
-    although they were stored after them."""
+    """Of the keys a pass has found (here one batch), those down to this node's copy alone
+    go out before keys that still have two copies, although they were stored after them."""
     members = [await pool.start() for _ in range(2)]
     target = PeerServer(_RecordingDRAM(), token=TOKEN, close_segment=True)
     await target.start()
     pool.servers[target.member_id] = target
     members.append(target.member_id)
     holder, other = pool.servers[members[0]], pool.servers[members[1]]
-    repair = await _repairer(holder, members, replicas=3, batch=4)
+    repair = await _repairer(holder, members, replicas=3, batch=24)
     try:
         ring = repair.pool.members
         # On the holder and `other`, the holder first in ring order (so it is the pusher).
@@ -315,6 +315,94 @@ async def test_anti_entropy_pushes_the_keys_with_fewest_copies_first(pool: Pool)
         assert sorted(order[:12]) == sorted(one), "the least-replicated keys were not first"
         assert sorted(order[12:]) == sorted(two)
         assert done["under_replicated"] == 24
+    finally:
+        await repair.close()
+
+
+class _CountingDRAM(DRAMTier):
+    """A DRAM segment that counts its presence checks (an anti-entropy survey's batches)."""
+
+    checks = 0
+
+    async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        self.checks += 1
+        return await super()._contains_many(keys)
+
+
+class _ArrivalDRAM(DRAMTier):
+    """A DRAM segment that notes how many batches ``survey`` had checked when the first
+    block arrived here."""
+
+    def __init__(self, survey: _CountingDRAM) -> None:
+        super().__init__()
+        self.survey = survey
+        self.checks_at_first: int | None = None
+
+    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+        if self.checks_at_first is None:
+            self.checks_at_first = self.survey.checks
+        await super()._put_many(items)
+
+
+async def test_a_refill_starts_before_the_survey_of_every_held_key_ends(
+        pool: Pool) -> None:
+    """A node holding many keys of a member back empty: the member gets its first blocks
+    while most of the holder's batches are still unchecked, not after the whole walk (in
+    the chaos soak a refill that waited for a survey of ~25k keys was too late)."""
+    holder = PeerServer(_CountingDRAM(), token=TOKEN, close_segment=True)
+    await holder.start()
+    target = PeerServer(_ArrivalDRAM(holder.segment), token=TOKEN,  # type: ignore[arg-type]
+                        close_segment=True)
+    await target.start()
+    pool.servers.update({holder.member_id: holder, target.member_id: target})
+    n, batch = 480, 8  # 60 batches
+    repair = await _repairer(holder, [holder.member_id, target.member_id], replicas=2,
+                             batch=batch)
+    try:
+        await holder.segment.put_many([(key_of(i), sample_block(i, 256)) for i in range(n)])
+        holder.stored(key_of(i) for i in range(n))
+        holder.segment.checks = 0  # type: ignore[attr-defined]
+        done = await repair.run_pass()
+        assert done["pushed"] == n and done["checked"] == n
+        first = target.segment.checks_at_first  # type: ignore[attr-defined]
+        assert first is not None and first < n // batch // 2, (
+            f"the first push waited for {first} of {n // batch} batches to be checked")
+        assert all(await target.segment.contains_many([key_of(i) for i in range(n)]))
+    finally:
+        await repair.close()
+
+
+async def test_a_pass_checks_the_keys_of_a_member_back_empty_first(pool: Pool) -> None:
+    """Member B restarts empty; C, unchanged, lacks its keys too. The holder's pass checks
+    (and so pushes) B's keys before C's, although they are interleaved in the walk."""
+    holder = PeerServer(_CountingDRAM(), token=TOKEN, close_segment=True)
+    await holder.start()
+    b = await pool.start()
+    c_server = PeerServer(_ArrivalDRAM(holder.segment), token=TOKEN,  # type: ignore[arg-type]
+                          close_segment=True)
+    await c_server.start()
+    c = c_server.member_id
+    pool.servers.update({holder.member_id: holder, c: c_server})
+    members = [holder.member_id, b, c]
+    batch = 8
+    repair = await _repairer(holder, members, replicas=2, batch=batch)
+    try:
+        ring = repair.pool.members.ring
+        of_b = [k for k in map(key_of, range(2000)) if b in ring.owners(k, 2)
+                and holder.member_id in ring.owners(k, 2)][:160]
+        of_c = [k for k in map(key_of, range(2000)) if c in ring.owners(k, 2)
+                and holder.member_id in ring.owners(k, 2)][:160]
+        walk = [k for pair in zip(of_c, of_b, strict=True) for k in pair]
+        await holder.segment.put_many([(k, sample_block(1, 256)) for k in walk])
+        holder.stored(walk)
+        await pool.restart_empty(b)
+        await _until_changed(repair.pool, b)
+        holder.segment.checks = 0  # type: ignore[attr-defined]
+        done = await repair.run_pass()
+        assert done["pushed"] == len(walk)
+        first_to_c = c_server.segment.checks_at_first  # type: ignore[attr-defined]
+        assert first_to_c is not None and first_to_c >= len(of_b) // batch, (
+            f"C got a push after {first_to_c} batches, before B's {len(of_b) // batch}")
     finally:
         await repair.close()
 

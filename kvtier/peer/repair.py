@@ -15,9 +15,13 @@ owner and batch) whether they hold it, and pushes the block to those that do not
   (an owner did not answer) is retried every ``interval`` seconds until the next change.
 * It covers the blocks stored through this server since it started and the blocks its
   segment found on disk when it started (a warm restart: an LMDB segment reopened).
-* The keys with the fewest copies go first: a pass checks every key, then pushes in order
-  of copies found (one copy left before two), so a second failure finds the most exposed
-  blocks already re-replicated.
+* Pushes start as soon as the first keys are checked, not after the whole walk: the survey
+  checks a few batches at once (``_SURVEY_AHEAD``), each batch's missing copies join a
+  queue, and the pushes take from it the keys with the fewest copies found so far (one
+  copy left before two). A member back empty thus gets its first blocks within a round
+  trip or two of the pass's start, and the pacing, slower than the survey, lets the queue
+  fill so the most exposed blocks found go first. The keys owned by a member that failed,
+  restarted or joined since the last pass that reached every owner are checked first.
 * Of the holders a pass finds, only the first in the key's ring order pushes (the others
   see it holds the key and leave it): the refill of a member back empty is sent once.
 * Pushes are paced to a byte rate (``rate``), so a refill cannot starve client traffic.
@@ -41,6 +45,7 @@ owner and batch) whether they hold it, and pushes the block to those that do not
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections import defaultdict
@@ -62,6 +67,7 @@ DEFAULT_REPAIR_RATE = 64 << 20
 _WATCH = 0.25  # seconds between looks at the membership's change count (a pass follows one)
 _PUSH_BYTES = 2 << 20  # most frame bytes per push request (each bounded by the pool timeout)
 _PROBE_KEY = b"\0kvtier-anti-entropy-probe"  # a presence check that opens a lazy tier
+_SURVEY_AHEAD = 4  # batches a pass checks at once (a recheck checks one at a time)
 
 
 class BytePacer:
@@ -91,6 +97,39 @@ class BytePacer:
         if delay > 0:
             self.waited += delay
             await asyncio.sleep(delay)
+
+
+class _PushQueue:
+    """The keys a pass's survey found to push, taken fewest copies first (ring-walk order
+    among equals), until the survey is done and none are left."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, bytes, list[str]]] = []
+        self._added = 0  # tie-break: the order the survey found them in
+        self._closed = False
+        self._ready = asyncio.Event()
+
+    def put(self, work: list[tuple[int, bytes, list[str]]]) -> None:
+        """Queue ``(copies found, key, owners missing it)`` items."""
+        for copies, key, missing in work:
+            heapq.heappush(self._heap, (copies, self._added, key, missing))
+            self._added += 1
+        if work:
+            self._ready.set()
+
+    def close(self) -> None:
+        """No more items come: :meth:`take` returns what is left, then nothing."""
+        self._closed = True
+        self._ready.set()
+
+    async def take(self, most: int) -> list[tuple[int, bytes, list[str]]]:
+        """Up to ``most`` items, fewest copies first, waiting until there are some; an
+        empty list once closed and drained."""
+        while not self._heap and not self._closed:
+            self._ready.clear()
+            await self._ready.wait()
+        taken = [heapq.heappop(self._heap) for _ in range(min(most, len(self._heap)))]
+        return [(copies, key, missing) for copies, _, key, missing in taken]
 
 
 class AntiEntropy:
@@ -138,6 +177,9 @@ class AntiEntropy:
         #: settle (checked again every ``interval``, see :meth:`run_pass`).
         self.waiting: set[bytes] = set()
         self._recheck_of: int | None = None  # change count when the running recheck began
+        # When the last pass that reached every owner began (members changed since then
+        # have their keys checked first).
+        self._clean_since = time.monotonic()
         #: Set after every pass (cleared by whoever waits for the next one).
         self.passed = asyncio.Event()
         server.track_keys()
@@ -211,32 +253,50 @@ class AntiEntropy:
 
     async def run_pass(self, keys: list[bytes] | None = None) -> dict[str, int]:
         """Check every key this node holds (or only ``keys``: counted as a ``recheck``, not
-        a pass), then push the missing copies, fewest copies first, and drop the spare
-        stand-in copies; returns this pass's counters. The stand-ins it keeps for an
-        owner's refill are :attr:`waiting`."""
+        a pass), push the missing copies as they are found, fewest copies first of those
+        found so far, and drop the spare stand-in copies; returns this pass's counters. The
+        stand-ins it keeps for an owner's refill are :attr:`waiting`."""
         done: dict[str, int] = defaultdict(int)
         members = self.pool.members
         down = members.dead
         self._recheck_of = None if keys is None else members.change_count
         self.waiting = set()
+        began = time.monotonic()
+        queue = _PushQueue()
         try:
-            with self.server.watch_writes() as written:
-                work = await self._survey(done, down, written, keys)
-            # Fewest copies first; a stable sort keeps ring-walk order among equals.
-            work.sort(key=lambda item: item[0])
-            for start in range(0, len(work), self.batch):
-                if self._superseded(down, done):
-                    break
-                await self._push_round(work[start:start + self.batch], done)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._push_queued(queue, down, done))
+                try:
+                    with self.server.watch_writes() as written:
+                        await self._survey(done, down, written, keys, queue)
+                finally:
+                    queue.close()
+        except BaseExceptionGroup as group_error:
+            # The survey's or the pushes' first failure ends the pass, raised as itself.
+            error: BaseException = group_error
+            while isinstance(error, BaseExceptionGroup):
+                error = error.exceptions[0]
+            raise error from None
         finally:
             done["passes" if keys is None else "rechecks"] = 1
             for name, n in done.items():
                 self.counts[name] += n
             self.passed.set()
+        if keys is None and not done.get("failed") and not done.get("superseded"):
+            self._clean_since = began
         if done["pushed"]:
             log.info("anti-entropy: %d blocks checked, %d copies pushed (%d blocks below "
                      "replicas)", done["checked"], done["pushed"], done["under_replicated"])
         return dict(done)
+
+    async def _push_queued(self, queue: _PushQueue, down: frozenset[str],
+                           done: dict[str, int]) -> None:
+        """Push rounds of up to ``batch`` keys from ``queue`` until the survey ends and the
+        queue is empty, or the pass is superseded."""
+        while work := await queue.take(self.batch):
+            if self._superseded(down, done):
+                return
+            await self._push_round(work, done)
 
     def _superseded(self, down: frozenset[str], done: dict[str, int]) -> bool:
         """Whether a member that was down when this pass began is back: the pass's owners
@@ -253,29 +313,60 @@ class AntiEntropy:
         return False
 
     async def _survey(self, done: dict[str, int], down: frozenset[str], written: set[bytes],
-                      only: list[bytes] | None) -> list[tuple[int, bytes, list[str]]]:
-        """``(copies found, key, owners missing it)`` of each key this node should push
-        (of those in ``only`` if given; none once the pass is superseded); drops the
-        stand-in copies every owner holds, except those in ``written`` (stored here since
-        the pass began)."""
+                      only: list[bytes] | None, queue: _PushQueue) -> None:
+        """Queue ``(copies found, key, owners missing it)`` for each key this node should
+        push (of those in ``only`` if given; no more once the pass is superseded), checking
+        up to ``_SURVEY_AHEAD`` batches at once; drops the stand-in copies every owner
+        holds, except those in ``written`` (stored here since the pass began)."""
         held = self.server.stored_keys
-        keys = list(held) if only is None else [k for k in only if k in held]
-        work: list[tuple[int, bytes, list[str]]] = []
-        for start in range(0, len(keys), self.batch):
-            if self._superseded(down, done):
-                return []
-            chunk = keys[start:start + self.batch]
-            present = await self.server.segment.contains_many(chunk)
-            for key, here in zip(chunk, present, strict=True):
-                if not here:  # evicted or deleted here: nothing to re-replicate
-                    held.pop(key, None)
-            chunk = [k for k, here in zip(chunk, present, strict=True) if here]
-            done["checked"] += len(chunk)
-            found, standins = await self._check_chunk(chunk, done)
-            work += found
-            if standins:
-                await self._drop_standins(standins, written, done)
-        return work
+        if only is None:
+            keys = await self._owned_by_changed_first(list(held))
+        else:
+            keys = [k for k in only if k in held]
+        # Shared by the checkers: each takes the next batch when it is done with one.
+        starts = iter(range(0, len(keys), self.batch))
+
+        async def check_batches() -> None:
+            for start in starts:
+                if self._superseded(down, done):
+                    return
+                chunk = keys[start:start + self.batch]
+                present = await self.server.segment.contains_many(chunk)
+                for key, here in zip(chunk, present, strict=True):
+                    if not here:  # evicted or deleted here: nothing to re-replicate
+                        held.pop(key, None)
+                chunk = [k for k, here in zip(chunk, present, strict=True) if here]
+                done["checked"] += len(chunk)
+                found, standins = await self._check_chunk(chunk, done)
+                queue.put(found)
+                if standins:
+                    await self._drop_standins(standins, written, done)
+
+        # A recheck (the waiting stand-ins alone) goes one batch at a time: it yields to
+        # the full pass a membership change calls for at the next batch.
+        ahead = _SURVEY_AHEAD if only is None else 1
+        async with asyncio.TaskGroup() as group:
+            for _ in range(ahead):
+                group.create_task(check_batches())
+
+    async def _owned_by_changed_first(self, keys: list[bytes]) -> list[bytes]:
+        """``keys``, those owned by a live member that failed, restarted or joined since
+        the last pass that reached every owner first (a member back empty lacks them all),
+        in their order otherwise."""
+        members = self.pool.members
+        changed = {m for m in members.recently_changed(time.monotonic() - self._clean_since)
+                   if members.alive(m)}
+        if not changed:
+            return keys
+        held = self.server.stored_keys
+        first: list[bytes] = []
+        rest: list[bytes] = []
+        for i, key in enumerate(keys):
+            if i % 1024 == 1023:
+                await asyncio.sleep(0)  # tens of thousands of ring walks: let others run
+            owners = members.owners_of(held.get(key) or key, self.pool.replicas)
+            (first if changed.intersection(owners) else rest).append(key)
+        return first + rest
 
     async def _drop_standins(self, keys: list[bytes], written: set[bytes],
                              done: dict[str, int]) -> None:
