@@ -28,7 +28,7 @@ EXPECTED: dict[str, list[str]] = {
         r"closed: queued writes flushed, loop thread joined",
     ],
     "vllm_connector_walkthrough.py": [
-        r"B: external hit 64 tokens, asynchronous load: True",
+        r"B: external hit 64 tokens, asynchronous load: False",  # nothing else runs in B
         r"bytes equal to A's blocks \[0, 1, 2, 3\]: True",
     ],
 }
