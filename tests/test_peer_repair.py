@@ -21,7 +21,7 @@ from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.base import Block
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN, Pool, ServeProcess, token_file
+from tests.helpers.peer_helpers import TOKEN, Pool, ServeProcess, pool_url, token_file
 
 
 @pytest.fixture
@@ -29,12 +29,6 @@ async def pool() -> AsyncIterator[Pool]:
     p = Pool()
     yield p
     await p.close()
-
-
-def _url(members: list[str], **opts: object) -> str:
-    query = "&".join(f"{k}={v}" for k, v in
-                     {"token": TOKEN, "timeout": 2, "health_interval": 0.05, **opts}.items())
-    return f"peers://{','.join(members)}?{query}"
 
 
 async def _read_all(tier: PeerTier, n: int) -> int:
@@ -66,7 +60,7 @@ async def test_restart_empty_then_read_all_then_second_failure_loses_nothing(
     copies back), kill Y: no key is lost."""
     members = [await pool.start() for _ in range(3)]
     n = 120
-    async with PeerTier.from_url(_url(members, replicas=2)) as tier:
+    async with PeerTier.from_url(pool_url(members, replicas=2)) as tier:
         await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])
         x, y = members[0], members[1]
         await pool.restart_empty(x)
@@ -82,7 +76,7 @@ async def test_anti_entropy_rereplicates_to_a_node_back_empty(pool: Pool) -> Non
     """Nobody reads: the survivors' anti-entropy pass alone restores the restarted node's
     copies, so a second failure loses nothing."""
     members = [await pool.start() for _ in range(3)]
-    url = _url(members, replicas=2)
+    url = pool_url(members, replicas=2)
     repairs = []
     for member, server in pool.servers.items():
         node = PeerTier.from_url(url, self=member, local=server.segment)
@@ -99,7 +93,7 @@ async def test_anti_entropy_rereplicates_to_a_node_back_empty(pool: Pool) -> Non
     assert sum(r.counts["pushed"] for r in repairs) > 0
     await pool.stop(y)
     try:
-        async with PeerTier.from_url(_url(members, replicas=2)) as tier:
+        async with PeerTier.from_url(pool_url(members, replicas=2)) as tier:
             assert await _read_all(tier, n) == n
     finally:
         for repair in repairs:
@@ -109,7 +103,7 @@ async def test_anti_entropy_rereplicates_to_a_node_back_empty(pool: Pool) -> Non
 async def test_write_with_an_owner_down_then_back_every_key_readable(pool: Pool) -> None:
     members = [await pool.start() for _ in range(3)]
     n = 90
-    async with PeerTier.from_url(_url(members, replicas=1)) as tier:
+    async with PeerTier.from_url(pool_url(members, replicas=1)) as tier:
         down = members[0]
         await pool.stop(down)
         await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])  # fallbacks
@@ -120,16 +114,16 @@ async def test_write_with_an_owner_down_then_back_every_key_readable(pool: Pool)
         assert await _read_all(tier, n + 10) == n + 10
         assert all([await tier.get(key_of(i)) is not None for i in range(n, n + 10)])
     # A client that never saw the outage reads them too.
-    async with PeerTier.from_url(_url(members, replicas=1)) as fresh:
+    async with PeerTier.from_url(pool_url(members, replicas=1)) as fresh:
         assert await _read_all(fresh, n + 10) == n + 10
 
 
 async def test_grow_from_three_to_four_members_every_key_readable(pool: Pool) -> None:
     members = [await pool.start() for _ in range(4)]
     n = 200
-    async with PeerTier.from_url(_url(members[:3], replicas=1)) as old:
+    async with PeerTier.from_url(pool_url(members[:3], replicas=1)) as old:
         await old.put_many([(key_of(i), sample_block(i)) for i in range(n)])
-    async with PeerTier.from_url(_url(members, replicas=1)) as grown:
+    async with PeerTier.from_url(pool_url(members, replicas=1)) as grown:
         moved = sum(1 for i in range(n) if grown.members.ring.primary(key_of(i)) == members[3])
         assert moved > 0  # the new member owns some keys it does not hold
         assert await _read_all(grown, n) == n
@@ -141,7 +135,7 @@ async def test_miss_walk_is_bounded(pool: Pool) -> None:
     """A true miss asks replicas + read_walk members (plus recently changed ones), not the
     whole pool."""
     members = [await pool.start() for _ in range(5)]
-    async with PeerTier.from_url(_url(members, replicas=1, read_walk=1)) as tier:
+    async with PeerTier.from_url(pool_url(members, replicas=1, read_walk=1)) as tier:
         assert tier.walk_limit() == 2
         assert await tier.get(key_of(1)) is None
         asked = sum(sum(s.requests.values()) for s in pool.servers.values())
@@ -160,7 +154,7 @@ async def test_kvtier_serve_repair_refills_a_node_restarted_empty(tmp_path: Path
     client reading anything."""
     token = token_file(tmp_path)
     members = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
-    url = _url(members, replicas=2, health_interval=0.1)
+    url = pool_url(members, replicas=2, health_interval=0.1)
     args = ["--tier", "dram://", "--pool", url.replace(f"token={TOKEN}", f"token=file:{token}"),
             "--repair-interval", "0.2"]
     procs = [ServeProcess(args, token) for _ in members]
@@ -172,7 +166,7 @@ async def test_kvtier_serve_repair_refills_a_node_restarted_empty(tmp_path: Path
         procs[1].signal(signal.SIGKILL)
         procs[1].proc.wait(10)  # type: ignore[union-attr]
         procs[1].start(listen=members[1], timeout=60)
-        async with PeerTier.from_url(_url([members[1]])) as restarted:
+        async with PeerTier.from_url(pool_url([members[1]])) as restarted:
             for _ in range(300):
                 held = await restarted.contains_many([key_of(i) for i in range(50)])
                 if all(held):
@@ -193,7 +187,7 @@ async def test_read_repair_never_overwrites_a_newer_value_on_the_owner(pool: Poo
     """A read finds an old copy away from the owner and repairs the owner in the background;
     a newer value written to the owner meanwhile stays (the repair only fills a hole)."""
     members = [await pool.start() for _ in range(2)]
-    async with PeerTier.from_url(_url(members, replicas=1, read_walk=1)) as tier:
+    async with PeerTier.from_url(pool_url(members, replicas=1, read_walk=1)) as tier:
         owner, other = members
         key = _owned_by(tier, owner)
         await pool.servers[other].segment.put(key, sample_block(1))  # an old fallback copy
@@ -228,13 +222,13 @@ async def test_anti_entropy_never_overwrites_a_newer_value_on_the_owner(pool: Po
     holder = PeerServer(_HeldReads(), token=TOKEN)
     await holder.start()
     members = [owner, holder.member_id]
-    node = PeerTier.from_url(_url(members, replicas=1), self=holder.member_id,
+    node = PeerTier.from_url(pool_url(members, replicas=1), self=holder.member_id,
                              local=holder.segment)
     repair = AntiEntropy(holder, node, interval=3600)
     try:
         await repair.pool.open()
         key = _owned_by(node, owner)
-        async with PeerTier.from_url(_url([holder.member_id], replicas=1)) as only_holder:
+        async with PeerTier.from_url(pool_url([holder.member_id], replicas=1)) as only_holder:
             await only_holder.put(key, sample_block(1))  # the holder's (older) copy
         held = holder.segment
         assert isinstance(held, _HeldReads)
@@ -257,7 +251,7 @@ async def test_an_anchored_repair_push_never_overwrites_a_newer_value(pool: Pool
     member = await pool.start()
     owner = pool.servers[member]
     await owner.segment.put(key_of(1), sample_block(2))  # the newer value
-    async with PeerTier.from_url(_url([member], replicas=1)) as tier:
+    async with PeerTier.from_url(pool_url([member], replicas=1)) as tier:
         frames = [(key_of(i), encode_frame(sample_block(1), key=key_of(i))) for i in (1, 2)]
         await tier.members.client(member).put_many(frames, fill=True, anchor=key_of(0))
     now = await owner.segment.get(key_of(1))
@@ -280,7 +274,7 @@ class _RecordingDRAM(DRAMTier):
 
 async def _repairer(server: PeerServer, members: list[str], replicas: int,
                     **opts: object) -> AntiEntropy:
-    node = PeerTier.from_url(_url(members, replicas=replicas), self=server.member_id,
+    node = PeerTier.from_url(pool_url(members, replicas=replicas), self=server.member_id,
                              local=server.segment)
     repair = AntiEntropy(server, node, interval=3600, **opts)  # type: ignore[arg-type]
     await repair.pool.open()
@@ -412,7 +406,7 @@ async def test_a_refill_is_pushed_once_not_by_every_holder(pool: Pool) -> None:
     holder in each key's ring order pushes, so each block travels once."""
     members = [await pool.start() for _ in range(3)]
     n = 60
-    async with PeerTier.from_url(_url(members, replicas=3)) as tier:
+    async with PeerTier.from_url(pool_url(members, replicas=3)) as tier:
         await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])
     survivors = [pool.servers[m] for m in members[1:]]
     repairs = [await _repairer(s, members, replicas=3) for s in survivors]
@@ -471,7 +465,7 @@ async def test_a_warm_restart_re_replicates_the_blocks_found_on_disk(
                       close_segment=True, port=warm_port)
     await warm.start()
     pool.servers[warm.member_id] = warm
-    repair = AntiEntropy(warm, PeerTier.from_url(_url([empty, warm.member_id], replicas=2),
+    repair = AntiEntropy(warm, PeerTier.from_url(pool_url([empty, warm.member_id], replicas=2),
                                                  self=warm.member_id, local=warm.segment),
                          interval=3600)
     try:
@@ -491,7 +485,7 @@ async def test_a_put_while_an_owner_is_down_reaches_it_when_it_returns(pool: Poo
     members = [await pool.start() for _ in range(4)]
     repairs = []
     for member, server in pool.servers.items():
-        node = PeerTier.from_url(_url(members, replicas=2), self=member, local=server.segment)
+        node = PeerTier.from_url(pool_url(members, replicas=2), self=member, local=server.segment)
         repairs.append(AntiEntropy(server, node, interval=0.05))
     for repair in repairs:
         await repair.start()
@@ -500,7 +494,7 @@ async def test_a_put_while_an_owner_is_down_reaches_it_when_it_returns(pool: Poo
     await pool.stop(down)
     n = 40
     try:
-        async with PeerTier.from_url(_url(members, replicas=2)) as tier:
+        async with PeerTier.from_url(pool_url(members, replicas=2)) as tier:
             await tier.members.check_health()
             assert not tier.members.alive(down)
             await tier.put_many([(key_of(i), sample_block(i)) for i in range(n)])
@@ -532,7 +526,7 @@ async def test_a_pass_starts_soon_after_a_change_not_an_interval_later(pool: Poo
     although its interval (the retry spacing of a failed pass) is an hour."""
     members = [await pool.start() for _ in range(2)]
     survivor = pool.servers[members[1]]
-    repair = AntiEntropy(survivor, PeerTier.from_url(_url(members, replicas=2),
+    repair = AntiEntropy(survivor, PeerTier.from_url(pool_url(members, replicas=2),
                                                      self=survivor.member_id,
                                                      local=survivor.segment), interval=3600)
     try:

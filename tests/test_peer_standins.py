@@ -17,7 +17,7 @@ from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN, Pool
+from tests.helpers.peer_helpers import TOKEN, Pool, pool_url
 
 
 @pytest.fixture
@@ -27,15 +27,9 @@ async def pool() -> AsyncIterator[Pool]:
     await p.close()
 
 
-def _url(members: list[str], **opts: object) -> str:
-    query = "&".join(f"{k}={v}" for k, v in
-                     {"token": TOKEN, "timeout": 2, "health_interval": 0.05, **opts}.items())
-    return f"peers://{','.join(members)}?{query}"
-
-
 async def _repairer(server: PeerServer, members: list[str], replicas: int,
                     interval: float = 3600) -> AntiEntropy:
-    node = PeerTier.from_url(_url(members, replicas=replicas), self=server.member_id,
+    node = PeerTier.from_url(pool_url(members, replicas=replicas), self=server.member_id,
                              local=server.segment)
     repair = AntiEntropy(server, node, interval=interval)
     await repair.pool.open()
@@ -83,7 +77,7 @@ async def test_keys_written_while_an_owner_was_down_end_on_exactly_their_owners(
     keys = [key_of(i) for i in range(n)]
     ring = HashRing(members)
     try:
-        async with PeerTier.from_url(_url(members, replicas=2)) as tier:
+        async with PeerTier.from_url(pool_url(members, replicas=2)) as tier:
             await tier.members.check_health()
             assert not tier.members.alive(down)
             await tier.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
@@ -100,7 +94,7 @@ async def test_keys_written_while_an_owner_was_down_end_on_exactly_their_owners(
                  for k, h in zip(keys, held, strict=True) if h != set(ring.owners(k, 2))}
         assert not extra, f"{len(extra)} of {n} keys not on exactly their owners: {extra}"
         assert sum(r.counts["standins_pruned"] for r in repairs) >= len(standins)
-        async with PeerTier.from_url(_url(members, replicas=2)) as fresh:
+        async with PeerTier.from_url(pool_url(members, replicas=2)) as fresh:
             got = await fresh.get_many(keys)
         assert all(b is not None and np.array_equal(b, sample_block(i))
                    for i, b in enumerate(got))
@@ -202,7 +196,7 @@ async def test_a_standin_written_again_during_the_pass_is_kept(pool: Pool) -> No
     hooked.stored(keys)
 
     async def client_put() -> None:
-        async with PeerTier.from_url(_url([c], replicas=1)) as writer:
+        async with PeerTier.from_url(pool_url([c], replicas=1)) as writer:
             await writer.put(keys[0], sample_block(2))
 
     try:
@@ -232,7 +226,7 @@ async def test_a_copy_a_join_moved_is_kept_until_the_ring_settles(pool: Pool) ->
     for key in keys:
         for holder in (a, b, d):
             await pool.servers[holder].segment.put(key, sample_block(1))
-    node = PeerTier.from_url(_url([a, b, c], replicas=2, change_window=1),
+    node = PeerTier.from_url(pool_url([a, b, c], replicas=2, change_window=1),
                              self=b, local=pool.servers[b].segment)
     repair = AntiEntropy(pool.servers[b], node, interval=3600)
     await repair.pool.open()
@@ -267,7 +261,7 @@ async def test_a_recheck_of_waiting_standins_stops_at_a_membership_change(
     for key in keys:  # a lacks them: c's copies wait for its refill
         for holder in (b, c):
             await pool.servers[holder].segment.put(key, sample_block(1))
-    node = PeerTier.from_url(_url(members, replicas=2), self=c, local=hooked.segment)
+    node = PeerTier.from_url(pool_url(members, replicas=2), self=c, local=hooked.segment)
     repair = AntiEntropy(hooked, node, interval=3600, batch=2)
     await repair.pool.open()
     hooked.stored(keys)

@@ -87,6 +87,14 @@ class ServeProcess:
         self.proc = None
 
 
+def pool_url(members: list[str], **opts: object) -> str:
+    """A ``peers://`` URL over ``members`` with the tests' token, a 2 s timeout and fast
+    health probes (``opts`` add or override query options)."""
+    query = "&".join(f"{k}={v}" for k, v in
+                     {"token": TOKEN, "timeout": 2, "health_interval": 0.05, **opts}.items())
+    return f"peers://{','.join(members)}?{query}"
+
+
 def token_file(tmp: Path, token: str = TOKEN) -> Path:
     path = tmp / f"token-{abs(hash(token))}"
     path.write_text(token + "\n")
