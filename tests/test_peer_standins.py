@@ -176,15 +176,20 @@ class _HookedDRAM(DRAMTier):
         return await super()._contains_many(keys)
 
 
-async def test_a_standin_written_again_during_the_pass_is_kept(pool: Pool) -> None:
-    """A client stores a key on the stand-in (through its server) after the pass began and
-    before the pass drops it: that write is kept, and the next pass drops the key only
-    after checking its owners again."""
+async def _with_hooked_member(pool: Pool) -> tuple[PeerServer, list[str]]:
+    """Two plain members and a third whose segment is a :class:`_HookedDRAM`."""
     members = [await pool.start() for _ in range(2)]
     hooked = PeerServer(_HookedDRAM(), token=TOKEN, close_segment=True)
     await hooked.start()
     pool.servers[hooked.member_id] = hooked
-    members.append(hooked.member_id)
+    return hooked, [*members, hooked.member_id]
+
+
+async def test_a_standin_written_again_during_the_pass_is_kept(pool: Pool) -> None:
+    """A client stores a key on the stand-in (through its server) after the pass began and
+    before the pass drops it: that write is kept, and the next pass drops the key only
+    after checking its owners again."""
+    hooked, members = await _with_hooked_member(pool)
     ring = HashRing(members)
     c = hooked.member_id
     a, b = [m for m in members if m != c]
@@ -249,11 +254,7 @@ async def test_a_recheck_of_waiting_standins_stops_at_a_membership_change(
         pool: Pool) -> None:
     """The loop rechecks the stand-ins a pass kept; a member fails during that recheck:
     the recheck stops (the full pass the change calls for, a refill, goes first)."""
-    members = [await pool.start() for _ in range(2)]
-    hooked = PeerServer(_HookedDRAM(), token=TOKEN, close_segment=True)
-    await hooked.start()
-    pool.servers[hooked.member_id] = hooked
-    members.append(hooked.member_id)
+    hooked, members = await _with_hooked_member(pool)
     ring = HashRing(members)
     c = hooked.member_id
     a, b = [m for m in members if m != c]
