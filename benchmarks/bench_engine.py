@@ -16,13 +16,16 @@ Configurations (``--configs``):
 Workloads (``--workloads``):
 
 - ``one-prompt``: a writer process prefills one prompt (``--prompt-tokens``, 2,048) and exits;
-  a new reader process then asks for it (``hit``: the cross-process load), asks again
+  a new reader process warms up with one full-length prefill of another prompt (as a
+  long-lived server would have; its first one costs ~0.2 s more here), then asks for it
+  (``hit``: the cross-process load), asks again
   (``local``: vLLM's own prefix cache serves it, so the connector's overhead shows), and asks
   for a prompt nothing stored (``miss``: the connector's overhead on a miss). With no
   connector the reader's ``hit`` is a cold prefill.
 - ``multi-turn``: sessions of the agentic coding trace (``--trace``; 512-token blocks scaled to
   ``--trace-block-tokens`` tokens), turns alternating between two live engines; requests one at
-  a time, so only a shared tier can serve the other engine's turns.
+  a time, so only a shared tier can serve the other engine's turns. Each engine warms up
+  with one ``--prompt-tokens`` prefill first.
 
 TTFT is vLLM's own first-token latency (``RequestOutput.metrics``); cached tokens are
 ``RequestOutput.num_cached_tokens``; every output (8 greedy tokens) is compared with the
@@ -72,6 +75,10 @@ CONFIGS = {"none": "no connector", "example": "vLLM ExampleConnector",
 KVTIER = ("lmdb", "file", "peers", "redis")
 OUTPUT_TOKENS = 8
 WARMUP_TOKENS = 64
+# A long-lived server has run full-length prefills before: a new process's first one costs
+# ~0.2 s more here (allocator and page faults), which must not land on the measured requests.
+# After the warm-up, a short pause lets its save end before the timed requests.
+SETTLE_S = 1.0
 DRAM = "dram://?capacity=512MiB"
 TRACE = ROOT.parent / "shared" / "traces" / "agentic_claude_code_512_c64.jsonl.gz"
 
@@ -147,7 +154,8 @@ def one_prompt(setup: Setup, config: str, repeat: int, prompt_tokens: int) -> li
                             writer.request("writer", prompt, OUTPUT_TOKENS),
                             startup_s=writer.startup_s))
     with setup.engine(config, run_dir, "reader") as reader:
-        reader.request("warmup", tokens(4000 + repeat, WARMUP_TOKENS), 1)
+        reader.request("warmup", tokens(4000 + repeat, prompt_tokens), 1)
+        time.sleep(SETTLE_S)
         for request, ids in (("hit", prompt), ("local", prompt), ("miss", fresh)):
             rows.append(row("one-prompt", repeat, config, request,
                             reader.request(request, ids, OUTPUT_TOKENS),
@@ -188,15 +196,17 @@ def trace_sessions(path: Path, count: int, turns: int, block_tokens: int,
     return chosen
 
 
-def multi_turn(setup: Setup, config: str, repeat: int,
-               sessions: list[list[list[int]]]) -> list[dict[str, Any]]:
-    """Turns alternate between two live engines (A, B), one request at a time."""
+def multi_turn(setup: Setup, config: str, repeat: int, sessions: list[list[list[int]]],
+               warmup_tokens: int) -> list[dict[str, Any]]:
+    """Turns alternate between two live engines (A, B), one request at a time, after each
+    engine ran one ``warmup_tokens`` prefill."""
     run_dir = setup.work / f"r{repeat}-{config}-turns"
     rows: list[dict[str, Any]] = []
     with setup.engine(config, run_dir, "engine-a") as a, \
             setup.engine(config, run_dir, "engine-b") as b:
-        a.request("warmup", tokens(5000 + repeat, WARMUP_TOKENS), 1)
-        b.request("warmup", tokens(6000 + repeat, WARMUP_TOKENS), 1)
+        a.request("warmup", tokens(5000 + repeat, warmup_tokens), 1)
+        b.request("warmup", tokens(6000 + repeat, warmup_tokens), 1)
+        time.sleep(SETTLE_S)
         for s, session in enumerate(sessions):
             # A per-repeat salt token: a repeat must not hit the stores of an earlier one.
             for t, prompt in enumerate(session):
@@ -418,7 +428,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], 
                     if workload == "one-prompt":
                         got = one_prompt(setup, config, repeat, args.prompt_tokens)
                     else:
-                        got = multi_turn(setup, config, repeat, sessions)
+                        got = multi_turn(setup, config, repeat, sessions, args.prompt_tokens)
                     wall = time.perf_counter() - started
                     for r in got:
                         r.update(wall_s=round(wall, 2), loadavg_1m_start=round(load, 2),
