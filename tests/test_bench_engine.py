@@ -63,6 +63,33 @@ def test_ratios_pair_configurations_within_a_repeat() -> None:
     assert bench_engine.delta_median(rows, "file", "hit") == pytest.approx(-1350.0)
 
 
+def test_overhead_deltas_take_each_repeats_median_sample() -> None:
+    rows = [_row("none", "miss", t, 0) for t in (0.70, 0.60, 0.65)] + \
+        [_row("file", "miss", t, 0) for t in (0.90, 0.66, 0.67)] + \
+        [_row("none", "miss", 0.5, 1), _row("file", "miss", 0.51, 1)]
+    for i, r in enumerate(rows):
+        r["connector_ms"] = float(i) if r["config"] == "file" else None
+    # Repeat 0: median 0.67 - 0.65; repeat 1: 0.51 - 0.50; the median of the two deltas.
+    assert bench_engine.delta_median(rows, "file", "miss") == pytest.approx(15.0)
+    assert bench_engine.connector_ms(rows, "file", "miss") == pytest.approx(4.5)
+    assert bench_engine.connector_ms(rows, "none", "miss") is None
+
+
+def test_hook_log_sums_each_hook_within_a_window(tmp_path: Path) -> None:
+    from benchmarks.engine_hooks import HookLog
+
+    log = HookLog(str(tmp_path / "engine.hooks"))
+    (tmp_path / "engine.hooks.11").write_text("10.0 wait_for_save 1.5\n20.0 save_kv_layer 9\n")
+    scheduler = tmp_path / "engine.hooks.12"
+    scheduler.write_text("10.5 get_num_new_matched_tokens 2.25\n10.7 wait_for_save 0.5\n"
+                         "10.9 get_finished 0.")  # a line still being written
+    assert log.window(9.0, 11.0) == {"wait_for_save": 2.0, "get_num_new_matched_tokens": 2.25}
+    with open(scheduler, "a") as fh:
+        fh.write("1\n")
+    assert log.window(10.8, 21.0) == {"get_finished": 0.1, "save_kv_layer": 9.0}
+    assert log.window(21.0, 30.0) == {}
+
+
 def test_one_prompt_table_lists_each_configuration() -> None:
     rows = []
     for config, ttft in (("none", 1.0), ("lmcache", 0.1), ("file", 0.2)):

@@ -103,10 +103,38 @@ def test_partial_hit_and_never_the_whole_prompt(shared: dict[str, object]) -> No
             assert b.block_bytes(block_id) == _expected(b, other, index)
         # The 20-token prompt is fully stored, but vLLM must compute its last token.
         ext, _, _ = b.prefill(Request("b-2", PROMPT[:20]), [11, 12, 13, 14, 15])
-        assert ext == 4 * BLOCK
+        assert ext == 5 * BLOCK - 1
         # Local prefix-cache hits are not loaded again.
         ext, _ = b.scheduler.get_num_new_matched_tokens(Request("b-3", PROMPT), 2 * BLOCK)
         assert ext == 3 * BLOCK
+    finally:
+        b.close()
+
+
+def test_a_prompt_ending_on_a_block_boundary_loads_its_last_block(
+        shared: dict[str, object]) -> None:
+    """Claimed but for its last token: vLLM computes one token, not the whole last block."""
+    prompt = PROMPT[:20]  # exactly 5 full blocks
+    a = FakeEngine(shared)
+    a.prefill(Request("a-1", prompt), [0, 1, 2, 3, 4])
+    a.close()
+    b = FakeEngine(shared)
+    try:
+        req = Request("b-1", prompt)
+        ext, load_async = b.scheduler.get_num_new_matched_tokens(req, 0)
+        assert (ext, load_async) == (5 * BLOCK - 1, False)
+        ids = [11, 12, 13, 14, 15]
+        b.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
+        b.run_step(new_step(req, ids, ext, 1))  # the load, before the forward pass
+        assert [b.block_bytes(i) for i in ids] == [_expected(b, prompt, n) for n in range(5)]
+        # After vLLM's own prefix cache served 4 blocks, the 5th still loads (from the
+        # workers' tier: the scheduler's index knows it, so the lookup does no I/O).
+        again = Request("b-2", prompt)
+        assert b.scheduler.get_num_new_matched_tokens(again, 4 * BLOCK) == (BLOCK - 1, False)
+        b.scheduler.update_state_after_alloc(again, Blocks([20, 21, 22, 23, 24]), BLOCK - 1)
+        meta = b.run_step(new_step(again, [20, 21, 22, 23, 24], 5 * BLOCK - 1, 1))
+        assert [(p.first, p.block_ids) for p in meta.loads] == [(4, [24])]
+        assert b.block_bytes(24) == _expected(b, prompt, 4)
     finally:
         b.close()
 

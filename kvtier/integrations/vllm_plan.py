@@ -312,9 +312,13 @@ class SchedulerPlanner:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         prompt = request.prompt_token_ids or []
-        # Never the whole prompt: vLLM must compute at least its last token.
-        n_blocks = max(0, (len(prompt) - 1) // self.block_size)
-        if n_blocks * self.block_size <= num_computed_tokens:
+        # Never the whole prompt: vLLM must compute at least its last token. A prompt that
+        # ends on a block boundary still loads its last block, claimed but for that token
+        # (vLLM recomputes the token's KV over the loaded copy), so vLLM computes one token,
+        # not a whole block as after its own prefix cache's hit.
+        n_blocks = len(prompt) // self.block_size
+        limit = len(prompt) - 1
+        if min(n_blocks * self.block_size, limit) <= num_computed_tokens:
             if not n_blocks:
                 self.misses.lookup(0, 0, MissReason.BELOW_THRESHOLD)
             return 0, False
@@ -328,7 +332,7 @@ class SchedulerPlanner:
         others = any(r != request.request_id for r in self._requests)
         load_async = mode == "always" or (mode == "auto" and slow and others)
         self._lookups[request.request_id] = (hit, load_async, keys)
-        external = hit * self.block_size - num_computed_tokens
+        external = min(hit * self.block_size, limit) - num_computed_tokens
         if external <= 0:
             return 0, False
         return external, load_async
@@ -340,7 +344,7 @@ class SchedulerPlanner:
         hit, load_async, keys = self._lookups.pop(request.request_id, (0, False, []))
         if num_external_tokens <= 0:
             return
-        first = hit - num_external_tokens // self.block_size
+        first = hit - -(-num_external_tokens // self.block_size)  # blocks the claim touches
         tokens, salt = request_hash_tokens(request)
         self._pending_loads[request.request_id] = BlockPlan(
             request.request_id, tokens[:hit * self.block_size], salt, first,

@@ -40,16 +40,24 @@ def test_smallest_bench_engine_rows(tmp_path: Path) -> None:
     rows = {r["request"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"writer", "hit", "local", "miss"}
     assert {r["config"] for r in rows.values()} == {"file"}
-    # The connector never claims a prompt's last token: full blocks of prompt[:-1].
-    full_blocks = (PROMPT - 1) // BLOCK * BLOCK
+    # The 256-token prompt is 8 full blocks: all load, claimed but for the last token (vLLM
+    # must compute one). After vLLM's own prefix cache (7 blocks) the 8th loads from kvtier.
+    claimed = PROMPT - 1
+    assert PROMPT % BLOCK == 0
     assert rows["writer"]["cached_tokens"] == 0
-    assert rows["hit"]["cached_tokens"] == full_blocks
-    assert rows["hit"]["prefilled_tokens"] == PROMPT - full_blocks
-    assert rows["local"]["cached_tokens"] == full_blocks
+    assert rows["hit"]["cached_tokens"] == claimed
+    assert rows["hit"]["prefilled_tokens"] == 1
+    assert rows["local"]["cached_tokens"] == claimed
     assert rows["miss"]["cached_tokens"] == 0
     for request in ("hit", "local"):
         assert rows[request]["identical"] is True
         assert rows[request]["output"] == rows["writer"]["output"]
         assert len(rows[request]["output"]) == 8
     assert all(r["ttft_s"] > 0 and r["ttft_source"] == "metrics" for r in rows.values())
+    # The engine's threads were timed inside the connector: the hit's synchronous load, the
+    # miss's save (its gather) and lookup.
+    assert rows["hit"]["hooks_ms"]["start_load_kv"] > 0
+    assert {"get_num_new_matched_tokens", "wait_for_save"} <= set(rows["miss"]["hooks_ms"])
+    assert rows["miss"]["connector_ms"] == pytest.approx(sum(rows["miss"]["hooks_ms"].values()),
+                                                         abs=0.01)
     assert "kvtier dram+file://" in proc.stdout

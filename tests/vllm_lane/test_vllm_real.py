@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "tests" / "vllm_lane" / "run_llm.py"
 BLOCK = 32
 PROMPT_LENGTHS = (100, 64)
-# The connector never claims a prompt's last token: full blocks of prompt[:-1].
-EXPECTED_CACHED = [(n - 1) // BLOCK * BLOCK for n in PROMPT_LENGTHS]
+# The prompt's full blocks, never its last token: 100 tokens -> 96; 64 (two full blocks) -> 63.
+EXPECTED_CACHED = [min(n // BLOCK * BLOCK, n - 1) for n in PROMPT_LENGTHS]
 
 
 def _env() -> dict[str, str]:
