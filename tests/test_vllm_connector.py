@@ -21,6 +21,7 @@ from tests.helpers.vllm_fakes import (
     Request,
     Role,
     cached_step,
+    empty_step,
     kv_cache_config,
     kv_of,
     new_step,
@@ -173,7 +174,9 @@ def test_preempted_request_resumes_from_its_own_saved_blocks() -> None:
         engine.run_step(cached_step(req, None, 22, 1))
         engine.finish_step(req, [0, 1, 2, 3, 4, 5], 5, 24)
         originals = [engine.block_bytes(b) for b in range(6)]
-        # Preempted: vLLM frees its blocks (they get overwritten) and later reschedules it.
+        # Preempted: vLLM frees its blocks, a later step's forward pass overwrites them (after
+        # that step's start_load_kv), and later vLLM reschedules the request.
+        engine.run_step(empty_step())
         for name in engine.kv:
             engine.kv[name][...] = 0
         ext, load_async = engine.scheduler.get_num_new_matched_tokens(req, 0)

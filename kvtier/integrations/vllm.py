@@ -249,8 +249,12 @@ class WorkerSide:
     Loads run through one ``store.get_many_into`` into the rows of one host staging array,
     then one batched scatter into the engine's blocks (synchronous loads before the forward
     pass, asynchronous ones when :meth:`finished_loads` finds them done). Saves gather all of
-    a request's blocks in one batched copy (the one copy; the engine may reuse the pages right
-    after) and ``put_many`` in the background; a later load of a key waits for its save.
+    a request's blocks in one batched copy, then ``put_many`` in the background; a later load
+    of a key waits for its save. The gather runs on a thread of its own, so the step that
+    computed the blocks returns (and samples its token) without waiting for it; vLLM writes
+    pages only in a forward pass, and the next step's :meth:`start_loads`, which comes before
+    its forward pass (and before any scatter of ours), waits for every gather first: a page
+    freed meanwhile (a preempted request) is never overwritten while it is copied.
     Called from the worker thread only.
     """
 
@@ -267,6 +271,9 @@ class WorkerSide:
         self.staging: StagingArea | None = None  # loads land here
         self.save_staging: StagingArea | None = None  # saves gather here
         self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
+        self._gatherer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-save-gather")
+        self._gathers: list[concurrent.futures.Future[None]] = []  # copying out of the pages
         self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
         self._finishing: set[str] = set()
         self._async_loads: list[_Load] = []
@@ -294,7 +301,15 @@ class WorkerSide:
             raise RuntimeError("register_kv_caches was not called before the first transfer")
         return self.layers
 
+    def pages_settled(self) -> None:
+        """Wait until no save is copying out of the engine's pages (vLLM may write them next).
+        A gather is a memory copy on this host: it ends on its own, without I/O."""
+        if self._gathers:
+            concurrent.futures.wait(self._gathers)
+            self._gathers.clear()
+
     def start_loads(self, meta: KVTierMetadata) -> None:
+        self.pages_settled()
         layers = self._layers()
         for plan in meta.loads:
             keys = self._keys(plan)
@@ -350,14 +365,28 @@ class WorkerSide:
             keys = self._keys(plan)
             rows = layers.empty(len(keys)) if self.save_staging is None else \
                 self.save_staging.take(len(keys), layers.empty)
-            items = list(zip(keys, layers.gather_many(plan.block_ids, out=rows), strict=True))
-            future = self.store.submit(partial(_put_and_wait_written, items=items))
+            future: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._gathers.append(self._gatherer.submit(
+                self._gather_and_put, layers, plan.block_ids, keys, rows, future))
             if self.save_staging is not None:
                 self.save_staging.hold(rows, future)
             for key in keys:
                 self._saving[key] = future
             self._req_saves.setdefault(plan.req_id, []).append(future)
             future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
+
+    def _gather_and_put(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
+                        rows: npt.NDArray[np.uint8],
+                        future: concurrent.futures.Future[None]) -> None:
+        """On the gather thread: copy the blocks out of the pages, then write them; ``future``
+        ends with the write."""
+        try:
+            items = list(zip(keys, layers.gather_many(block_ids, out=rows), strict=True))
+            written = self.store.submit(partial(_put_and_wait_written, items=items))
+        except BaseException as exc:  # the save fails alone; vLLM's step goes on
+            future.set_exception(exc)
+            return
+        written.add_done_callback(partial(_pass_outcome, future))
 
     def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
                save_id: int) -> None:
@@ -401,6 +430,8 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
+        self.pages_settled()
+        self._gatherer.shutdown()
         for load in self._async_loads:
             load.future.cancel()
         self._async_loads.clear()
@@ -586,6 +617,16 @@ async def _put_and_wait_written(store: TieredStore, *, items: list[tuple[bytes, 
 
 async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -> list[bool]:
     return await store.get_many_into(keys, outs)
+
+
+def _pass_outcome(into: concurrent.futures.Future[None],
+                  source: concurrent.futures.Future[None]) -> None:
+    if source.cancelled():
+        into.cancel()
+    elif (exc := source.exception()) is not None:
+        into.set_exception(exc)
+    else:
+        into.set_result(None)
 
 
 def _scattered(load: _Load) -> bool:
