@@ -54,14 +54,21 @@ class _Writer:
             self.file.write(f"{time.time():.6f} {name} {ms:.4f}\n")
 
 
-def _timed(method: Callable[..., Any], name: str, writer: _Writer) -> Callable[..., Any]:
+def _timed(method: Callable[..., Any], name: str, writer: _Writer,
+           depth: threading.local) -> Callable[..., Any]:
     @functools.wraps(method)
     def timed(*args: Any, **kwargs: Any) -> Any:
+        # A hook that calls another (request_finished_all_groups -> request_finished) is
+        # timed once, as the outer one.
+        outer = getattr(depth, "value", 0) == 0
+        depth.value = getattr(depth, "value", 0) + 1
         started = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
-            writer.write(name, (time.perf_counter() - started) * 1e3)
+            depth.value -= 1
+            if outer:
+                writer.write(name, (time.perf_counter() - started) * 1e3)
     return timed
 
 
@@ -77,10 +84,11 @@ def instrument(path: str) -> None:
 
     def create_timed(cls: Any, *args: Any, **kwargs: Any) -> Any:
         connector = create(cls, *args, **kwargs)
+        depth = threading.local()
         for name in HOOKS:
             method = getattr(connector, name, None)
             if callable(method):
-                setattr(connector, name, _timed(method, name, writer))
+                setattr(connector, name, _timed(method, name, writer, depth))
         return connector
 
     KVConnectorFactory.create_connector = classmethod(create_timed)  # type: ignore[method-assign]

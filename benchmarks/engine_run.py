@@ -146,7 +146,8 @@ def serve(spec: dict[str, Any]) -> None:
                "num_cached_tokens": out.num_cached_tokens or 0,
                "prompt_tokens": len(request["tokens"]),
                "output": list(out.outputs[0].token_ids),
-               "connector_ms": round(sum(hooks_ms.values()), 3) if hooks else None,
+               "connector_ms": round(sum(hooks_ms.values()), 3)
+               if hooks and spec.get("connector") else None,
                "hooks_ms": {name: round(ms, 3) for name, ms in sorted(hooks_ms.items())}})
     del llm
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,26 @@ def test_missing_vllm_and_lmcache_are_named(tmp_path: Path,
     assert "does not exist" in (bench_engine.lmcache_problem(absent) or "")
     assert bench_engine.main(["--vllm-python", absent]) == 1
     assert "no Python with vLLM" in capsys.readouterr().out
+
+
+def test_a_hook_calling_another_is_timed_once(tmp_path: Path) -> None:
+    import threading
+
+    from benchmarks.engine_hooks import HookLog, _timed, _Writer
+
+    class Connector:
+        def request_finished(self) -> str:
+            return "inner"
+
+        def request_finished_all_groups(self) -> str:
+            return self.request_finished()
+
+    connector = Connector()
+    writer, depth = _Writer(str(tmp_path / "e.hooks")), threading.local()
+    for name in ("request_finished", "request_finished_all_groups"):
+        setattr(connector, name, _timed(getattr(connector, name), name, writer, depth))
+    assert connector.request_finished_all_groups() == "inner"
+    assert connector.request_finished() == "inner"
+    times = HookLog(str(tmp_path / "e.hooks")).window(0, 1e12)
+    assert set(times) == {"request_finished_all_groups", "request_finished"}
+    assert len((tmp_path / f"e.hooks.{os.getpid()}").read_text().splitlines()) == 2

@@ -168,7 +168,7 @@ def request_hash_tokens(request: Any) -> tuple[list[int], str]:
     position (above any vocabulary id), so two images never share a block while the text
     before them still does. ``cache_salt`` and the LoRA adapter go into the salt.
     """
-    tokens = [int(t) for t in request.all_token_ids]
+    tokens = list(map(int, request.all_token_ids))
     for feature in getattr(request, "mm_features", None) or ():
         pos = feature.mm_position
         seed = hashlib.blake2b(str(feature.identifier).encode(), digest_size=8).digest()
@@ -392,11 +392,13 @@ class SchedulerPlanner:
         return meta
 
     def _plan_save(self, meta: KVTierMetadata, state: _Request, computed: int) -> None:
-        tokens, salt = request_hash_tokens(state.request)
-        full = min(computed, len(tokens), len(state.block_ids) * self.block_size) \
-            // self.block_size
+        # Most steps complete no new block (a decode step adds one token): decide that before
+        # building the request's hash tokens (0.1-0.2 ms for 2,048 tokens, every step).
+        full = min(computed, len(state.request.all_token_ids),
+                   len(state.block_ids) * self.block_size) // self.block_size
         if full <= state.saved:
             return
+        tokens, salt = request_hash_tokens(state.request)
         if self.settings.key_scheme == "page-sha256" and getattr(state.request, "mm_features",
                                                                   None):
             return
