@@ -22,9 +22,10 @@ from tests.helpers.vllm_fakes import (
     Role,
     cached_step,
     empty_step,
+    expected_block,
     kv_cache_config,
-    kv_of,
     new_step,
+    shared_tiers,
     vllm_config,
 )
 
@@ -33,14 +34,7 @@ PROMPT = [(13 * i + 7) % 997 + 1 for i in range(22)]  # 5 full blocks of 4, plus
 
 @pytest.fixture
 def shared(tmp_path: Path) -> dict[str, object]:
-    """Each engine: a private DRAM tier over a file:// tier both can read."""
-    return {"tiers": ["dram://?capacity=4MiB", f"file://{tmp_path / 'pool'}"],
-            "model": "tiny-test"}
-
-
-def _expected(engine: FakeEngine, tokens: list[int], block_index: int) -> bytes:
-    return (kv_of(tokens, block_index, (BLOCK, 2, 4), np.float16).tobytes()
-            + kv_of(tokens, block_index, (2, BLOCK, 2, 4), np.float32).tobytes())
+    return shared_tiers(tmp_path)
 
 
 def test_engine_b_loads_what_engine_a_saved_into_other_block_ids(
@@ -59,7 +53,7 @@ def test_engine_b_loads_what_engine_a_saved_into_other_block_ids(
         # Found in the file:// tier, but nothing else runs: no steps for the load to overlap.
         assert not load_async
         for index, block_id in enumerate([20, 2, 21, 1, 22]):
-            assert b.block_bytes(block_id) == _expected(b, PROMPT, index)
+            assert b.block_bytes(block_id) == expected_block(PROMPT, index)
         # Nothing was saved by this request (all its full blocks came from kvtier).
         assert b.finish(Request("b-1", PROMPT)) == set()
     finally:
@@ -79,7 +73,7 @@ def test_a_shared_tier_hit_loads_asynchronously_while_other_requests_run(
         ext, load_async, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
         assert ext == 5 * BLOCK and errors == set() and load_async
         for index, block_id in enumerate([20, 2, 21, 1, 22]):
-            assert b.block_bytes(block_id) == _expected(b, PROMPT, index)
+            assert b.block_bytes(block_id) == expected_block(PROMPT, index)
         # A hit in this engine's own DRAM is synchronous even then (no I/O to wait for).
         b.finish(Request("b-other", other))
         b.prefill(Request("b-other2", other), [15, 16, 17])
@@ -101,7 +95,7 @@ def test_partial_hit_and_never_the_whole_prompt(shared: dict[str, object]) -> No
         ext, _, errors = b.prefill(Request("b-1", other), [5, 6, 7, 8, 9, 10])
         assert ext == 3 * BLOCK and errors == set()
         for index, block_id in enumerate([5, 6, 7]):
-            assert b.block_bytes(block_id) == _expected(b, other, index)
+            assert b.block_bytes(block_id) == expected_block(other, index)
         # The 20-token prompt is fully stored, but vLLM must compute its last token.
         ext, _, _ = b.prefill(Request("b-2", PROMPT[:20]), [11, 12, 13, 14, 15])
         assert ext == 5 * BLOCK - 1
@@ -127,7 +121,7 @@ def test_a_prompt_ending_on_a_block_boundary_loads_its_last_block(
         ids = [11, 12, 13, 14, 15]
         b.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
         b.run_step(new_step(req, ids, ext, 1))  # the load, before the forward pass
-        assert [b.block_bytes(i) for i in ids] == [_expected(b, prompt, n) for n in range(5)]
+        assert [b.block_bytes(i) for i in ids] == [expected_block(prompt, n) for n in range(5)]
         # After vLLM's own prefix cache served 4 blocks, the 5th still loads (from the
         # workers' tier: the scheduler's index knows it, so the lookup does no I/O).
         again = Request("b-2", prompt)
@@ -135,7 +129,7 @@ def test_a_prompt_ending_on_a_block_boundary_loads_its_last_block(
         b.scheduler.update_state_after_alloc(again, Blocks([20, 21, 22, 23, 24]), BLOCK - 1)
         meta = b.run_step(new_step(again, [20, 21, 22, 23, 24], 5 * BLOCK - 1, 1))
         assert [(p.first, p.block_ids) for p in meta.loads] == [(4, [24])]
-        assert b.block_bytes(24) == _expected(b, prompt, 4)
+        assert b.block_bytes(24) == expected_block(prompt, 4)
     finally:
         b.close()
 

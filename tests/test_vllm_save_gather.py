@@ -9,33 +9,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvtier.integrations.paged import PagedLayers
-from tests.helpers.vllm_fakes import (
-    BLOCK,
-    Blocks,
-    FakeEngine,
-    Request,
-    empty_step,
-    kv_of,
-    new_step,
-)
+from tests.helpers import vllm_fakes as fakes
+from tests.helpers.vllm_fakes import BLOCK, FakeEngine, Request, expected_block, shared_tiers
 
 PROMPT = [(7 * i + 3) % 991 + 1 for i in range(22)]  # 5 full blocks of 4, plus 2 tokens
-
-
-@pytest.fixture
-def shared(tmp_path: Path) -> dict[str, object]:
-    """Each engine: a private DRAM tier over a file:// tier both can read."""
-    return {"tiers": ["dram://?capacity=4MiB", f"file://{tmp_path / 'pool'}"],
-            "model": "tiny-test"}
-
-
-def _expected(tokens: list[int], block_index: int) -> bytes:
-    return (kv_of(tokens, block_index, (BLOCK, 2, 4), np.float16).tobytes()
-            + kv_of(tokens, block_index, (2, BLOCK, 2, 4), np.float32).tobytes())
 
 
 class GatedLayers(PagedLayers):
@@ -57,7 +37,8 @@ def _run(target: Any) -> threading.Thread:
 
 
 def test_wait_for_save_returns_before_its_gather_and_the_next_step_waits_for_it(
-        shared: dict[str, object]) -> None:
+        tmp_path: Path) -> None:
+    shared = shared_tiers(tmp_path)
     a = FakeEngine(shared)
     worker = a.worker._worker_side()
     layers = worker._layers()
@@ -68,8 +49,8 @@ def test_wait_for_save_returns_before_its_gather_and_the_next_step_waits_for_it(
         req = Request("a-1", PROMPT)
         ids = [0, 1, 2, 3, 4, 5]
         assert a.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-        a.scheduler.update_state_after_alloc(req, Blocks(ids), 0)
-        a.run_step(new_step(req, ids, 0, len(PROMPT)))
+        a.scheduler.update_state_after_alloc(req, fakes.Blocks(ids), 0)
+        a.run_step(fakes.new_step(req, ids, 0, len(PROMPT)))
         for b in range(5):  # the forward pass computes 5 full blocks
             a.compute(req.all_token_ids, b, ids[b])
 
@@ -81,7 +62,7 @@ def test_wait_for_save_returns_before_its_gather_and_the_next_step_waits_for_it(
         # The next step must not start its forward pass (which may overwrite freed pages)
         # while the gather still copies them.
         a.worker.clear_connector_metadata()
-        next_step = _run(lambda: a.run_step(empty_step()))
+        next_step = _run(lambda: a.run_step(fakes.empty_step()))
         next_step.join(0.3)
         assert next_step.is_alive(), "start_load_kv did not wait for the gather"
         layers.gate.set()
@@ -99,14 +80,14 @@ def test_wait_for_save_returns_before_its_gather_and_the_next_step_waits_for_it(
         ext, _, errors = b.prefill(Request("b-1", PROMPT), [10, 11, 12, 13, 14, 15])
         assert ext == 5 * BLOCK and errors == set()
         assert [b.block_bytes(i) for i in (10, 11, 12, 13, 14)] == \
-            [_expected(PROMPT, n) for n in range(5)]
+            [expected_block(PROMPT, n) for n in range(5)]
     finally:
         b.close()
 
 
-def test_a_failed_gather_fails_its_save_only(shared: dict[str, object],
+def test_a_failed_gather_fails_its_save_only(tmp_path: Path,
                                             caplog: pytest.LogCaptureFixture) -> None:
-    engine = FakeEngine(shared)
+    engine = FakeEngine(shared_tiers(tmp_path))
     worker = engine.worker._worker_side()
 
     def broken(block_ids: Any, out: Any = None) -> Any:

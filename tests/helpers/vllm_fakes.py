@@ -12,6 +12,7 @@ import enum
 import hashlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -113,6 +114,19 @@ def kv_of(tokens: list[int], block_index: int, shape: tuple[int, ...], dtype: An
     prefix = np.asarray(tokens[:(block_index + 1) * BLOCK], dtype=np.int64).tobytes()
     seed = int.from_bytes(hashlib.blake2b(prefix, digest_size=8).digest(), "little")
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def shared_tiers(folder: Path) -> dict[str, object]:
+    """Connector settings: each engine has a private DRAM tier over a file:// tier in
+    ``folder`` that all engines read."""
+    return {"tiers": ["dram://?capacity=4MiB", f"file://{folder / 'pool'}"], "model": "tiny-test"}
+
+
+def expected_block(tokens: list[int], block_index: int) -> bytes:
+    """The bytes of block ``block_index`` as :meth:`FakeEngine.compute` writes them for
+    ``tokens`` (what :meth:`FakeEngine.block_bytes` reads back)."""
+    return (kv_of(tokens, block_index, (BLOCK, 2, 4), np.float16).tobytes()
+            + kv_of(tokens, block_index, (2, BLOCK, 2, 4), np.float32).tobytes())
 
 
 class FakeEngine:
