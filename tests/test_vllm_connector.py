@@ -134,6 +134,40 @@ def test_a_prompt_ending_on_a_block_boundary_loads_its_last_block(
         b.close()
 
 
+def test_a_waiting_request_reuses_its_lookup_for_a_while(shared: dict[str, object],
+                                                         tmp_path: Path) -> None:
+    """vLLM asks again at every step for a request it cannot schedule yet (no free blocks):
+    that must not be a pool round trip per step on the scheduler's thread."""
+    a = FakeEngine(shared)
+    a.prefill(Request("a-1", PROMPT), list(range(6)))
+    a.close()
+    b = FakeEngine(shared)
+    try:
+        planner = b.scheduler._planner
+        assert planner is not None
+        now = [100.0]
+        planner.clock = lambda: now[0]
+        req = Request("b-1", PROMPT)
+        assert b.scheduler.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, False)
+        shutil.rmtree(tmp_path / "pool")  # a new lookup would find nothing now
+        (tmp_path / "pool").mkdir()
+        for _ in range(3):  # three steps later, still waiting
+            now[0] += 0.1
+            assert b.scheduler.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, False)
+        assert planner.misses.lookups == 1
+        # A different local hit, or an answer past its age, is asked again.
+        assert b.scheduler.get_num_new_matched_tokens(req, 2 * BLOCK) == (0, False)
+        assert b.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        now[0] += 0.1
+        assert b.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert planner.misses.lookups == 3
+        # Scheduled (or finished), the request's answer is gone.
+        b.scheduler.update_state_after_alloc(req, Blocks(list(range(6))), 0)
+        assert req.request_id not in planner._lookups
+    finally:
+        b.close()
+
+
 def test_block_evicted_between_lookup_and_load_is_a_load_error(
         shared: dict[str, object], tmp_path: Path) -> None:
     a = FakeEngine(shared)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +37,8 @@ log = logging.getLogger("kvtier.integrations.vllm")
 PRIVATE_SCHEMES = frozenset({"dram", "hbm", "lmdb", "memory"})
 KeyScheme = Literal["prefix", "page-sha256"]
 _MM_TOKEN_BASE = 1 << 62  # substituted multimodal tokens sit above any vocabulary id
+#: Seconds a lookup's answer serves the same waiting request again (see _Lookup).
+LOOKUP_REUSE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,20 @@ class KVTierMetadata:
 
 
 @dataclass
+class _Lookup:
+    """A request's last lookup. vLLM asks again at every step for a request it could not
+    schedule (no free KV blocks): within :data:`LOOKUP_REUSE_S` of the last lookup, for the
+    same local hit, the answer is reused without I/O on the scheduler's thread."""
+
+    hit: int  # leading blocks found
+    slow: bool  # found through the store, not only the index
+    keys: list[bytes]  # the prompt's rank-0 keys
+    computed: int  # vLLM's own (local) hit the answer was for
+    at: float  # monotonic time of the lookup
+    load_async: bool = False  # what vLLM was last told
+
+
+@dataclass
 class _Request:
     request: Any
     block_ids: list[int] = field(default_factory=list)
@@ -257,8 +274,10 @@ class SchedulerPlanner:
     """
 
     def __init__(self, settings: ConnectorSettings, keys: KeyMaker,
-                 store: BlockingStore | None, events: ConnectorEvents | None = None) -> None:
+                 store: BlockingStore | None, events: ConnectorEvents | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self.clock = clock
         self.keys = keys
         self.store = store
         self.events = events
@@ -272,8 +291,7 @@ class SchedulerPlanner:
         # come: this step's, and asynchronous ones until their request finished receiving.
         self._inflight: dict[int, tuple[str, bytes, bytes | None]] = {}
         self._async_loading: set[str] = set()
-        # Request id -> (blocks hit, load asynchronously, the prompt's rank-0 keys).
-        self._lookups: dict[str, tuple[int, bool, list[bytes]]] = {}
+        self._lookups: dict[str, _Lookup] = {}  # by request id, until it is scheduled
         self.misses = MissLog(store, log)  # one summary line per interval
 
     # ---------------------------------------------------------------- index
@@ -324,26 +342,33 @@ class SchedulerPlanner:
             return 0, False
         if self.settings.key_scheme == "page-sha256" and getattr(request, "mm_features", None):
             return 0, False  # SGLang's page names carry no multimodal content
-        tokens, salt = request_hash_tokens(request)
-        keys = self.keys.keys(tokens, salt, n_blocks)
-        hit, slow = self._lookup(keys, salt, tokens)
-        self.misses.lookup(len(keys), hit)
-        mode = self.settings.async_load
-        others = any(r != request.request_id for r in self._requests)
-        load_async = mode == "always" or (mode == "auto" and slow and others)
-        self._lookups[request.request_id] = (hit, load_async, keys)
+        now = self.clock()
+        last = self._lookups.get(request.request_id)
+        if last is None or last.computed != num_computed_tokens \
+                or now - last.at > LOOKUP_REUSE_S:
+            tokens, salt = request_hash_tokens(request)
+            keys = self.keys.keys(tokens, salt, n_blocks)
+            hit, slow = self._lookup(keys, salt, tokens)
+            self.misses.lookup(len(keys), hit)
+            last = self._lookups[request.request_id] = _Lookup(hit, slow, keys,
+                                                               num_computed_tokens, now)
+        hit = last.hit
         external = min(hit * self.block_size, limit) - num_computed_tokens
         if external <= 0:
             return 0, False
-        return external, load_async
+        mode = self.settings.async_load
+        others = any(r != request.request_id for r in self._requests)
+        last.load_async = mode == "always" or (mode == "auto" and last.slow and others)
+        return external, last.load_async
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _Request(request))
         state.request = request
-        hit, load_async, keys = self._lookups.pop(request.request_id, (0, False, []))
-        if num_external_tokens <= 0:
+        last = self._lookups.pop(request.request_id, None)
+        if num_external_tokens <= 0 or last is None:
             return
+        hit, keys, load_async = last.hit, last.keys, last.load_async
         first = hit - -(-num_external_tokens // self.block_size)  # blocks the claim touches
         tokens, salt = request_hash_tokens(request)
         self._pending_loads[request.request_id] = BlockPlan(
