@@ -321,9 +321,9 @@ def test_tensor_parallel_shards_are_stored_and_found_per_rank(
     fresh = KVTierConnector(cfg, Role.SCHEDULER, kv_cache_config())  # no index of saves
     try:
         save(workers[0])
-        assert fresh.get_num_new_matched_tokens(Request("q", PROMPT), 0)[0] == 0
+        assert fresh.get_num_new_matched_tokens(Request("q-1", PROMPT), 0)[0] == 0
         save(workers[1])
-        assert fresh.get_num_new_matched_tokens(Request("q", PROMPT), 0)[0] == 5 * BLOCK
+        assert fresh.get_num_new_matched_tokens(Request("q-2", PROMPT), 0)[0] == 5 * BLOCK
         keys0 = workers[0]._worker._keys(meta.saves[0])  # type: ignore[union-attr]
         keys1 = workers[1]._worker._keys(meta.saves[0])  # type: ignore[union-attr]
         assert not set(keys0) & set(keys1)
