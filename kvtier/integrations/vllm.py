@@ -28,13 +28,14 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.blocking import BlockingStore
 from kvtier.errors import ConfigError
+from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_events import ConnectorEvents, KVTierWorkerMetadata, event_media
 from kvtier.integrations.vllm_plan import (
@@ -260,7 +261,8 @@ class WorkerSide:
 
     def __init__(self, store: BlockingStore, keys: KeyMaker, shard: tuple[int, int],
                  io_timeout_s: float, staging_bytes: int = 0,
-                 max_blocks: int | None = None) -> None:
+                 max_blocks: int | None = None,
+                 thread_cpus: Literal["spare", "inherit"] = "inherit") -> None:
         self.store = store
         self.keys = keys
         self.shard = shard
@@ -271,8 +273,10 @@ class WorkerSide:
         self.staging: StagingArea | None = None  # loads land here
         self.save_staging: StagingArea | None = None  # saves gather here
         self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
+        self.thread_cpus = thread_cpus
+        self.cpus: set[int] = set()  # where the connector's threads run (empty: inherited)
         self._gatherer = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kvtier-save-gather")
+            1, thread_name_prefix="kvtier-save-gather", initializer=self._pin_gather_thread)
         self._gathers: list[concurrent.futures.Future[None]] = []  # copying out of the pages
         self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
         self._finishing: set[str] = set()
@@ -285,6 +289,12 @@ class WorkerSide:
         self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        # vLLM pinned this worker to its compute cores before it registers the KV caches.
+        if self.thread_cpus == "spare" and (cpus := worker_spare_cpus()):
+            self.store.submit(partial(_pin_store_thread, cpus=cpus)).result(self.io_timeout_s)
+            self.cpus = cpus
+            log.info("kvtier: the connector's threads run on CPUs %s, beside this worker's "
+                     "compute CPUs %s", sorted(cpus), sorted(os.sched_getaffinity(0)))
         self.layers = PagedLayers(kv_caches, num_blocks)
         rows = min(_staging_blocks(self.staging_bytes, self.layers.block_bytes,
                                    self.max_blocks), num_blocks)
@@ -300,6 +310,10 @@ class WorkerSide:
         if self.layers is None:
             raise RuntimeError("register_kv_caches was not called before the first transfer")
         return self.layers
+
+    def _pin_gather_thread(self) -> None:
+        if self.cpus:
+            pin_current_thread(self.cpus)
 
     def pages_settled(self) -> None:
         """Wait until no save is copying out of the engine's pages (vLLM may write them next).
@@ -496,7 +510,7 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
                               tier_options=_warm_answer_buffers(self._settings.tiers, staging),
                               **options),
                 keys, shard, self._settings.io_timeout_s, self._settings.staging_bytes,
-                max_blocks)
+                max_blocks, self._settings.thread_cpus)
         else:
             note = cpu_reservation_note(vllm_config, os.cpu_count() or 1, os.environ)
             if note:
@@ -613,6 +627,10 @@ async def _put_and_wait_written(store: TieredStore, *, items: list[tuple[bytes, 
     # wait for every other request's saves queued before it.
     written = await store.put_many(items)
     await written
+
+
+async def _pin_store_thread(store: TieredStore, *, cpus: set[int]) -> None:
+    pin_current_thread(cpus)  # the store's loop thread; threads it starts later follow
 
 
 async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -> list[bool]:

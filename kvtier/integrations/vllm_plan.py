@@ -58,7 +58,10 @@ class ConnectorSettings:
     calls, oldest dropped past it; 0 turns events off; default 10000), ``staging_bytes``
     (bytes of each of the two host staging areas, for loads and for saves, each worker faults
     in at start and reuses: one request of ``max_model_len`` tokens, capped at this; default
-    256 MiB; 0 allocates per transfer) and ``store_options`` (passed to
+    256 MiB; 0 allocates per transfer), ``thread_cpus`` (``"spare"``: on a worker that vLLM
+    pinned to its compute cores, as its CPU backend does, the connector's threads run on the
+    engine's other CPUs, see :mod:`kvtier.integrations.cpu_affinity`; ``"inherit"``: they
+    share the worker's CPUs; default ``"spare"``) and ``store_options`` (passed to
     :class:`~kvtier.BlockingStore`).
     """
 
@@ -74,6 +77,7 @@ class ConnectorSettings:
     index_blocks: int = 65536
     event_buffer: int = 10_000
     staging_bytes: int = 256 << 20
+    thread_cpus: Literal["spare", "inherit"] = "spare"
     store_options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -82,7 +86,7 @@ class ConnectorSettings:
         extra = dict(extra or {})
         known = {"tiers", "scheduler_tiers", "model", "layout", "salt", "key_scheme",
                  "lookup_timeout_s", "io_timeout_s", "async_load", "index_blocks",
-                 "event_buffer", "staging_bytes", "store_options"}
+                 "event_buffer", "staging_bytes", "thread_cpus", "store_options"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} "
@@ -122,6 +126,9 @@ class ConnectorSettings:
                 or staging_bytes < 0:
             raise ConfigError('kv_connector_extra_config["staging_bytes"]: expected an int '
                               ">= 0 (bytes)")
+        if extra.get("thread_cpus", "spare") not in ("spare", "inherit"):
+            raise ConfigError('kv_connector_extra_config["thread_cpus"]: expected "spare" or '
+                              '"inherit"')
         options = extra.get("store_options", {})
         if not isinstance(options, Mapping):
             raise ConfigError('kv_connector_extra_config["store_options"]: expected a mapping')
@@ -132,7 +139,7 @@ class ConnectorSettings:
                    io_timeout_s=float(extra.get("io_timeout_s", 30.0)),
                    async_load=extra.get("async_load", "auto"), index_blocks=index_blocks,
                    event_buffer=event_buffer, staging_bytes=staging_bytes,
-                   store_options=dict(options))
+                   thread_cpus=extra.get("thread_cpus", "spare"), store_options=dict(options))
 
 
 def page_hash_keys(tokens: Sequence[int], page_size: int, namespace: KeyNamespace
