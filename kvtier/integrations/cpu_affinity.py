@@ -7,8 +7,9 @@ connector's store thread and save gather would share the forward pass's cores: a
 save's copies and network writes then run in the forward pass's time slices (measured in
 ``bench_engine``: 3-4 ms of every miss's ``wait_for_save`` was the gather thread preempting
 the step on the one pinned core). Where the worker is pinned to a strict subset of the CPUs
-its parent (vLLM's engine process) may use, the connector's threads move to the parent's
-CPUs that no pinned worker uses. Where nothing is pinned (a GPU worker) nothing changes.
+its parent (vLLM's engine process) may use, the connector's threads may also run on the
+parent's CPUs that no pinned worker uses (the connector decides which threads get which).
+Where nothing is pinned (a GPU worker) nothing changes.
 Linux only (``os.sched_getaffinity``); elsewhere, and on any error, threads stay as they are.
 """
 
