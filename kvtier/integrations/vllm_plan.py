@@ -59,9 +59,10 @@ class ConnectorSettings:
     (bytes of each of the two host staging areas, for loads and for saves, each worker faults
     in at start and reuses: one request of ``max_model_len`` tokens, capped at this; default
     256 MiB; 0 allocates per transfer), ``thread_cpus`` (``"spare"``: on a worker that vLLM
-    pinned to its compute cores, as its CPU backend does, the connector's threads run on the
-    engine's other CPUs, see :mod:`kvtier.integrations.cpu_affinity`; ``"inherit"``: they
-    share the worker's CPUs; default ``"spare"``) and ``store_options`` (passed to
+    pinned to its compute cores, as its CPU backend does, the save gather runs on the
+    engine's other CPUs and the store's thread on those and the worker's own, see
+    :mod:`kvtier.integrations.cpu_affinity`; ``"inherit"``: both share the worker's CPUs;
+    default ``"spare"``) and ``store_options`` (passed to
     :class:`~kvtier.BlockingStore`).
     """
 
