@@ -20,14 +20,22 @@ Latency is an exponentially weighted mean of seconds per key of the member's req
 (timeouts count at the time they took), used to ask slow members after their co-owners, with
 its mean deviation: ``mean + 4 x deviation`` (as TCP's retransmission timer) approximates a
 high percentile of the member's latency, after which a hedged read asks the next owner too.
+
+The detector also says, in words, what is wrong with a member (:meth:`FailureDetector.describe`:
+down, suspected, not answering health probes, with its last failure), and
+:func:`silent_owners` turns a read's answers into the ``unavailable`` reason of a key whose
+owner did not say "not here" (:mod:`kvtier.misses`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FailureDetector", "MemberHealth", "StartEstimate"]
+__all__ = ["FailureDetector", "MemberHealth", "StartEstimate", "failure_text", "silent_owners"]
+
+_ERROR_TEXT = 120  # characters of a failure's message kept for explain (one line)
 
 
 @dataclass
@@ -65,6 +73,44 @@ class MemberHealth:
     #: Mean absolute deviation of the latency samples, exponentially weighted.
     deviation: float = 0.0
     started: StartEstimate | None = None
+    #: The last failure in words (``timed out after 0.50 s``, ``ConnectionRefusedError: ...``).
+    last_error: str = ""
+
+
+def failure_text(error: object, elapsed: float | None = None) -> str:
+    """One line saying how a request (or health probe) to a member failed."""
+    if isinstance(error, TimeoutError) or type(error).__name__ == "PeerTimeoutError":
+        return "timed out" + (f" after {elapsed:.2f} s" if elapsed is not None else "")
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    text = " ".join(text.split())
+    return text if len(text) <= _ERROR_TEXT else text[:_ERROR_TEXT - 3] + "..."
+
+
+def silent_owners(owners: Sequence[str], answered: Collection[str],
+                  describe: Callable[[str], str | None]) -> str | None:
+    """Why a key that no member served is ``unavailable`` rather than ``not_stored``.
+
+    Parameters
+    ----------
+    owners
+        The key's owners under the pool's placement (whether or not they are in the path).
+    answered
+        The members that answered "not here" for the key during the read.
+    describe
+        A member's state in words (:meth:`FailureDetector.describe`), ``None`` if healthy.
+
+    Returns
+    -------
+    str or None
+        ``None`` when every owner answered "not here" (the key is not stored); else a line
+        naming each owner that did not answer and its state.
+    """
+    silent = [m for m in owners if m not in answered]
+    if not silent:
+        return None
+    states = [f"{m} {describe(m) or 'did not answer this read'}" for m in silent]
+    noun = "owner" if len(owners) == 1 else f"{len(silent)} of {len(owners)} owners"
+    return f"{noun} did not answer: " + "; ".join(states)
 
 
 class FailureDetector:
@@ -104,11 +150,15 @@ class FailureDetector:
         """Drop what is known of a member that left the pool."""
         self._members.pop(member, None)
 
-    def failure(self, member: str, started: float, elapsed: float, *, hard: bool) -> bool:
+    def failure(self, member: str, started: float, elapsed: float, *, hard: bool,
+                error: object = None) -> bool:
         """Count one failed request (started at monotonic ``started``, failed after
-        ``elapsed`` seconds); ``True`` when this takes the member out of the path."""
+        ``elapsed`` seconds, with ``error``); ``True`` when this takes the member out of
+        the path."""
         state = self[member]
         state.good_probes = 0
+        if error is not None:
+            state.last_error = failure_text(error, elapsed)
         if hard:
             state.reachable = False
         self._sample(state, elapsed, 1)
@@ -142,10 +192,13 @@ class FailureDetector:
         state.down, state.good_probes = False, 0
         return True
 
-    def take_down(self, member: str) -> bool:
-        """Take a member out at once (a hard signal); ``True`` if it was in the path."""
+    def take_down(self, member: str, error: object = None) -> bool:
+        """Take a member out at once (a hard signal, ``error``); ``True`` if it was in the
+        path."""
         state = self[member]
         state.reachable, state.good_probes = False, 0
+        if error is not None:
+            state.last_error = failure_text(error)
         was_up, state.down = not state.down, True
         return was_up
 
@@ -155,6 +208,21 @@ class FailureDetector:
         was_down = state.down
         state.down, state.good_probes, state.suspicion, state.reachable = False, 0, 0, True
         return was_down
+
+    def describe(self, member: str) -> str | None:
+        """What is wrong with ``member``, in words, or ``None`` when nothing is: ``down``
+        (out of the path), ``suspected`` (failures since its last answer) or not answering
+        health probes, each with its last failure."""
+        state = self._members.get(member)
+        if state is None or not (state.down or state.suspicion or not state.reachable):
+            return None
+        last = f", last: {state.last_error}" if state.last_error else ""
+        if state.down:
+            probes = "answers health probes" if state.reachable else "no health probe answers"
+            return f"is down (out of the path; {probes}{last})"
+        if state.suspicion:
+            return f"is suspected ({state.suspicion} failure(s) since its last answer{last})"
+        return f"does not answer health probes{last}"
 
     def prefer(self, owners: list[str]) -> list[str]:
         """``owners`` with members under suspicion and slow ones (next to their fastest

@@ -141,14 +141,14 @@ class Membership:
     def mark_dead(self, member: str, reason: object) -> None:
         """Take ``member`` out of the path at once (a hard signal: connection refused, a
         wrong health answer) until ``rejoin_after`` health probes succeed."""
-        if member != self.self_id and self.detector.take_down(member):
+        if member != self.self_id and self.detector.take_down(member, reason):
             self._went_down(member, reason)
 
     def report_failure(self, member: str, reason: BaseException, started: float,
                        elapsed: float, *, hard: bool) -> None:
         """Count a failed request to ``member`` (see :class:`FailureDetector`)."""
         if member != self.self_id and self.detector.failure(member, started, elapsed,
-                                                            hard=hard):
+                                                            hard=hard, error=reason):
             self._went_down(member, reason)
 
     def report_success(self, member: str, elapsed: float, keys: int) -> None:

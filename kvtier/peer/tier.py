@@ -30,6 +30,7 @@ from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, PeerUnreachableError, TimeBudget
 from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
 from kvtier.peer.handoff import Hints
+from kvtier.peer.health import silent_owners
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
@@ -851,14 +852,20 @@ class PeerTier(Tier):
 
     def _report_unanswered(self, keys: Sequence[bytes], results: list[Any],
                            missed: list[list[str]]) -> None:
-        """A key no member answered for (all down, failed or too slow) is unavailable, not
-        absent: say so to the store (``explain``, miss reasons)."""
-        lost = [k for k, r, m in zip(keys, results, missed, strict=True)
-                if (r is None or r is False) and not m]
-        if lost:
-            self._report_miss(lost, MissReason.UNAVAILABLE,
-                              f"no member answered (down, failed or slower than "
-                              f"timeout={self.timeout:g}s)")
+        """A missed key one of whose owners did not answer "not here" (down, suspected,
+        failed or too slow) is unavailable, not absent: say so to the store (``explain``,
+        miss reasons), naming the owners and their state (:func:`silent_owners`)."""
+        lost: dict[str, list[bytes]] = defaultdict(list)
+        for key, result, answered in zip(keys, results, missed, strict=True):
+            if result is None or result is False:
+                owners = self.members.ring.owners(self.members.placement_key(key),
+                                                  self.replicas)
+                why = silent_owners(owners, answered, self.members.detector.describe)
+                if why is not None:
+                    lost[why].append(key)
+        for why, group in lost.items():
+            self._report_miss(group, MissReason.UNAVAILABLE,
+                              f"{why} (timeout={self.timeout:g}s)")
 
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._start()
