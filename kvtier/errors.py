@@ -21,6 +21,7 @@ Messages never show a secret: string arguments pass through
     │   └── LimitExceededError
     ├── ClosedError
     ├── WrongLoopError (RuntimeError)
+    ├── NotOpenedError (AttributeError)
     └── BackendUnavailableError (ImportError)
 """
 
@@ -38,6 +39,7 @@ __all__ = [
     "InvalidKeyError",
     "KVTierError",
     "LimitExceededError",
+    "NotOpenedError",
     "PeerError",
     "PeerStatusError",
     "ProtocolError",
@@ -123,6 +125,11 @@ class WrongLoopError(KVTierError, RuntimeError):
     ``kvtier.BlockingStore``, which runs the store on its own loop thread; asyncio code on
     another loop opens its own store.
     """
+
+
+class NotOpenedError(KVTierError, AttributeError):
+    """A store method was called on what ``open_store(...)`` returns without awaiting it
+    (``store = await open_store(...)`` or ``async with open_store(...) as store:``)."""
 
 
 class BackendUnavailableError(KVTierError, ImportError):

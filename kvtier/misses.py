@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
-__all__ = ["DEFAULT_MISS_RECORD_SIZE", "MissLedger", "MissNote", "MissReason", "Trouble"]
+__all__ = ["DEFAULT_MISS_RECORD_SIZE", "REASON_HELP", "MissLedger", "MissNote", "MissReason",
+           "ReasonHelp", "Trouble", "reasons_table"]
 
 #: Keys each tier remembers evicting (or dropping as corrupt); about 200 bytes each.
 DEFAULT_MISS_RECORD_SIZE = 32768
@@ -57,6 +58,79 @@ STORE_REASONS = tuple(r for r in MissReason if r is not MissReason.BELOW_THRESHO
 #: Reasons that describe a cause of the moment, not the key's history.
 TRANSIENT = frozenset({MissReason.UNAVAILABLE, MissReason.DEADLINE})
 _NOT_STORED = MissReason.NOT_STORED  # class attribute lookups of an Enum are slow
+
+
+class ReasonHelp(NamedTuple):
+    """What a reason means and what to do about it (Markdown; ``docs/troubleshooting.md``'s
+    table is generated from these, see :func:`reasons_table`)."""
+
+    #: What happened to the key.
+    what: str
+    #: What to look at or change.
+    todo: str
+
+
+REASON_HELP: dict[MissReason, ReasonHelp] = {
+    MissReason.NOT_STORED: ReasonHelp(
+        "No tier holds the key and none remembers it; for a `peers://` tier, every owner of "
+        "the key answered \"not here\". Keys hash the namespace, so a writer and a reader "
+        "that differ in model name, KV dtype, layout tag, TP rank/size, salt, block size or "
+        "`key_scheme` never share a key: every lookup is `not_stored`. Also: the block was "
+        "never saved (nothing writes into a tier the reader sees), or it was evicted longer "
+        "ago than the record remembers.",
+        "Compare the namespaces: write a lookup log on each side (`lookup_log=` on the "
+        "store) and run `kvtier explain --log A.jsonl --log B.jsonl`, which names the "
+        "namespace fields that differ; or `kvtier explain --prefix-of` with each side's "
+        "options (the one that hits is the writer's). For vLLM the namespace is the served "
+        "model name, the cache dtype, the layout `vllm/<device>/<spec>/H<heads>/D<head "
+        "size>/B<block size>` and the TP size/rank (`docs/integrations/vllm.md`). Check "
+        "that the tiers the reader asks (`scheduler_tiers`) are ones the writer writes "
+        "through to. Raise `miss_record_size` if evictions are older than the record."),
+    MissReason.EVICTED: ReasonHelp(
+        "A tier's byte budget evicted the block (`evicted from tier N by POLICY, T ago`) and "
+        "no tier below holds it.",
+        "The tiers' `capacity=`; whether a lower (persistent, pooled) tier is in the chain; "
+        "each tier's `evictions` and the store's `dropped`. A prompt larger than the top "
+        "tiers loses its head first, and with it the whole prefix."),
+    MissReason.DELETED: ReasonHelp(
+        "A `delete` of this store removed it.",
+        "Who deletes."),
+    MissReason.CORRUPT: ReasonHelp(
+        "A tier found the block but its frame failed the checksum or could not be decoded; "
+        "it was dropped (`file://`, `lmdb://`, `redis://`, `peers://` count these; a tier's "
+        "own `corrupt` figure too).",
+        "The storage underneath (a torn write, another program writing the directory, a "
+        "mount without coherent caching)."),
+    MissReason.UNAVAILABLE: ReasonHelp(
+        "The tier failed during the read (I/O error, its own `timeout=`), or, for a "
+        "`peers://` tier, an owner of the key did not answer \"not here\": it is down (out "
+        "of the path), suspected (failures since its last answer), stopped or slower than "
+        "the pool's `timeout=`. The explanation names each such owner, its state and its "
+        "last failure (`owner 10.0.0.2:7070 is down (...; last: timed out after 0.50 s)`). "
+        "The block may well be stored there.",
+        "The tier's `errors` in `stats()` and the WARNING lines naming it; for a pool, the "
+        "named members: `kvtier stats http://member`, whether the process runs (a stopped "
+        "or swapping process times out), the network between the hosts, and the pool's "
+        "`timeout=` against the member's latency."),
+    MissReason.DEADLINE: ReasonHelp(
+        "The call's deadline ran out before the tier holding the block answered (or before "
+        "it was asked): the deadline is too short for the bytes asked.",
+        "The store's `timeout=` and the per-call `timeout=`; for vLLM `lookup_timeout_s` "
+        "(0.1 s) and `io_timeout_s`."),
+    MissReason.BELOW_THRESHOLD: ReasonHelp(
+        "The connector did not ask: the prompt is shorter than one block (only full blocks "
+        "are stored). Counted only by the connector.",
+        "Nothing to fix for short prompts."),
+}
+
+
+def reasons_table() -> str:
+    """The Markdown table of every reason, what happened and what to look at (the one in
+    ``docs/troubleshooting.md``; ``tests/test_troubleshooting_reasons.py`` keeps them equal)."""
+    rows = ["| reason | what happened | what to look at |", "|---|---|---|"]
+    rows += [f"| `{reason}` | {REASON_HELP[reason].what} | {REASON_HELP[reason].todo} |"
+             for reason in MissReason]
+    return "\n".join(rows) + "\n"
 
 
 class MissNote(NamedTuple):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, NotOpenedError
 from kvtier.tiers.base import Tier
 from kvtier.tiers.registry import tier_from_url
 
@@ -47,6 +47,13 @@ class _OpeningStore:
     async def __aexit__(self, *exc: object) -> None:
         if self._store is not None:
             await self._store.aclose()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this class lacks: a store method on the opener itself
+        # means the caller forgot to await it (the usual message names _OpeningStore only).
+        raise NotOpenedError(
+            f"open_store(...) was not awaited: it returns an opener, which has no {name!r}; "
+            "write `store = await open_store(...)` or `async with open_store(...) as store:`")
 
 
 def open_store(urls: Sequence[str | Tier], *,

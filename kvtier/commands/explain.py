@@ -19,10 +19,14 @@ import asyncio
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.redact import mask_secrets
+
+if TYPE_CHECKING:
+    from kvtier.store import TieredStore
+    from kvtier.tiers.base import Tier
 
 __all__ = ["HELP", "NAME", "add_arguments", "read_tokens", "run"]
 
@@ -87,6 +91,45 @@ def read_tokens(path: str) -> list[int]:
     return values
 
 
+async def _open(args: argparse.Namespace) -> TieredStore | int:
+    """The store over the URLs, or the exit status: 2 for a URL that does not parse, 1 for
+    tiers that cannot open. Nothing is written: ``file://`` tiers skip their write probe,
+    and closing copies nothing down (``close_flush=False``)."""
+    from kvtier.open import open_store
+    from kvtier.tiers.fsspec import FsspecTier
+    from kvtier.tiers.fsspec_readonly import ProbeMode
+    from kvtier.tiers.registry import tier_from_url
+
+    tiers: list[Tier] = []
+    try:
+        for url in args.urls:
+            tiers.append(tier_from_url(url))
+    except (KVTierError, ValueError, TypeError) as exc:
+        await _close(tiers)
+        print(f"kvtier explain: {exc}")
+        return 2
+    try:
+        for tier in tiers:
+            if isinstance(tier, FsspecTier):
+                tier.probe = ProbeMode.OFF  # explaining writes nothing, so it needs no write probe
+            opener = getattr(tier, "open", None)
+            if opener is not None:
+                await opener()
+        return await open_store(tiers, close_flush=False, timeout=args.timeout)
+    except (KVTierError, OSError) as exc:
+        await _close(tiers)
+        print(f"kvtier explain: cannot open {mask_secrets(' '.join(args.urls))}: {exc}")
+        return 1
+
+
+async def _close(tiers: list[Tier]) -> None:
+    for tier in tiers:
+        try:
+            await tier.aclose()
+        except Exception as exc:  # closing what failed to open: report it, keep closing
+            print(f"kvtier explain: closing {tier.name}: {exc}")
+
+
 def _keys(args: argparse.Namespace) -> list[bytes]:
     from kvtier.keys import KeyNamespace, key_from_hex, prefix_keys
 
@@ -111,7 +154,8 @@ def _keys(args: argparse.Namespace) -> list[bytes]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Explain the keys; 0 when explained, 2 on bad input, 1 when the tiers cannot open."""
+    """Explain the keys; 0 when explained, 2 on bad input (a malformed URL or option), 1
+    when the tiers cannot open (unreachable, a wrong or missing token, a locked directory)."""
     try:
         if not args.timeout > 0:
             raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
@@ -123,16 +167,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _explain(args: argparse.Namespace, keys: list[bytes]) -> int:
-    from kvtier.open import open_store
-
-    try:
-        store = await open_store(list(args.urls), close_flush=False, timeout=args.timeout)
-    except ConfigError as exc:
-        print(f"kvtier explain: {exc}")
-        return 2
-    except (KVTierError, OSError) as exc:
-        print(f"kvtier explain: cannot open {mask_secrets(' '.join(args.urls))}: {exc}")
-        return 1
+    store = await _open(args)
+    if isinstance(store, int):
+        return store
     try:
         found = await store.explain(keys)
     finally:

@@ -338,6 +338,11 @@ class PeerTier(Tier):
         probed = await self.members.check_health()
         members, answers = list(probed), list(probed.values())
         refused = [m for m, a in probed.items() if a == "refused"]
+        if refused and "ok" not in answers and self._token is None:
+            raise ConfigError(
+                f"{self.name}: no bearer token given, and the members require one "
+                f"({', '.join(refused)} answered 401/403); add the token= option (e.g. "
+                "token=env:KVTIER_TOKEN or token=file:/path, the servers' --token-file)")
         if refused and "ok" not in answers:
             raise ConfigError(
                 f"{self.name}: every reachable member refused the bearer token "

@@ -13,7 +13,10 @@
   tiers log their reads so that gc keeps the blocks in use (:mod:`kvtier.tiers.fleet`).
 - A write probe at open (:meth:`FsspecTier.open`, which ``open_store`` calls): a location
   that cannot take a block fails there with :class:`~kvtier.errors.ConfigError`, not with
-  one dropped block after another. ``probe=0`` skips it (a read-only reader).
+  one dropped block after another. A probe refused for permission (``EACCES``, ``EROFS``)
+  on a location that can still be read opens the tier read-only (reads serve, writes are
+  refused, counted and warned about; ``stats()["read_only"]``), unless ``probe=require``;
+  ``probe=0`` skips it (:mod:`kvtier.tiers.fsspec_readonly`).
 - ``http://`` and ``https://`` are refused as tier URLs (almost always a typo for
   ``peers://``); ``fsspec+https://...`` asks for fsspec's HTTP filesystem explicitly, and
   ``fsspec+PROTO://`` works for any fsspec protocol.
@@ -49,6 +52,13 @@ from kvtier.tiers.base import Block, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.fleet import FLEET_OPTIONS, FleetMember, check_fleet_options, fleet_options
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
+from kvtier.tiers.fsspec_readonly import (
+    ProbeMode,
+    ReadOnlyGuard,
+    check_readable,
+    is_read_only_error,
+    parse_probe,
+)
 from kvtier.tiers.mounts import check_local, read_mountinfo
 from kvtier.urls import TierURL, parse_bool, parse_size, parse_tier_url
 from kvtier.warnsummary import WarningSummary
@@ -160,7 +170,8 @@ class FsspecTier(BudgetedTier):
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  capacity: int | None = None, compress_level: int | None = None,
                  shuffle: bool = False, fanout: int = 2, fsync: bool = False,
-                 nowait: bool | str = "auto", timeout: float = 30.0, probe: bool = True,
+                 nowait: bool | str = "auto", timeout: float = 30.0,
+                 probe: bool | str | ProbeMode = ProbeMode.AUTO,
                  use_log: bool = True, fleet_capacity: int | None = None,
                  gc_interval: float = 300.0, policy: str = "lru", clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
@@ -188,7 +199,9 @@ class FsspecTier(BudgetedTier):
         self.nowait = False  # decided with the back end
         self.fstype: str | None = None
         self.timeout = timeout
-        self.probe = probe
+        #: The write probe of :meth:`open` (may be changed before it).
+        self.probe = parse_probe(probe)
+        self.guard = ReadOnlyGuard(self.name, log)
         self._policy = make_policy(policy, capacity, clock)
         self._backend: Backend | None = None
         self._root = ""
@@ -233,7 +246,7 @@ class FsspecTier(BudgetedTier):
             shuffle=parse_bool(merged.get("shuffle", False), "shuffle"),
             fanout=fanout, fsync=parse_bool(merged.get("fsync", False), "fsync"),
             nowait=merged.get("nowait", "auto"),
-            probe=parse_bool(merged.get("probe", True), "probe"),
+            probe=parse_probe(merged.get("probe", ProbeMode.AUTO)),
             timeout=timeout, policy=parse_policy(merged.get("policy")),
             name=str(merged["name"]) if "name" in merged else None,
             **fleet_options(merged), **kwargs)
@@ -292,9 +305,9 @@ class FsspecTier(BudgetedTier):
             (read-only or missing mount, no permission, a bucket that does not exist,
             wrong credentials, a filesystem that cannot write).
         """
-        if self.probe:
+        if self.probe is not ProbeMode.OFF:
             await self._probe()
-        if self.fleet is not None:
+        if self.fleet is not None and not self.guard.read_only:
             self.fleet.start()
 
     async def _probe(self) -> None:
@@ -306,12 +319,28 @@ class FsspecTier(BudgetedTier):
                 await backend.write(path, lambda: frame)
                 await backend.delete(path)
         except Exception as exc:  # whatever the back end raises, the tier cannot be used
+            error = f"{type(exc).__name__}: {exc}"
+            if self.probe is ProbeMode.AUTO and is_read_only_error(exc):
+                unreadable = await check_readable(self._backend, self._root, self.timeout)
+                if unreadable is None:
+                    await self._open_read_only(error)
+                    return
+                error += f"; and it cannot be read either: {unreadable}"
             where = "the path in the URL" if self.protocol in ("file", "local") else \
                 "the URL or its storage options (bucket, endpoint_url, credentials)"
             raise ConfigError(
                 f"{self.name} tier: {self.url!r} cannot take a block: the write probe failed "
-                f"({type(exc).__name__}: {exc}); change {where}, or add probe=0 for a "
-                "read-only reader") from exc
+                f"({error}); change {where}") from exc
+
+    async def _open_read_only(self, why: str) -> None:
+        """Serve reads only: the location refused the probe's write but can be read."""
+        self.guard.set_read_only(f"the write probe failed: {why}")
+        fleet, self.fleet = self.fleet, None  # its use log and gc write the shared directory
+        if fleet is not None:
+            await fleet.aclose()
+        log.warning("%s tier: %s opened read-only: the write probe was refused (%s); reads "
+                    "serve, writes and deletes are refused (probe=require makes this an "
+                    "error)", self.name, self.url, why)
 
     def _forget(self, keys: list[bytes], why: str) -> None:
         """Stop counting ``keys`` whose files were deleted behind this tier's back (by a
@@ -426,6 +455,9 @@ class FsspecTier(BudgetedTier):
                                     shuffle=self.shuffle)
 
     async def _put(self, key: bytes, block: Block) -> None:
+        if self.guard.read_only:
+            self.guard.refuse("put")
+            return
         bound = frame_size_bound(block)
         self._policy.check_fits(bound)
         await self._store_evicting(((key, block),), (bound,))
@@ -481,6 +513,9 @@ class FsspecTier(BudgetedTier):
         return found
 
     async def _delete(self, key: bytes) -> bool:
+        if self.guard.read_only:
+            self.guard.refuse("delete")
+            return False
         # Waits for an in-flight eviction so a deleted key is not demoted afterwards.
         if self._busy():
             await self._settled([key])
@@ -491,6 +526,7 @@ class FsspecTier(BudgetedTier):
             await self.fleet.aclose()
         await self._commits_done()
         self._warnings.flush()
+        self.guard.flush()
         if self._backend is not None:
             await self._backend.close()
             self._backend = None
@@ -502,7 +538,7 @@ class FsspecTier(BudgetedTier):
             if isinstance(backend, LocalBackend) else {}
         return {**super().stats(), "scheme": self.protocol, "hits": self.hits,
                 "misses": self.misses, "io_errors": self.io_errors, "corrupt": self.corrupt,
-                "vanished": self.vanished, "url": self.url, **nowait,
+                "vanished": self.vanished, "url": self.url, **nowait, **self.guard.stats(),
                 **(self.fleet.stats() if self.fleet is not None else {})}
 
 
