@@ -22,6 +22,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.misses import REASON_HELP, MissReason
 from kvtier.redact import mask_secrets
 
 if TYPE_CHECKING:
@@ -191,6 +192,8 @@ async def _explain(args: argparse.Namespace, keys: list[bytes]) -> int:
         leading = next((i for i, e in enumerate(found) if not e.hit), len(found))
         line += f"; the prompt's first {leading} of {len(found)} blocks would hit"
     print(line)
+    for reason in sorted(reasons):
+        print(f"what to look at for {reason}: {REASON_HELP[MissReason(reason)].todo}")
     if reasons.get("not_stored"):
         print("note: this process opened the tiers afresh; evictions are recorded by the "
               "process that runs the store (its store.explain() and stats()['miss_reasons']).")
