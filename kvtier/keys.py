@@ -20,6 +20,7 @@ __all__ = [
     "KEY_DIGEST_BYTES",
     "MAX_KEY_BYTES",
     "KeyNamespace",
+    "PrefixKeys",
     "key_from_hex",
     "prefix_keys",
     "validate_key",
@@ -126,6 +127,35 @@ class KeyNamespace:
         return h.digest()
 
 
+class PrefixKeys(list[bytes]):
+    """The keys :func:`prefix_keys` returns: a plain ``list`` of the keys that also
+    remembers how they were made (the namespace, the block size and the tokens hashed), so
+    a lookup log can tell why two instances hash one prompt differently
+    (:mod:`kvtier.lookuplog`). A slice or copy is a plain list.
+    """
+
+    __slots__ = ("_tokens", "block_tokens", "namespace")
+
+    def __init__(self, keys: list[bytes], namespace: KeyNamespace, block_tokens: int,
+                 tokens: bytes) -> None:
+        super().__init__(keys)
+        self.namespace = namespace
+        self.block_tokens = block_tokens
+        self._tokens = tokens  # the hashed tokens, little-endian int64 (no copy is made)
+
+    def prefix_digests(self) -> list[str]:
+        """Per block, a digest of the prompt's tokens up to the block's end that does not
+        depend on the namespace or the block size: two instances that see one prompt get
+        equal digests at equal token counts, whatever their keys (hex, 16 characters)."""
+        h = hashlib.blake2b(digest_size=8, person=b"kvtier-prompt")
+        stride = self.block_tokens * 8
+        out: list[str] = []
+        for i in range(len(self)):
+            h.update(self._tokens[i * stride:(i + 1) * stride])
+            out.append(h.copy().hexdigest())
+        return out
+
+
 def _as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
     if isinstance(tokens, np.ndarray):
         arr = tokens
@@ -151,7 +181,7 @@ def prefix_keys(
     tokens: Sequence[int] | npt.NDArray[np.integer],
     block_tokens: int,
     namespace: KeyNamespace,
-) -> list[bytes]:
+) -> PrefixKeys:
     """Hash a prompt into one 16-byte key per *full* block of ``block_tokens`` tokens.
 
     Parameters
@@ -165,8 +195,9 @@ def prefix_keys(
 
     Returns
     -------
-    list of bytes
-        ``len(tokens) // block_tokens`` chained digests; a trailing partial block gets no key.
+    PrefixKeys
+        ``len(tokens) // block_tokens`` chained digests (a ``list`` of ``bytes``); a
+        trailing partial block gets no key.
 
     Examples
     --------
@@ -183,7 +214,7 @@ def prefix_keys(
     n_blocks = arr.size // block_tokens
     raw = arr[: n_blocks * block_tokens].tobytes()
     stride = block_tokens * 8
-    keys: list[bytes] = []
+    keys = PrefixKeys([], namespace, block_tokens, raw)
     prev = namespace.root_key()
     blake2b = hashlib.blake2b
     for i in range(n_blocks):

@@ -23,7 +23,8 @@ __all__ = ["open_store"]
 
 _STORE_OPTIONS = ("promote", "write_policy", "timeout", "write_queue_size", "write_queue_bytes",
                   "write_workers", "promote_counter_size", "pool_write_through", "close_flush",
-                  "close_flush_timeout", "node", "block_tokens", "miss_record_size")
+                  "close_flush_timeout", "node", "block_tokens", "miss_record_size",
+                  "lookup_log")
 
 
 class _OpeningStore:
@@ -75,7 +76,8 @@ def open_store(urls: Sequence[str | Tier], *,
         Store options: ``promote``, ``write_policy``, ``timeout``, ``write_queue_size``,
         ``write_queue_bytes``, ``write_workers``, ``promote_counter_size``,
         ``pool_write_through``, ``close_flush``, ``close_flush_timeout``, ``node``,
-        ``block_tokens``, ``miss_record_size`` (see :class:`~kvtier.store.TieredStore`).
+        ``block_tokens``, ``miss_record_size``, ``lookup_log`` (see
+        :class:`~kvtier.store.TieredStore`).
 
     Raises
     ------

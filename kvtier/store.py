@@ -29,7 +29,8 @@ from kvtier.codec import as_block
 from kvtier.errors import ClosedError, ConfigError, WrongLoopError
 from kvtier.events import EventHub, Subscription
 from kvtier.explain import Explanation, explain_keys
-from kvtier.keys import validate_key
+from kvtier.keys import PrefixKeys, validate_key
+from kvtier.lookuplog import open_lookup_log
 from kvtier.misses import DEFAULT_MISS_RECORD_SIZE, MissLedger
 from kvtier.open import open_store
 from kvtier.placement import Placement
@@ -123,6 +124,12 @@ class TieredStore:
         Keys each tier remembers evicting or dropping as corrupt, so that a later miss can
         say why (:meth:`explain`, ``miss_reasons`` in :meth:`stats`); the oldest is
         forgotten first (default 32768 per tier, about 200 bytes each).
+    lookup_log
+        ``"PATH[?max_bytes=64MiB&backups=3&instance=NAME]"``: write each
+        :meth:`lookup_prefix`'s keys and result to rotating JSON lines, with the namespace
+        when the keys came from :func:`~kvtier.keys.prefix_keys` (see
+        :mod:`kvtier.lookuplog`; ``kvtier explain --log A --log B`` compares two
+        instances'). Default ``None``: none.
 
     Raises
     ------
@@ -155,7 +162,8 @@ class TieredStore:
                  pool_write_through: bool = True, close_flush: bool = True,
                  close_flush_timeout: float = 30.0, node: str | None = None,
                  block_tokens: int | None = None,
-                 miss_record_size: int = DEFAULT_MISS_RECORD_SIZE) -> None:
+                 miss_record_size: int = DEFAULT_MISS_RECORD_SIZE,
+                 lookup_log: str | None = None) -> None:
         if isinstance(tiers, Tier) or not isinstance(tiers, Sequence) or not tiers:
             raise TypeError("tiers: expected a non-empty sequence of Tier objects")
         for i, tier in enumerate(tiers):
@@ -201,6 +209,8 @@ class TieredStore:
             if close_flush else None
         for i, tier in enumerate(chain.tiers[:-1]):
             tier.on_evict = self._placement.demoter(i)
+        # Last: it starts a writer thread, which a constructor that raised would leak.
+        self._lookup_log = open_lookup_log(lookup_log, node)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -360,7 +370,11 @@ class TieredStore:
         self._enter()
         key_list = keys_list(keys)
         self._note_chain(key_list)
-        return await self._reads.lookup_prefix(key_list, self._deadline(timeout))
+        hit = await self._reads.lookup_prefix(key_list, self._deadline(timeout))
+        if self._lookup_log is not None:
+            # The caller's PrefixKeys carries the namespace (key_list is a plain copy).
+            self._lookup_log.record(keys if isinstance(keys, PrefixKeys) else key_list, hit)
+        return hit
 
     @_in_flight
     async def explain(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
@@ -769,6 +783,8 @@ class TieredStore:
                 self._events.cleared(tier=tier.name, medium=self._chain.mediums[index])
             self._chain.warnings.flush()
             self._events.close()
+            if self._lookup_log is not None:
+                self._lookup_log.close()
 
     async def __aenter__(self) -> Self:
         self._enter()

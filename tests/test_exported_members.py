@@ -17,7 +17,7 @@ def test_all_is_pinned() -> None:
         "BlockTooLargeError", "ClosedError", "ConfigError", "CorruptBlockError",
         "DRAMTier", "DirectoryLockedError", "FsspecTier", "HBMTier", "InvalidKeyError",
         "KVTierError", "KeyNamespace", "LMDBTier", "LimitExceededError",
-        "PeerError", "PeerStatusError", "PeerTier", "ProtocolError",
+        "NotOpenedError", "PeerError", "PeerStatusError", "PeerTier", "ProtocolError",
         "ShapeMismatchError", "Tier", "TierError",
         "TierFullError", "TieredStore", "UnknownSchemeError", "WrongLoopError",
         "__version__", "open_store", "prefix_keys",

@@ -23,7 +23,7 @@ def member(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 async def test_forgotten_await_says_to_await() -> None:
     opener = open_store(["dram://?capacity=1MiB"])
-    with pytest.raises(NotOpenedError, match="was not awaited.*await open_store.*async with"):
+    with pytest.raises(NotOpenedError, match=r"was not awaited.*await open_store.*async with"):
         await opener.get(key_of(1))  # type: ignore[attr-defined]
     assert isinstance(NotOpenedError("x"), KVTierError | AttributeError)
     assert not hasattr(opener, "put")

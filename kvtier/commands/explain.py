@@ -39,14 +39,18 @@ _SEPARATORS = re.compile(r"[\s,]+")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvtier explain``."""
-    parser.add_argument("urls", nargs="+", metavar="URL",
+    parser.add_argument("urls", nargs="*", metavar="URL",
                         help="tier URLs, top first (as the store was opened)")
-    what = parser.add_mutually_exclusive_group(required=True)
+    what = parser.add_mutually_exclusive_group()
     what.add_argument("--key", action="append", metavar="HEX",
                       help="a block key in lowercase hex (repeat for more)")
     what.add_argument("--prefix-of", metavar="TOKENS_FILE",
                       help="a prompt's token ids (JSON list, or separated by whitespace or "
                            "commas; - for stdin): explain each of its full blocks' keys")
+    what.add_argument("--log", action="append", metavar="FILE",
+                      help="a lookup log (store option lookup_log=; its rotated FILE.1 ... "
+                           "are read too): give two, one per instance, to say why they hash "
+                           "the same prompts differently; one to summarise it")
     keys = parser.add_argument_group("key namespace (with --prefix-of; as the engine set it)")
     keys.add_argument("--block-tokens", type=int, metavar="N", help="tokens per block")
     keys.add_argument("--model", help="model name of the key namespace")
@@ -155,9 +159,17 @@ def _keys(args: argparse.Namespace) -> list[bytes]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Explain the keys; 0 when explained, 2 on bad input (a malformed URL or option), 1
-    when the tiers cannot open (unreachable, a wrong or missing token, a locked directory)."""
+    """Explain the keys (or compare lookup logs); 0 when explained, 2 on bad input (a
+    malformed URL, option or log), 1 when the tiers cannot open (unreachable, a wrong or
+    missing token, a locked directory)."""
+    if args.log:
+        return _compare_logs(args)
     try:
+        if not args.urls:
+            raise ConfigError("give the tier URLs (top first) and --key or --prefix-of, or "
+                              "--log FILE [--log FILE2]")
+        if not args.key and not args.prefix_of:
+            raise ConfigError("one of --key, --prefix-of or --log is required")
         if not args.timeout > 0:
             raise ConfigError(f"--timeout: expected seconds > 0, got {args.timeout}")
         keys = _keys(args)
@@ -165,6 +177,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier explain: {exc}")
         return 2
     return asyncio.run(_explain(args, keys))
+
+
+def _compare_logs(args: argparse.Namespace) -> int:
+    from kvtier.lookuplog import diff_logs, log_files, read_log
+
+    try:
+        if args.urls or len(args.log) > 2:
+            raise ConfigError("--log: give one or two lookup logs (one per instance) and no "
+                              "tier URLs")
+        logs = [read_log(log_files(path)) for path in args.log]
+    except KVTierError as exc:
+        print(f"kvtier explain: {exc}")
+        return 2
+    found = diff_logs(logs[0], logs[1] if len(logs) == 2 else [])
+    print(found.report() if len(args.log) == 2 else found.summary())
+    return 0
 
 
 async def _explain(args: argparse.Namespace, keys: list[bytes]) -> int:
