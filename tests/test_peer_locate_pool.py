@@ -14,6 +14,7 @@ import pytest
 from kvtier.peer.locate import LocalPrefix, PrefixLocation, locate_prefix
 from kvtier.peer.tier import PeerTier
 from kvtier.store import open_store
+from tests.helpers.load import LoopLag
 from tests.helpers.peer_helpers import TOKEN, ServeProcess, serve_processes
 
 BLOCK = np.arange(2048, dtype=np.uint16)
@@ -86,10 +87,11 @@ async def test_a_hung_and_a_killed_member_are_left_out_within_the_deadline(
         killed.signal(signal.SIGKILL)
         try:
             deadline = 1.0
-            t0 = time.monotonic()
-            found = await store.locate_prefix(K[:8], timeout=deadline)
-            elapsed = time.monotonic() - t0
-            assert elapsed < deadline + SLACK
+            with LoopLag().measure() as lag:  # a late timer under load is not locate's doing
+                t0 = time.monotonic()
+                found = await store.locate_prefix(K[:8], timeout=deadline)
+                elapsed = time.monotonic() - t0
+            assert elapsed < deadline + SLACK + 2 * lag.worst
             assert set(found.nodes) == {"client", members[0]}
             assert found.nodes["client"].blocks == 8
         finally:
