@@ -108,9 +108,10 @@ def silent_owners(owners: Sequence[str], answered: Collection[str],
     silent = [m for m in owners if m not in answered]
     if not silent:
         return None
-    states = [f"{m} {describe(m) or 'did not answer this read'}" for m in silent]
-    noun = "owner" if len(owners) == 1 else f"{len(silent)} of {len(owners)} owners"
-    return f"{noun} did not answer: " + "; ".join(states)
+    states = "; ".join(f"{m} {describe(m) or 'did not answer this read'}" for m in silent)
+    if len(owners) == 1:
+        return f"owner {states}"
+    return f"{len(silent)} of {len(owners)} owners did not answer: {states}"
 
 
 class FailureDetector:

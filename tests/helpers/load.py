@@ -20,7 +20,7 @@ __all__ = ["LoopLag", "Scale", "slowdown"]
 
 _SAMPLES = 3
 _WORK = 400_000  # loop iterations per sample: about 20 ms of CPU, several scheduler slices
-_CAP = 50.0
+_CAP = 8.0  # past this the box is too loaded for any timeout test to mean much
 
 
 def _work() -> int:
@@ -32,7 +32,7 @@ def _work() -> int:
 
 def slowdown() -> float:
     """Wall time over CPU time of a fixed piece of work, the median of a few samples: ``1.0``
-    on an idle machine, larger under load (capped at 50)."""
+    on an idle machine, larger under load (capped at 8)."""
     ratios = []
     for _ in range(_SAMPLES):
         wall, cpu = time.perf_counter(), time.thread_time()
