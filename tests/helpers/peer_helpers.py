@@ -32,7 +32,7 @@ class ServeProcess:
     member: str = ""
     log_path: Path = field(default=Path("/dev/null"))
 
-    def start(self, listen: str = "127.0.0.1:0", timeout: float = 20.0) -> str:
+    def start(self, listen: str = "127.0.0.1:0", timeout: float = 90.0) -> str:
         self.launch(listen)
         return self.wait_ready(timeout)
 
@@ -47,8 +47,9 @@ class ServeProcess:
                  "--token-file", str(self.token_file), *self.args],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
-    def wait_ready(self, timeout: float = 20.0) -> str:
-        """Wait for the listening line; returns the member id ``host:port``."""
+    def wait_ready(self, timeout: float = 90.0) -> str:
+        """Wait for the listening line; returns the member id ``host:port``. The bound is
+        generous: at load 8 on two cores, importing the server alone takes over 20 s."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
