@@ -298,12 +298,17 @@ class FsspecTier(BudgetedTier):
         into place, for ``file://``), then delete it; with ``fleet_capacity``, start the
         background gc of the shared directory. ``open_store`` calls this.
 
+        Under ``probe=auto`` a probe refused for permission (``EACCES``, ``EPERM``,
+        ``EROFS``) on a root that can still be listed opens the tier read-only instead
+        (:mod:`kvtier.tiers.fsspec_readonly`).
+
         Raises
         ------
         ConfigError
-            Naming the URL and the error, when the probe cannot be written or deleted
-            (read-only or missing mount, no permission, a bucket that does not exist,
-            wrong credentials, a filesystem that cannot write).
+            Naming the URL and the error, when the probe cannot be written or deleted and
+            the tier does not open read-only (a missing mount or directory, a bucket that
+            does not exist, wrong credentials, a location that cannot be read either, or
+            any failure under ``probe=require``).
         """
         if self.probe is not ProbeMode.OFF:
             await self._probe()
