@@ -22,7 +22,7 @@ K = [bytes([i]) * 16 for i in range(8)]
 
 async def test_subscriber_receives_events_in_order_as_batches() -> None:
     hub = EventHub("node0")
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     hub.stored(K[:2], tier="dram", medium="cpu", parent=None, block_tokens=256)
     hub.removed(K[:1], tier="dram", medium="cpu")
     hub.stored(K[2:3], tier="lmdb", medium="disk", parent=K[1])
@@ -42,8 +42,8 @@ async def test_subscriber_receives_events_in_order_as_batches() -> None:
 
 async def test_slow_consumer_loses_oldest_events_and_counts_them() -> None:
     hub = EventHub("n", buffer=4)
-    slow = hub.subscribe()
-    fast = hub.subscribe(buffer=100)
+    slow = hub.subscribe(resync=False)
+    fast = hub.subscribe(buffer=100, resync=False)
     for i in range(10):  # the producer never waits, whatever the consumers do
         hub.stored([bytes([i + 1])], tier="dram", medium="cpu")
     assert slow.dropped == 6 and fast.dropped == 0 and hub.dropped == 6
@@ -59,7 +59,7 @@ async def test_async_iteration_and_context_manager_end_on_close() -> None:
     got = []
 
     async def consume() -> None:
-        async with hub.subscribe() as sub:
+        async with hub.subscribe(resync=False) as sub:
             async for event in sub:
                 got.append(event)
 
@@ -75,7 +75,7 @@ async def test_async_iteration_and_context_manager_end_on_close() -> None:
 
 async def test_producer_on_another_thread_wakes_the_consumer() -> None:
     hub = EventHub("n")
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     waiter = asyncio.create_task(sub.next_batch())
     await asyncio.sleep(0)
     thread = threading.Thread(target=hub.stored, args=(K[:1],),
@@ -90,13 +90,13 @@ async def test_no_subscriber_costs_nothing_and_bad_input_is_refused() -> None:
     hub = EventHub("n")
     hub.stored(K[:1], tier="dram", medium="cpu")
     assert hub.emitted == 0
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     with pytest.raises(TypeError, match="keys"):
         hub.stored(["not bytes"], tier="dram", medium="cpu")  # type: ignore[list-item]
     with pytest.raises(ValueError, match="node"):
         EventHub("")
     with pytest.raises(ValueError, match="buffer"):
-        hub.subscribe(buffer=0)
+        hub.subscribe(buffer=0, resync=False)
     assert hub.emitted == 0
     sub.close()
 
@@ -117,7 +117,7 @@ def test_medium_follows_the_tier() -> None:
 
 async def test_drain_nowait_takes_what_is_buffered() -> None:
     hub = EventHub("n")
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     assert sub.drain_nowait() == []
     hub.stored(K[:1], tier="dram", medium="cpu")
     hub.removed(K[:1], tier="dram", medium="cpu")
@@ -140,7 +140,8 @@ def test_close_from_a_thread_after_the_store_closed() -> None:
     sub = store.events()
     store.put(K[0], b"block")
     store.close()  # ends the subscription on the store's loop, then closes that loop
-    assert [type(e) for e in sub.drain_nowait()] == [BlockStored, AllBlocksCleared]
+    assert [type(e) for e in sub.drain_nowait()] == [
+        AllBlocksCleared, BlockStored, BlockRemoved, AllBlocksCleared]  # resync, put, close
     sub.close()
     sub.close()
 
@@ -151,7 +152,7 @@ def test_close_from_a_thread_after_the_store_closed() -> None:
 
 
 async def _subscribe(hub: EventHub) -> Subscription:
-    return hub.subscribe()
+    return hub.subscribe(resync=False)
 
 
 def test_counts_are_exact_with_producers_on_many_threads() -> None:
