@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from kvtier.events import (
+    RESYNC_KEYS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -173,9 +174,44 @@ def test_counts_are_exact_with_producers_on_many_threads() -> None:
         sys.setswitchinterval(switch)
     assert hub.emitted == threads * per_thread
     assert hub.dropped == sub.dropped == threads * per_thread - 8
-    assert len(sub.drain_nowait()) == 8
+    kept = sub.drain_nowait()
+    # The last 8 events, in seq order: producers' events leave in the order they were
+    # numbered, whichever thread made them.
+    assert [e.seq for e in kept] == list(range(threads * per_thread - 7,
+                                               threads * per_thread + 1))
 
 
 def _emit_many(hub: EventHub, n: int) -> None:
     for _ in range(n):
         hub.removed(K[:1], tier="dram", medium="cpu")
+
+
+async def test_every_subscription_starts_with_a_resync_of_what_the_node_holds() -> None:
+    many = [i.to_bytes(4, "big") * 4 for i in range(RESYNC_KEYS + 3)]
+    held: dict[str, list[bytes]] = {"dram": K[:2], "lmdb": many}
+    hub = EventHub("n", resident=lambda: [(t, "cpu" if t == "dram" else "disk", keys)
+                                          for t, keys in held.items()])
+    hub.stored(K[2:3], tier="dram", medium="cpu")  # nobody listens: not numbered
+    first = hub.subscribe()
+    hub.stored(K[3:4], tier="dram", medium="cpu")
+    cleared, ram, disk, disk_rest, live = first.drain_nowait()
+    assert isinstance(cleared, AllBlocksCleared) and cleared.tier is None
+    assert isinstance(ram, BlockStored) and ram.keys == tuple(K[:2]) and ram.medium == "cpu"
+    assert isinstance(disk, BlockStored) and isinstance(disk_rest, BlockStored)
+    assert disk.keys + disk_rest.keys == tuple(many) and len(disk.keys) == RESYNC_KEYS
+    assert {e.seq for e in (cleared, ram, disk, disk_rest)} == {0} and live.seq == 1
+    assert {e.incarnation for e in (cleared, ram, live)} == {hub.incarnation}
+
+    # A later subscriber's resync is stamped with the seq of the last event before it.
+    held["dram"] = K[:4]
+    second = hub.subscribe(buffer=2)
+    hub.removed(K[:1], tier="dram", medium="cpu")
+    events = second.drain_nowait()
+    assert [e.seq for e in events] == [1, 1, 1, 1, 2]
+    assert second.dropped == 0  # the resync does not count against buffer=2
+    assert [e.seq for e in first.drain_nowait()] == [2]
+
+    # Another hub (a restarted process) has another incarnation.
+    assert EventHub("n").incarnation != hub.incarnation
+    first.close()
+    second.close()

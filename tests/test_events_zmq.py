@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier.events import EventHub
-from kvtier.events_zmq import ZmqEventPublisher
+from kvtier.events_zmq import VllmKVEventBatch, ZmqEventPublisher
 from kvtier.integrations.vllm_events import event_media
 from kvtier.store import TieredStore
 from kvtier.tiers.dram import DRAMTier
@@ -110,7 +110,9 @@ async def test_subscriber_decodes_vllm_batches() -> None:
                 topic, seq, payload = await _recv(sub)
                 assert topic == b"kv@node0@llama" and len(seq) == 8
                 seqs.append(int.from_bytes(seq, "big"))
-                events += DECODER.decode(payload).events
+                events += DECODER.decode(payload).events  # vLLM's struct: no incarnation
+                assert msgspec.msgpack.decode(payload, type=VllmKVEventBatch).incarnation \
+                    == hub.incarnation
             assert seqs == list(range(start + 1, start + 1 + len(seqs)))
             stored, removed, lower = events
             assert isinstance(stored, BlockStored) and stored.block_hashes == K[:3]
