@@ -167,3 +167,29 @@ def test_bad_arguments_get_clear_errors() -> None:
         kvtier.metrics.register(object(), CollectorRegistry())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="port"):
         kvtier.metrics.start_http_server(object(), port=70000)  # type: ignore[arg-type]
+
+
+async def test_every_numeric_tier_statistic_has_a_known_kind(tmp_path: Path) -> None:
+    """A new statistic must be classified (kvtier/peer/metrics.py): unknown ones are exported
+    as gauges, which would drop a running total's ``_total``."""
+    from kvtier.peer.server import PeerServer
+    from kvtier.tiers.dram import DRAMTier
+
+    server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True)
+    await server.start()
+    try:
+        store = await open_store([
+            "dram://?capacity=512KiB", f"peers://{server.member_id}?token={TOKEN}&timeout=5",
+            f"lmdb://{tmp_path}/l?capacity=1MiB", f"file://{tmp_path}/f"])
+        try:
+            for i in range(12):
+                await store.put(key_of(i), np.full(BLOCK, i, np.uint8))
+            await store.get(key_of(0))
+            fields = {k for t in store.stats()["tiers"] for k, v in t.items()
+                      if isinstance(v, int | float) and not isinstance(v, bool)}
+        finally:
+            await store.aclose()
+    finally:
+        await server.stop()
+    assert {"arena_bytes", "copies_made", "disk_bytes", "hits"} <= fields
+    assert not sorted(f for f in fields if not classified(f))

@@ -48,13 +48,12 @@ COUNTER_FIELDS = frozenset({
     "hits", "misses", "errors", "timeouts", "promotions", "demotions", "bytes_in",
     "bytes_out", "evictions", "eviction_errors", "arena_reused", "arena_overflow",
     "recycled", "io_errors", "corrupt", "map_full", "reads_inline", "reads_nowait",
-    "read_slots_reused", "tier_hits", "tier_misses", "hints_dropped", "member_failures",
-    "member_recoveries", "answer_buffers_reused", "gc_runs", "gc_deleted", "gc_errors",
-    "gc_freed_bytes", "gc_skipped", "use_log_lines", "use_log_errors", "vanished",
-    "bytes_read", "bytes_written", "copies_made", "evicted", "found_at_start", "hedge_wins",
-    "hedged_reads", "hints_handed_over", "hit_blocks", "hit_tokens", "owners_verified",
-    "puts_under_replicated", "read_repairs", "read_repairs_dropped", "remote_hits",
-    "requests", "tokens", "walk_hits"})
+    "read_slots_reused", "tier_hits", "tier_misses", "tier_errors", "tier_timeouts",
+    "hints_dropped", "member_failures", "member_recoveries", "answer_buffers_reused",
+    "gc_runs", "gc_deleted", "gc_errors", "gc_freed_bytes", "gc_skipped", "use_log_lines",
+    "use_log_errors", "vanished", "copies_made", "hedge_wins", "hedged_reads",
+    "hints_handed_over", "owners_verified", "puts_under_replicated", "read_repairs",
+    "read_repairs_dropped", "walk_hits"})
 _GAUGE_SUFFIXES = ("_us", "_depth", "_s", "_seconds", "_in_flight")
 _COUNTER_SUFFIXES = ("_requests",)  # a peer tier's per-operation request counts
 
