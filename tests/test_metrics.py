@@ -48,13 +48,18 @@ async def _scrape(member: str) -> str:
         return await resp.text()
 
 
-async def _churn(tier: PeerTier, start: int, count: int) -> None:
-    for i in range(start, start + count):
-        await tier.put(key_of(i), np.full(BLOCK, i % 251, np.uint8))
-    for i in range(start, start + count, 3):
-        await tier.delete(key_of(i))
-    for i in range(start, start + count, 2):
-        await tier.get(key_of(i))
+async def _churn(tier: PeerTier, start: int, count: int, *, deletes_first: bool) -> None:
+    keys = [key_of(i) for i in range(start, start + count)]
+    if deletes_first:  # a few blocks of the round before (gone already: misses)
+        for i in range(start - count, start, 6):
+            await tier.delete(key_of(i))
+    for key in keys:
+        await tier.put(key, np.full(BLOCK, keys.index(key) % 251, np.uint8))
+    for key in keys[::2]:
+        await tier.get(key)
+    if not deletes_first:
+        for key in keys:  # every arena slot of DRAM is released
+            await tier.delete(key)
 
 
 async def test_no_counter_of_kvtier_serve_goes_down_under_churn(tmp_path: Path) -> None:
@@ -62,9 +67,13 @@ async def test_no_counter_of_kvtier_serve_goes_down_under_churn(tmp_path: Path) 
     with serve_processes(tmp_path, 1, args) as (proc,):
         tier = PeerTier.from_url(f"peers://{proc.member}?token={TOKEN}&timeout=10")
         try:
-            await _churn(tier, 0, 24)  # fills DRAM, demotes into LMDB, which evicts too
+            # Fills DRAM, demotes into LMDB, which evicts too; ends deleting every block, so
+            # DRAM's arena slots are all released ...
+            await _churn(tier, 0, 24, deletes_first=False)
             before, kinds = _samples(await _scrape(proc.member))
-            await _churn(tier, 100, 40)  # evictions, deletes, recycled arena slots
+            # ... which deletes, puts (evictions) and promotions take up again: the arena's
+            # free bytes go down, as a level may.
+            await _churn(tier, 24, 24, deletes_first=True)
             after, kinds_after = _samples(await _scrape(proc.member))
         finally:
             await tier.aclose()
