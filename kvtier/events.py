@@ -18,6 +18,10 @@ Usage::
 
 Producers may call from any thread (an LMDB eviction running in ``asyncio.to_thread``): a
 subscriber's wake-up is handed to its event loop with ``call_soon_threadsafe``.
+
+Every event carries the hub's ``incarnation`` (random, new for every hub) and a ``seq`` in
+emission order; every subscription starts with a resync (``AllBlocksCleared`` for the node,
+then ``BlockStored`` for what it holds), so a consumer's view starts true after a restart.
 """
 
 from __future__ import annotations
