@@ -147,13 +147,17 @@ class HostArena:
     hugepages
         ``madvise(MADV_HUGEPAGE)``: transparent huge pages (one fault and one TLB entry per
         2 MiB) where the kernel allows them (``/sys/kernel/mm/transparent_hugepage``).
+    backing
+        Carve slots from this mapping (at least ``nbytes`` long) instead of mapping
+        anonymous memory: the host daemon's shared arena file (:mod:`kvtier.shm.files`),
+        which engine processes map too. :meth:`offset_of` then locates a block in it.
 
     Concurrency: :meth:`allocate` may be called from any thread (a lock orders it); slots
     are released from any thread.
     """
 
     def __init__(self, nbytes: int, *, prefault: Prefault = False,
-                 hugepages: bool = False) -> None:
+                 hugepages: bool = False, backing: mmap.mmap | None = None) -> None:
         if nbytes <= 0:
             raise ConfigError(f"capacity: an arena needs a positive size, got {nbytes}")
         #: Bytes slots are carved from (``nbytes`` rounded up to a page).
@@ -166,10 +170,17 @@ class HostArena:
             flags |= mmap.MAP_POPULATE
         elif prefault is not True:
             flags |= getattr(mmap, "MAP_NORESERVE", 0)
-        try:
-            self._map = mmap.mmap(-1, mapped, flags=flags)
-        except OSError as exc:
-            raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: {exc}") from exc
+        if backing is not None:
+            if len(backing) < self.nbytes:
+                raise ConfigError(f"backing: {len(backing)} bytes, the arena needs "
+                                  f"{self.nbytes}")
+            self._map = backing
+        else:
+            try:
+                self._map = mmap.mmap(-1, mapped, flags=flags)
+            except OSError as exc:
+                raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: "
+                                  f"{exc}") from exc
         self.hugepages = False
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
@@ -179,7 +190,8 @@ class HostArena:
                 pass
         #: The whole arena as one writable ``uint8`` array (what a backend pins).
         self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8, self.nbytes)
-        if prefault is True and hugepages:
+        self._address = int(self.buffer.__array_interface__["data"][0])
+        if prefault is True and (hugepages or backing is not None):
             self.buffer[::_PAGE] = 0  # first touch after madvise, so faults map huge pages
         self.prefault_mode = "open" if prefault is True else \
             "background" if prefault == "background" else "off"
@@ -257,6 +269,21 @@ class HostArena:
         self._refs[offset] = weakref.ref(raw, functools.partial(_released, self._freed,
                                                                 size, offset))
         return raw
+
+    def offset_of(self, block: npt.NDArray[Any]) -> int | None:
+        """Where ``block``'s bytes start in the arena, or ``None`` if they are not all in
+        it (a heap block: an overflow, or one a lower tier returned)."""
+        start = int(block.__array_interface__["data"][0]) - self._address
+        if 0 <= start and start + block.nbytes <= self.nbytes:
+            return start
+        return None
+
+    def used_bytes(self) -> int:
+        """Bytes of slots handed out and not yet released (blocks, and whatever a reader
+        or a lease still holds of dropped ones)."""
+        with self._lock:
+            self._drain()
+            return self._top - self.free_bytes
 
     def _drain(self) -> None:
         freed = self._freed
