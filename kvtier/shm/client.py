@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import threading
 import time
 from typing import Any
 
@@ -25,8 +26,15 @@ import numpy.typing as npt
 from kvtier.errors import TierError
 from kvtier.shm import protocol as p
 from kvtier.shm.files import map_arena, socket_path
+from kvtier.tiers.dram_arena import populate
 
 __all__ = ["LocalClient"]
+
+
+def _map_in(buffer: npt.NDArray[np.uint8], chunk: int = 64 << 20) -> None:
+    for start in range(0, buffer.nbytes, chunk):
+        if not populate(buffer[start:start + chunk]):
+            return
 
 
 class LocalClient:
@@ -123,6 +131,10 @@ class LocalClient:
         # The old mapping (a dead daemon's arena) stays alive while views of it exist.
         self._map, self.info = mapping, info
         self.buffer = np.frombuffer(mapping, np.uint8)
+        # This process's page tables for the arena, filled in the background: a first hit
+        # of 256 MiB otherwise pays 65,536 page faults, about as long as its copy.
+        threading.Thread(target=_map_in, args=(self.buffer,), name="kvtier-local-map-in",
+                         daemon=True).start()
 
     async def ensure(self, instance: object) -> bool:
         """Whether slots of arena ``instance`` can be read: it is mapped, or is once the

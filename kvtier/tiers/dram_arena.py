@@ -47,7 +47,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 
-__all__ = ["HostArena", "fault_in", "slot_bytes"]
+__all__ = ["HostArena", "fault_in", "populate", "slot_bytes"]
 
 _ALIGN = 64  # a cache line: copies into a slot never share a line with a neighbour
 _PAGE = mmap.PAGESIZE
@@ -107,6 +107,18 @@ def fault_in(buffer: npt.NDArray[np.uint8]) -> None:
             buffer[0] = buffer[0]  # the partial page before the first aligned one
         return
     buffer[::_PAGE] = 0
+
+
+def populate(buffer: npt.NDArray[np.uint8]) -> bool:
+    """Map every page of ``buffer`` writable now without touching its bytes
+    (``madvise(MADV_POPULATE_WRITE)``); ``False`` where the kernel cannot (nothing is
+    written then, unlike :func:`fault_in`), so it is safe on memory other processes use (a
+    shared arena an engine maps). Blocks the calling thread (no GIL held)."""
+    base = int(buffer.__array_interface__["data"][0])
+    start = (base + _PAGE - 1) // _PAGE * _PAGE
+    end = (base + buffer.nbytes) // _PAGE * _PAGE
+    return _MADVISE is not None and (end <= start or
+                                     _MADVISE(start, end - start, _MADV_POPULATE_WRITE) == 0)
 
 
 def available_memory() -> int | None:
