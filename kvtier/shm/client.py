@@ -28,13 +28,34 @@ from kvtier.shm import protocol as p
 from kvtier.shm.files import map_arena, socket_path
 from kvtier.tiers.dram_arena import populate
 
-__all__ = ["LocalClient"]
+__all__ = ["LocalClient", "map_announced"]
 
 
 def _map_in(buffer: npt.NDArray[np.uint8], chunk: int = 64 << 20) -> None:
     for start in range(0, buffer.nbytes, chunk):
         if not populate(buffer[start:start + chunk]):
             return
+
+
+def map_announced(name: str, info: dict[str, Any]) -> tuple[mmap.mmap, npt.NDArray[np.uint8]]:
+    """Map the arena a daemon's ``/v1/info`` announced; the mapping and its ``uint8`` view.
+
+    This process's page tables for it are filled in the background: a first hit of 256 MiB
+    otherwise pays 65,536 page faults, about as long as its copy.
+
+    Raises
+    ------
+    TierError
+        If the arena cannot be mapped.
+    """
+    try:
+        mapping = map_arena(str(info["path"]), int(info["nbytes"]))
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise TierError(f"local://{name}: cannot map the daemon's arena: {exc}") from None
+    buffer = np.frombuffer(mapping, np.uint8)
+    threading.Thread(target=_map_in, args=(buffer,), name="kvtier-local-map-in",
+                     daemon=True).start()
+    return mapping, buffer
 
 
 class LocalClient:
@@ -123,18 +144,9 @@ class LocalClient:
         info = await self.call("/v1/info")
         if self.info is not None and info["instance"] == self.info["instance"]:
             return
-        try:
-            mapping = map_arena(str(info["path"]), int(info["nbytes"]))
-        except (OSError, KeyError, ValueError) as exc:
-            raise TierError(f"local://{self.name}: cannot map the daemon's arena: {exc}"
-                            ) from None
         # The old mapping (a dead daemon's arena) stays alive while views of it exist.
-        self._map, self.info = mapping, info
-        self.buffer = np.frombuffer(mapping, np.uint8)
-        # This process's page tables for the arena, filled in the background: a first hit
-        # of 256 MiB otherwise pays 65,536 page faults, about as long as its copy.
-        threading.Thread(target=_map_in, args=(self.buffer,), name="kvtier-local-map-in",
-                         daemon=True).start()
+        self._map, self.buffer = map_announced(self.name, info)
+        self.info = info
 
     async def ensure(self, instance: object) -> bool:
         """Whether slots of arena ``instance`` can be read: it is mapped, or is once the

@@ -27,10 +27,37 @@ from kvtier.shm.files import validate_name
 from kvtier.tiers.base import Block, Tier, check_output_spec, copy_into
 from kvtier.urls import merge_options, parse_number, parse_tier_url
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "local_key", "parse_local_url"]
 
 log = logging.getLogger("kvtier.local")
 _OPTIONS = {"timeout", "namespace", "name"}
+
+
+def parse_local_url(url: str, **options: Any) -> dict[str, Any]:
+    """``local://NAME?...`` as :class:`LocalTier`'s arguments (``daemon``, ``timeout``,
+    ``namespace``, ``name``).
+
+    Raises
+    ------
+    ConfigError
+        For a path, an unknown option, a bad name or timeout.
+    """
+    parsed = parse_tier_url(url)
+    if parsed.scheme != "local" or parsed.path not in ("", "/"):
+        raise ConfigError(f"url: expected local://NAME with no path, got {url!r}")
+    opts = merge_options(parsed, options, _OPTIONS)
+    namespace = opts.get("namespace")
+    return {"daemon": validate_name(parsed.netloc, "url"),
+            "timeout": parse_number(opts.get("timeout", 1.0), "timeout", float, 0.001),
+            "namespace": None if namespace in (None, "") else str(namespace),
+            "name": str(opts["name"]) if opts.get("name") else None}
+
+
+def local_key(namespace: str | None, key: bytes) -> bytes:
+    """The key the daemon stores ``key`` under for a tier of ``namespace``."""
+    if namespace is None:
+        return key
+    return hashlib.blake2b(namespace.encode() + b"\0" + key, digest_size=16).digest()
 
 
 class LocalTier(Tier):
@@ -71,7 +98,7 @@ class LocalTier(Tier):
             raise ConfigError(f"timeout: expected > 0, got {timeout!r}")
         self.daemon = daemon
         self.timeout = timeout
-        self._salt = None if namespace is None else namespace.encode() + b"\0"
+        self.namespace = namespace
         self._client = LocalClient(daemon, timeout=timeout)
         self.counts: Counter[str] = Counter()
         self._background: set[asyncio.Task[Any]] = set()
@@ -79,15 +106,8 @@ class LocalTier(Tier):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
         """``local://NAME[?timeout=SECONDS][&namespace=TEXT][&name=LABEL]``."""
-        parsed = parse_tier_url(url)
-        if parsed.path not in ("", "/"):
-            raise ConfigError(f"url: local:// takes a daemon name and no path, got {url!r}")
-        opts = merge_options(parsed, options, _OPTIONS)
-        namespace = opts.get("namespace")
-        return cls(parsed.netloc,
-                   timeout=parse_number(opts.get("timeout", 1.0), "timeout", float, 0.001),
-                   namespace=None if namespace in (None, "") else str(namespace),
-                   name=str(opts["name"]) if opts.get("name") else None)
+        args = parse_local_url(url, **options)
+        return cls(args.pop("daemon"), **args)
 
     async def open(self) -> None:
         """Map the daemon's arena now if it is up (a daemon that starts later is attached
@@ -108,9 +128,7 @@ class LocalTier(Tier):
 
     # ------------------------------------------------------------------ keys
     def _k(self, key: bytes) -> bytes:
-        if self._salt is None:
-            return key
-        return hashlib.blake2b(self._salt + key, digest_size=16).digest()
+        return local_key(self.namespace, key)
 
     def _hex(self, keys: Sequence[bytes]) -> list[str]:
         return [self._k(k).hex() for k in keys]

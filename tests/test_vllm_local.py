@@ -1,0 +1,117 @@
+"""``KVTierConnector`` with ``tiers: ["local://NAME"]``, driven by vLLM fakes against a real
+`kvtier serve --shm NAME`: the worker runs no store of its own and moves each block once
+between the daemon's arena and the engine's pages."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.integrations.vllm_local import LocalWorkerSide
+from tests.helpers.shm_helpers import Daemon, running_daemon
+from tests.helpers.vllm_fakes import BLOCK, Blocks, FakeEngine, Request, expected_block, new_step
+
+PROMPT = [(13 * i + 7) % 997 + 1 for i in range(22)]  # 5 full blocks of 4, plus 2 tokens
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    with running_daemon(tmp_path) as proc:
+        yield proc
+
+
+def _extra(proc: Daemon, **more: object) -> dict[str, object]:
+    return {"tiers": [f"local://{proc.shm_name}?timeout=2"], "model": "tiny-test", **more}
+
+
+def _store_threads() -> int:
+    return sum(t.name.startswith("kvtier-blocking-store") for t in threading.enumerate())
+
+
+def test_engine_b_loads_what_engine_a_saved_through_the_daemon(daemon: Daemon) -> None:
+    before = _store_threads()
+    a = FakeEngine(_extra(daemon))
+    assert isinstance(a.worker._worker, LocalWorkerSide)
+    # The scheduler side asks the daemon (one store); the worker runs none.
+    assert _store_threads() == before + 1
+    req = Request("a-1", PROMPT)
+    assert a.prefill(req, [3, 9, 4, 10, 5, 11]) == (0, False, set())
+    assert a.finish(req) == {"a-1"}  # reported once its blocks were committed
+    b = FakeEngine(_extra(daemon))
+    try:
+        ext, load_async, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
+        assert ext == 5 * BLOCK and errors == set() and not load_async
+        for index, block_id in enumerate([20, 2, 21, 1, 22]):
+            assert b.block_bytes(block_id) == expected_block(PROMPT, index)
+        assert b.finish(Request("b-1", PROMPT)) == set()  # nothing new to save
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_load_the_daemon_cannot_serve_is_a_load_error_and_not_promised_again(
+        daemon: Daemon) -> None:
+    a = FakeEngine(_extra(daemon))
+    a.prefill(Request("a-1", PROMPT), list(range(6)))
+    a.finish(Request("a-1", PROMPT))
+    a.close()
+    b = FakeEngine(_extra(daemon))
+    try:
+        req = Request("b-1", PROMPT)
+        ext, _ = b.scheduler.get_num_new_matched_tokens(req, 0)
+        assert ext == 5 * BLOCK
+        ids = [8, 9, 10, 11, 12, 13]
+        b.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
+        daemon.signal(signal.SIGSTOP)  # hangs between the lookup and the load
+        try:
+            b.run_step(new_step(req, ids, ext, len(PROMPT) - ext))
+            _, errors = b.finish_step(req, ids, ext // BLOCK, len(PROMPT))
+        finally:
+            daemon.signal(signal.SIGCONT)
+        assert errors == {8, 9, 10, 11, 12}  # vLLM recomputes these
+        # The daemon still holds them, but the next ask does not promise them again at once.
+        again = Request("b-2", PROMPT)
+        assert b.scheduler.get_num_new_matched_tokens(again, 0) == (0, False)
+    finally:
+        b.close()
+
+
+def test_repeated_asks_for_one_request_give_one_answer_and_one_count(daemon: Daemon) -> None:
+    a = FakeEngine(_extra(daemon))
+    a.prefill(Request("a-1", PROMPT), list(range(6)))
+    a.finish(Request("a-1", PROMPT))
+    b = FakeEngine(_extra(daemon))
+    try:
+        planner = b.scheduler._planner
+        assert planner is not None
+        now = [100.0]
+        planner.clock = lambda: now[0]
+        req = Request("b-1", PROMPT)
+        answers = []
+        for _ in range(4):  # vLLM cannot schedule it yet: it asks at every step
+            answers.append(b.scheduler.get_num_new_matched_tokens(req, 0))
+            now[0] += 0.3  # past the reuse window too: asked again, counted once
+        assert answers == [(5 * BLOCK, False)] * 4
+        assert planner.misses.lookups == 1
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_prompt_vllm_already_caches_asks_the_daemon_nothing(daemon: Daemon) -> None:
+    b = FakeEngine(_extra(daemon))
+    try:
+        planner = b.scheduler._planner
+        assert planner is not None and planner.store is not None
+        daemon.signal(signal.SIGSTOP)  # any question would now cost its whole timeout
+        try:
+            assert b.scheduler.get_num_new_matched_tokens(Request("c", PROMPT), 20) == (0, False)
+        finally:
+            daemon.signal(signal.SIGCONT)
+        assert planner.misses.lookups == 0
+    finally:
+        b.close()
