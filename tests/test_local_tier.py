@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from kvtier.testing.conformance import SLOW_SECONDS, TierConformance, key_of, sa
 from kvtier.tiers.base import Tier
 from kvtier.tiers.local import LocalTier
 from kvtier.tiers.registry import tier_from_url
+from tests.helpers.peer_helpers import REPO
 from tests.helpers.shm_helpers import Daemon, running_daemon
 
 
@@ -53,7 +55,7 @@ class TestLocalConformance(TierConformance):
         self._ns += 1
         tier = tier_from_url(f"local://{self.daemon.shm_name}?timeout=2"
                              f"&namespace={os.urandom(6).hex()}-{self._ns}")
-        await tier.open()  # type: ignore[attr-defined]
+        await tier.open()
         return tier
 
     @contextlib.contextmanager
@@ -105,7 +107,8 @@ async def test_two_engines_share_one_daemon(shared_daemon: Daemon, tmp_path: Pat
     async with await kvtier.open_store([url]) as store:
         await store.put(key_of(3), block)
     script = tmp_path / "reader.py"
-    script.write_text(
+    await asyncio.to_thread(
+        script.write_text,
         "import asyncio, sys, numpy as np, kvtier\n"
         "async def main():\n"
         f"    async with await kvtier.open_store([{url!r}]) as store:\n"
@@ -114,8 +117,8 @@ async def test_two_engines_share_one_daemon(shared_daemon: Daemon, tmp_path: Pat
         "        sys.stdout.write(out.tobytes().hex() if hit == [True] else 'miss')\n"
         "asyncio.run(main())\n")
     proc = await asyncio.create_subprocess_exec(
-        os.sys.executable, str(script), stdout=asyncio.subprocess.PIPE,  # type: ignore[attr-defined]
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        sys.executable, str(script), stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
     out, _ = await proc.communicate()
     assert out.decode() == block.view(np.uint8).tobytes().hex()
     other = f"local://{shared_daemon.shm_name}?namespace=other-{namespace}"
@@ -197,12 +200,13 @@ async def test_other_users_refused(shared_daemon: Daemon) -> None:
               "os.setuid(65534)\n"
               "s = socket.socket(socket.AF_UNIX)\n"
               f"s.connect({sock_path!r})\n"
-              "s.sendall(b'GET /v1/info HTTP/1.1\\r\\nHost: k\\r\\nConnection: close\\r\\n\\r\\n')\n"
+              "s.sendall(b'GET /v1/info HTTP/1.1\\r\\nHost: k\\r\\n'\n"
+              "          b'Connection: close\\r\\n\\r\\n')\n"
               "print(s.recv(100).decode().split()[1])\n")
     os.chmod(sock_path, 0o666)  # let it connect at all: the peer check must refuse it
     try:
         proc = await asyncio.create_subprocess_exec(
-            os.sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE)  # type: ignore[attr-defined]
+            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE)
         out, _ = await proc.communicate()
     finally:
         os.chmod(sock_path, 0o600)
@@ -210,8 +214,10 @@ async def test_other_users_refused(shared_daemon: Daemon) -> None:
 
 
 def test_url_options_checked() -> None:
-    with pytest.raises(ConfigError, match="name"):
+    with pytest.raises(ConfigError, match="local://NAME with no path"):
         tier_from_url("local://../etc")
+    with pytest.raises(ConfigError, match="expected a name"):
+        tier_from_url("local://-kv")
     with pytest.raises(ConfigError, match="timeout"):
         tier_from_url("local://kv0?timeout=0")
     with pytest.raises(ConfigError, match="unknown option"):

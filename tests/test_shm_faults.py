@@ -30,24 +30,25 @@ BLOCK = 4 << 20
 # A client process that takes slots of the daemon (prepare or lease) and waits to be killed.
 _HOLDER = """
 import asyncio, sys
+BLOCK = int(sys.argv[4])
 from kvtier.shm.client import LocalClient
 async def main():
     client = LocalClient(sys.argv[1], timeout=10)
     await client.attach()
     if sys.argv[2] == "save":
         answer = await client.call("/v1/prepare", {"blocks": [
-            {"key": "ab" * 16, "dtype": "|u1", "shape": [%d]}]})
+            {"key": "ab" * 16, "dtype": "|u1", "shape": [BLOCK]}]})
     else:
         answer = await client.call("/v1/lease", {"keys": [sys.argv[3]]})
     assert answer["slots"][0] is not None, answer
     print("holding", flush=True)
     await asyncio.sleep(3600)
 asyncio.run(main())
-""" % BLOCK
+"""
 
 
 def _holder(name: str, mode: str, key: bytes = b"") -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, name, mode, key.hex()],
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, name, mode, key.hex(), str(BLOCK)],
                             stdout=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout is not None

@@ -87,6 +87,7 @@ class LocalServer:
         self._pins: dict[int, Counter[bytes]] = {}
         self._watched: dict[int, int] = {}  # pid -> pidfd
         self._expiry: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -124,6 +125,8 @@ class LocalServer:
             self._runner = None
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+        if self._tasks:
+            await asyncio.gather(*self._tasks)
         for pid in list(self._pins):
             await self._drop_pins(pid)
 
@@ -153,7 +156,9 @@ class LocalServer:
         if dropped:
             log.info("client pid %d exited holding %d lease(s); released", pid, dropped)
         if pid in self._pins:
-            asyncio.ensure_future(self._drop_pins(pid))
+            task = asyncio.ensure_future(self._drop_pins(pid))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _drop_pins(self, pid: int) -> None:
         pins = self._pins.pop(pid, Counter())
@@ -236,7 +241,9 @@ class LocalServer:
                 slots.append(None)
                 continue
             offset = self.arena.offset_of(held)
-            assert offset is not None  # _in_arena returns arena memory only
+            if offset is None:  # not reached: _in_arena returns arena memory only
+                slots.append(None)
+                continue
             lease = self.leases.grant_read(pid, key, held, offset)
             granted.append(lease.id)
             slots.append({"lease": lease.id, "key": key.hex(), "offset": offset,
@@ -287,14 +294,14 @@ class LocalServer:
                     self.counts["prepare_refused"] += 1
                     continue
                 offset = self.arena.offset_of(raw)
-                assert offset is not None
+                if offset is None:  # not reached: allocate carves from the arena
+                    continue
                 lease = self.leases.grant_write(pid, key, raw, offset, dtype, shape)
                 slots[i] = {"lease": lease.id, "offset": offset, "nbytes": nbytes}
             if request.transport is None or request.transport.is_closing():
-                taken = self.leases.take_writes(pid, [s["lease"] for s in slots if s])
-                for lease in taken:
-                    if lease is not None:
-                        self.leases.abandon(lease)
+                for taken in self.leases.take_writes(pid, [s["lease"] for s in slots if s]):
+                    if taken is not None:
+                        self.leases.abandon(taken)
                 slots = [None] * len(specs)
         self._schedule_expiry()
         return self._answer({"instance": self.shared.instance, "slots": slots,

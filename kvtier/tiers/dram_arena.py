@@ -286,7 +286,7 @@ class HostArena:
         """Where ``block``'s bytes start in the arena, or ``None`` if they are not all in
         it (a heap block: an overflow, or one a lower tier returned)."""
         start = int(block.__array_interface__["data"][0]) - self._address
-        if 0 <= start and start + block.nbytes <= self.nbytes:
+        if start >= 0 and start + block.nbytes <= self.nbytes:
             return start
         return None
 

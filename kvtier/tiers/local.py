@@ -12,6 +12,7 @@ keeps the blocks where they were copied. See ``docs/host-daemon.md``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections import Counter
@@ -140,10 +141,8 @@ class LocalTier(Tier):
         task.add_done_callback(self._background.discard)
 
     async def _quiet(self, path: str, msg: dict[str, Any]) -> None:
-        try:
+        with contextlib.suppress(TierError):  # else the lease ends at its time bound
             await self._client.call(path, msg)
-        except TierError:
-            pass  # the lease ends at its time bound instead
 
     # ------------------------------------------------------------------ reads
     async def _lease(self, keys: Sequence[bytes]) -> list[dict[str, Any] | None]:
