@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.integrations.vllm_local import LocalWorkerSide
+from kvtier.integrations.vllm_local import LocalLookups, LocalWorkerSide
 from tests.helpers.shm_helpers import Daemon, running_daemon
 from tests.helpers.vllm_fakes import BLOCK, Blocks, FakeEngine, Request, expected_block, new_step
 
@@ -36,8 +36,9 @@ def test_engine_b_loads_what_engine_a_saved_through_the_daemon(daemon: Daemon) -
     before = _store_threads()
     a = FakeEngine(_extra(daemon))
     assert isinstance(a.worker._worker, LocalWorkerSide)
-    # The scheduler side asks the daemon (one store); the worker runs none.
-    assert _store_threads() == before + 1
+    # Neither side runs a store (a loop thread): both call the daemon's socket themselves.
+    assert isinstance(a.scheduler._planner.store, LocalLookups)  # type: ignore[union-attr]
+    assert _store_threads() == before
     req = Request("a-1", PROMPT)
     assert a.prefill(req, [3, 9, 4, 10, 5, 11]) == (0, False, set())
     assert a.finish(req) == {"a-1"}  # reported once its blocks were committed

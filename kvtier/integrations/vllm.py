@@ -36,9 +36,10 @@ import numpy.typing as npt
 from kvtier.blocking import BlockingStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
+from kvtier.integrations.miss_log import LookupStore
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_events import ConnectorEvents, KVTierWorkerMetadata, event_media
-from kvtier.integrations.vllm_local import LocalWorkerSide, is_local_only
+from kvtier.integrations.vllm_local import LocalLookups, LocalWorkerSide, is_local_only
 from kvtier.integrations.vllm_plan import (
     BlockPlan,
     ConnectorSettings,
@@ -536,9 +537,12 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
                 # Saves write through to every tier, so a saved block is in each one's medium.
                 events = ConnectorEvents(event_media(self._settings.tiers), block_size,
                                          len(keys.shards), capacity=self._settings.event_buffer)
-            self._planner = SchedulerPlanner(
-                self._settings, keys, BlockingStore(sched, **options) if sched else None,
-                events)
+            lookups: LookupStore | None = None
+            if is_local_only(sched):  # the daemon's socket, from the scheduler's thread
+                lookups = LocalLookups(sched[0])
+            elif sched:
+                lookups = BlockingStore(sched, **options)
+            self._planner = SchedulerPlanner(self._settings, keys, lookups, events)
 
     # ---------------------------------------------------------------- worker side
     def _worker_side(self) -> WorkerSide | LocalWorkerSide:

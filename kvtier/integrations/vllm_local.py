@@ -40,7 +40,7 @@ from kvtier.shm.sync_client import SyncLocalClient
 from kvtier.tiers.dram_arena import slot_bytes
 from kvtier.tiers.local import local_key, parse_local_url
 
-__all__ = ["BOUNCE_BYTES", "LocalWorkerSide", "is_local_only"]
+__all__ = ["BOUNCE_BYTES", "LocalLookups", "LocalWorkerSide", "is_local_only"]
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
@@ -52,6 +52,45 @@ _ALIGN = slot_bytes(1)  # every slot of the arena starts at a multiple of this
 def is_local_only(tiers: Sequence[str]) -> bool:
     """Whether a connector's ``tiers`` is one ``local://`` tier (the daemon path)."""
     return len(tiers) == 1 and tiers[0].split("://", 1)[0].lower() == "local"
+
+
+class LocalLookups:
+    """The scheduler side's view of the daemon: a prefix lookup is one call on its socket from
+    the scheduler's thread (no loop thread, no hop), answered from the daemon's whole chain.
+
+    Parameters
+    ----------
+    url
+        The connector's ``local://NAME?...`` tier.
+    """
+
+    def __init__(self, url: str) -> None:
+        args = parse_local_url(url)
+        self.namespace: str | None = args["namespace"]
+        self.client = SyncLocalClient(args["daemon"], timeout=args["timeout"])
+
+    def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """How many leading ``keys`` the daemon holds (the daemon refreshes their recency).
+
+        Raises
+        ------
+        TierError
+            If the daemon does not answer within its URL's ``timeout`` (or ``timeout``,
+            when shorter).
+        """
+        hit = self.client.call("/v1/lookup", {
+            "keys": [local_key(self.namespace, k).hex() for k in keys]}, timeout=timeout).get("hit")
+        if not isinstance(hit, int) or not 0 <= hit <= len(keys):
+            raise TierError(f"local://{self.client.name}: malformed lookup answer")
+        return hit
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """The daemon's figures (``lookup_miss_reasons`` among them)."""
+        return self.client.call("/v1/stats", timeout=timeout)
+
+    def close(self) -> None:
+        """Close this thread's connection."""
+        self.client.close()
 
 
 class LocalWorkerSide:

@@ -20,9 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvtier.blocking import BlockingStore
 from kvtier.errors import ConfigError
-from kvtier.integrations.miss_log import MissLog
+from kvtier.integrations.miss_log import LookupStore, MissLog
 from kvtier.integrations.vllm_events import ConnectorEvents
 from kvtier.keys import KEY_DIGEST_BYTES, KeyNamespace, prefix_keys
 from kvtier.misses import MissReason
@@ -285,7 +284,7 @@ class SchedulerPlanner:
     """
 
     def __init__(self, settings: ConnectorSettings, keys: KeyMaker,
-                 store: BlockingStore | None, events: ConnectorEvents | None = None,
+                 store: LookupStore | None, events: ConnectorEvents | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.clock = clock

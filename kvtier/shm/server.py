@@ -96,9 +96,10 @@ class LocalServer:
         """Listen on the name's socket; returns its path."""
         self._loop = asyncio.get_running_loop()
         app = web.Application(client_max_size=p.MAX_BODY, middlewares=[self._guard])
-        routes = {"/v1/contains": self._contains, "/v1/lease": self._lease,
-                  "/v1/release": self._release, "/v1/prepare": self._prepare,
-                  "/v1/commit": self._commit, "/v1/delete": self._delete,
+        routes = {"/v1/contains": self._contains, "/v1/lookup": self._lookup,
+                  "/v1/lease": self._lease, "/v1/release": self._release,
+                  "/v1/prepare": self._prepare, "/v1/commit": self._commit,
+                  "/v1/delete": self._delete,
                   "/v1/touch": self._touch, "/v1/pin": self._pin, "/v1/unpin": self._unpin}
         for path, handler in routes.items():
             app.router.add_post(path, handler)
@@ -217,7 +218,8 @@ class LocalServer:
         return {**self.leases.counts(), "expired": self.leases.expired,
                 "dropped": self.leases.dropped, **self.counts,
                 "arena_used_bytes": self.arena.used_bytes(), "arena_bytes": self.arena.nbytes,
-                "capacity": self.tier.capacity, "instance": self.shared.instance}
+                "capacity": self.tier.capacity, "instance": self.shared.instance,
+                "lookup_miss_reasons": self.store.stats().get("lookup_miss_reasons", {})}
 
     async def _stats_handler(self, request: web.Request) -> web.Response:
         return self._answer(self.stats())
@@ -225,6 +227,10 @@ class LocalServer:
     async def _contains(self, request: web.Request) -> web.Response:
         keys = p.parse_keys(await self._body(request))
         return self._answer({"present": await self.store.contains_many(keys)})
+
+    async def _lookup(self, request: web.Request) -> web.Response:
+        keys = p.parse_keys(await self._body(request))
+        return self._answer({"hit": await self.store.lookup_prefix(keys)})
 
     async def _lease(self, request: web.Request) -> web.Response:
         msg = await self._body(request)

@@ -71,15 +71,18 @@ class SyncLocalClient:
         """The arena instance mapped (``None`` before the first :meth:`ensure`)."""
         return None if self.info is None else str(self.info["instance"])
 
-    def call(self, path: str, msg: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One request (``GET`` without ``msg``); the answer.
+    def call(self, path: str, msg: dict[str, Any] | None = None, *,
+             timeout: float | None = None) -> dict[str, Any]:
+        """One request (``GET`` without ``msg``); the answer, within ``timeout`` seconds
+        (default and at most: the client's).
 
         Raises
         ------
         TierError
             If the daemon is absent, refused, answered an error or missed the deadline.
         """
-        deadline = time.monotonic() + self.timeout
+        limit = self.timeout if timeout is None else min(timeout, self.timeout)
+        deadline = time.monotonic() + limit
         if msg is not None:
             msg["deadline"] = deadline
         body = None if msg is None else p.dump(msg)
@@ -115,7 +118,7 @@ class SyncLocalClient:
                 return p.load(data)
             except ProtocolError as exc:
                 raise TierError(f"local://{self.name}: {exc}") from None
-        raise TierError(f"local://{self.name}: no answer to {path} within {self.timeout} s")
+        raise TierError(f"local://{self.name}: no answer to {path} within {limit} s")
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
