@@ -116,3 +116,24 @@ def test_a_prompt_vllm_already_caches_asks_the_daemon_nothing(daemon: Daemon) ->
         assert planner.misses.lookups == 0
     finally:
         b.close()
+
+
+def test_loads_and_saves_in_several_bounce_chunks(daemon: Daemon,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks move a chunk at a time through the bounce buffer (two blocks per chunk here):
+    every block lands in its own page, whatever chunk it was in."""
+    import kvtier.integrations.vllm_local as vllm_local
+
+    a = FakeEngine(_extra(daemon))
+    monkeypatch.setattr(vllm_local, "BOUNCE_BYTES", 2 * a.worker._worker._layers().block_bytes)
+    b = FakeEngine(_extra(daemon))
+    try:
+        a.prefill(Request("a-1", PROMPT), [3, 9, 4, 10, 5, 11])
+        assert a.finish(Request("a-1", PROMPT)) == {"a-1"}
+        ext, _, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
+        assert ext == 5 * BLOCK and errors == set()
+        for index, block_id in enumerate([20, 2, 21, 1, 22]):
+            assert b.block_bytes(block_id) == expected_block(PROMPT, index)
+    finally:
+        b.close()
+        a.close()
