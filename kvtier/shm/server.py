@@ -140,6 +140,8 @@ class LocalServer:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
             return False
+        except OSError:  # pid 0: a client in a PID namespace this daemon cannot see
+            return True  # its leases end at their time bound only
         assert self._loop is not None
         self._watched[pid] = fd
         self._loop.add_reader(fd, self._exited, pid)
