@@ -31,7 +31,9 @@ from kvtier.tiers.dram_arena import populate
 __all__ = ["LocalClient", "map_announced"]
 
 
-def _map_in(buffer: npt.NDArray[np.uint8], chunk: int = 64 << 20) -> None:
+def _map_in(buffer: npt.NDArray[np.uint8], chunk: int = 2 << 20) -> None:
+    # Small chunks: each madvise holds this process's mmap lock, which a malloc that maps or
+    # unmaps memory then waits for (64 MiB chunks made the first control calls 25 ms).
     for start in range(0, buffer.nbytes, chunk):
         if not populate(buffer[start:start + chunk]):
             return

@@ -216,12 +216,14 @@ class LocalServer:
                              "capacity": self.tier.capacity, "lease_ttl": self.leases.ttl})
 
     def stats(self) -> dict[str, Any]:
-        """Leases out, clients, requests refused, and the arena's bytes in use."""
+        """Leases out, clients, requests refused, the arena's bytes in use and whether its
+        background prefault has finished."""
         return {**self.leases.counts(), "expired": self.leases.expired,
                 "dropped": self.leases.dropped, **self.counts,
                 "arena_used_bytes": self.arena.used_bytes(), "arena_bytes": self.arena.nbytes,
                 "capacity": self.tier.capacity, "instance": self.shared.instance,
-                "lookup_miss_reasons": self.store.stats().get("lookup_miss_reasons", {})}
+                "lookup_miss_reasons": self.store.stats().get("lookup_miss_reasons", {}),
+                "prefaulted": self.arena.stats()["prefaulted"]}
 
     async def _stats_handler(self, request: web.Request) -> web.Response:
         return self._answer(self.stats())
