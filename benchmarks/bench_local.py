@@ -61,7 +61,7 @@ async def _run(name: str, repeats: int, block: int) -> list[tuple[str, float, fl
         for _ in range(1200):
             if (await tier.daemon_stats())["prefaulted"]:
                 break
-            await asyncio.sleep(0.1)  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
         for label, total in SIZES.items():
             n = total // block
