@@ -55,6 +55,10 @@ _HUGE_PAGE = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value (5.14+)
 #: Bytes faulted in per madvise call by the background prefault (one GIL-free call each).
 PREFAULT_CHUNK = 64 << 20
+#: The same for a shared arena (the host daemon's): each call holds the process's mmap lock,
+#: which its request handling then waits for (a malloc that maps memory), so a daemon serving
+#: engines while it prefaults takes small steps.
+SHARED_PREFAULT_CHUNK = 2 << 20
 #: Arenas up to this size are faulted in at construction even in background mode: it takes
 #: about a millisecond, less than starting a thread.
 PREFAULT_INLINE_MAX = 4 << 20
@@ -212,6 +216,7 @@ class HostArena:
         self.prefault_error: str | None = None
         self._prefault_done = prefault != "background"
         self._stop_prefault = threading.Event()
+        self._prefault_chunk = PREFAULT_CHUNK if backing is None else SHARED_PREFAULT_CHUNK
         self._top = 0  # slots are carved from [_top, nbytes)
         self._free: dict[int, list[int]] = {}
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -242,7 +247,7 @@ class HostArena:
         if _MADVISE is None:
             self.prefault_error = "no libc madvise"
             return False
-        size = min(PREFAULT_CHUNK, limit - self.prefaulted_bytes)
+        size = min(self._prefault_chunk, limit - self.prefaulted_bytes)
         base = self.buffer.__array_interface__["data"][0]
         if _MADVISE(base + self.prefaulted_bytes, size, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
