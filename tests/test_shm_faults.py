@@ -208,3 +208,36 @@ def test_shm_needs_a_dram_top_tier(tmp_path: Path) -> None:
     proc.launch()
     assert proc.proc is not None and proc.proc.wait(60) == 2
     assert "--shm: the first --tier must be dram://" in proc.output()
+
+
+def test_sync_client_follows_a_restarted_daemon_and_times_out_on_a_stopped_one(
+        tmp_path: Path) -> None:
+    """The vLLM worker's and scheduler's client: a stale connection to a restarted daemon is
+    retried once on a fresh one; a stopped daemon is a TierError at the deadline."""
+    from kvtier.shm.sync_client import SyncLocalClient
+
+    name = daemon_name()
+    with running_daemon(tmp_path, name) as proc:
+        client = SyncLocalClient(name, timeout=0.5)
+        try:
+            assert client.ensure() is True
+            first = client.instance
+            assert client.call("/v1/contains", {"keys": ["ab" * 16]})["present"] == [False]
+            proc.signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(TierError, match="no answer"):
+                    client.call("/v1/contains", {"keys": ["ab" * 16]})
+            finally:
+                proc.signal(signal.SIGCONT)
+            proc.stop()
+            restarted = daemon(tmp_path, name)
+            restarted.start()
+            try:
+                assert client.call("/v1/contains", {"keys": ["ab" * 16]})["present"] == [False]
+                info = client.call("/v1/info")
+                assert client.ensure(info["instance"]) is True
+                assert client.instance != first
+            finally:
+                restarted.stop()
+        finally:
+            client.close()
