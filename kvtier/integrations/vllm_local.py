@@ -199,13 +199,17 @@ class LocalWorkerSide:
                         len(keys), exc)
             return [False] * len(keys)
         slots = answer.get("slots")
-        slots = slots if isinstance(slots, list) and len(slots) == len(keys) else []
+        if not isinstance(slots, list) or len(slots) != len(keys):
+            log.warning("kvtier load of %d blocks: malformed answer; vLLM recomputes them",
+                        len(keys))
+            return [False] * len(keys)
         ids = [s["lease"] for s in slots if isinstance(s, dict) and "lease" in s]
+        picked: list[tuple[int, int]] = []
         try:
             if not self.client.ensure(answer.get("instance")):
                 raise TierError("the daemon restarted during the load")
             rows = self._rows(writeable=False)
-            picked = [(i, r) for i, (s, key) in enumerate(zip(slots, keys, strict=False))
+            picked = [(i, r) for i, (s, key) in enumerate(zip(slots, keys, strict=True))
                       if isinstance(s, dict) and s.get("key") == key.hex()
                       and (r := self._row_of(s, len(rows))) is not None]
             chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
@@ -215,12 +219,21 @@ class LocalWorkerSide:
                 out = bounce[:len(part)]
                 np.take(rows, [r for _, r in part], axis=0, out=out, mode="clip")
                 layers.scatter_many([block_ids[i] for i, _ in part], out)
-            valid = self.client.call("/v1/release", {"leases": ids}).get("valid", [])
-        except TierError as exc:
+        except BaseException as exc:
+            with contextlib.suppress(TierError):  # else the leases end at their time bound
+                self.client.call("/v1/release", {"leases": ids})
+            if not isinstance(exc, TierError):
+                raise
             log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
                         len(keys), exc)
             return [False] * len(keys)
-        good = iter(valid)
+        try:
+            valid = self.client.call("/v1/release", {"leases": ids}).get("valid", [])
+        except TierError as exc:  # unconfirmed copies are misses (the slots may be reused)
+            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
+                        len(keys), exc)
+            return [False] * len(keys)
+        good = iter(valid if isinstance(valid, list) else [])
         leased = [isinstance(s, dict) and next(good, False) is True for s in slots]
         copied = {i for i, _ in picked}
         return [i in copied and leased[i] for i in range(len(keys))]

@@ -207,17 +207,17 @@ class LocalTier(Tier):
                 for i, (view, out) in enumerate(zip(views, outs, strict=True)):
                     if view is not None:
                         check_output_spec(view.dtype, view.shape, out, f"outs[{i}]")
+            for i, view in enumerate(views):  # the one copy of each block
+                if view is None:
+                    continue
+                if outs is None:
+                    blocks[i] = np.array(view, copy=True)
+                else:
+                    copy_into(view, outs[i], f"outs[{i}]")
         except BaseException:
             self._spawn(self._quiet("/v1/release",
                                     {"leases": [s["lease"] for s in slots if s is not None]}))
             raise
-        for i, view in enumerate(views):
-            if view is None:
-                continue
-            if outs is None:
-                blocks[i] = np.array(view, copy=True)
-            else:
-                copy_into(view, outs[i], f"outs[{i}]")
         del views
         good = await self._finish(slots)
         return good, [b if g else None for b, g in zip(blocks, good, strict=True)]
