@@ -6,10 +6,11 @@ Every request is a ``POST`` with a JSON object body (``GET`` for ``/v1/info`` an
 ``/v1/stats``); keys are lowercase hex. Answers are JSON objects; a malformed request gets
 400, a peer of another user 403, a body past :data:`MAX_BODY` 413, each with no side effect.
 
-Why aiohttp and JSON, not a hand-written framing: one request of 16 keys took a median of
-a few hundred microseconds on the 2-core development box (``benchmarks/bench_local.py``
-prints it), small beside the copy of a hit it arranges (0.1 ms per MiB), and the parser is
-a maintained one.
+Why aiohttp and JSON, not a hand-written framing: the parser is a maintained one, and a call
+is small beside the copy of a realistic hit it arranges. On the 2-core development box at
+load 7-8 a call took 0.5-1.3 ms (``benchmarks/bench_local.py`` prints it), a bare
+length-prefixed echo over an asyncio Unix socket 0.13 ms, and a hit's copy 3 ms (16 MiB) to
+50 ms (256 MiB); ``docs/host-daemon.md`` says where a faster channel would pay.
 """
 
 from __future__ import annotations
