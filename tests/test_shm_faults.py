@@ -241,3 +241,12 @@ def test_sync_client_follows_a_restarted_daemon_and_times_out_on_a_stopped_one(
                 restarted.stop()
         finally:
             client.close()
+
+
+def test_a_clean_stop_leaves_nothing_under_dev_shm(tmp_path: Path) -> None:
+    with running_daemon(tmp_path) as proc:
+        name = proc.shm_name
+        assert {p.suffix for p in SHM_DIR.glob(f"kvtier-{name}.*")} == {".lock", ".sock",
+                                                                        ".arena"}
+        proc.stop()  # SIGTERM: the daemon's own shutdown
+        assert not any(SHM_DIR.glob(f"kvtier-{name}.*"))

@@ -2,9 +2,9 @@
 
 ``kvtier serve --shm NAME`` holds an exclusive ``flock`` on ``kvtier-NAME.lock`` for its
 whole life, so a second daemon with the same NAME is refused while the first lives, and the
-kernel drops the lock the moment it dies (no stale-pid guessing). Its arena is
-``kvtier-NAME.INSTANCE.arena`` (mode 0600), sized once and **never truncated**: a restarted
-daemon unlinks a dead one's arena and creates a new file under a new instance id, so an
+kernel drops the lock the moment it dies (no stale-pid guessing); a clean stop unlinks it.
+Its arena is ``kvtier-NAME.INSTANCE.arena`` (mode 0600), sized once and **never
+truncated**: a restarted daemon unlinks a dead one's arena and creates a new file under a new instance id, so an
 engine that still maps the old one keeps valid (if orphaned) pages instead of taking a
 SIGBUS on memory that a truncate took away; its leases on the old instance fail and turn
 into misses.
@@ -52,6 +52,34 @@ def socket_path(name: str) -> Path:
 
 def _lock_path(name: str) -> Path:
     return SHM_DIR / f"kvtier-{name}.lock"
+
+
+def _lock(name: str, flag: str) -> int:
+    """An fd of ``name``'s lock file holding its exclusive ``flock``.
+
+    Raises
+    ------
+    ConfigError
+        If a live daemon holds it.
+    """
+    path = _lock_path(name)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise ConfigError(f"{flag} {name}: another kvtier serve already serves this "
+                              f"name (pid {holder or 'unknown'}); stop it or pick another "
+                              "name") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # its holder unlinked it at close: lock the file now at the path
 
 
 def _size(nbytes: int) -> str:
@@ -111,15 +139,8 @@ class SharedArenaFile:
     def __init__(self, name: str, nbytes: int, *, flag: str = "--shm") -> None:
         self.name = validate_name(name, flag)
         self.nbytes = nbytes
-        self._lock_fd = os.open(_lock_path(name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._lock_fd = _lock(name, flag)
         try:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(self._lock_fd, 32, 0).decode("ascii", "replace").strip()
-                raise ConfigError(f"{flag} {name}: another kvtier serve already serves this "
-                                  f"name (pid {holder or 'unknown'}); stop it or pick another "
-                                  "name") from None
             os.ftruncate(self._lock_fd, 0)
             os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
             check_room(nbytes, f"{flag} {name}")
@@ -149,12 +170,17 @@ class SharedArenaFile:
             self._lock_fd = -1
 
     def close(self) -> None:
-        """Unlink the arena and release the name. Mappings (the daemon's own views,
-        engines') stay valid until they are dropped. Calling it again does nothing."""
+        """Unlink the arena and the lock file and release the name. Mappings (the daemon's
+        own views, engines') stay valid until they are dropped. Calling it again does
+        nothing."""
         if self._lock_fd < 0:
             return
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            # Unlinked while held: a daemon that opened this file meanwhile sees, once it
+            # has the lock, that the path no longer names it, and starts over (_lock).
+            _lock_path(self.name).unlink()
         self._unlock()
 
 
