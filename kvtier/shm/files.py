@@ -4,10 +4,10 @@
 whole life, so a second daemon with the same NAME is refused while the first lives, and the
 kernel drops the lock the moment it dies (no stale-pid guessing); a clean stop unlinks it.
 Its arena is ``kvtier-NAME.INSTANCE.arena`` (mode 0600), sized once and **never
-truncated**: a restarted daemon unlinks a dead one's arena and creates a new file under a new instance id, so an
-engine that still maps the old one keeps valid (if orphaned) pages instead of taking a
-SIGBUS on memory that a truncate took away; its leases on the old instance fail and turn
-into misses.
+truncated**: a restarted daemon unlinks a dead one's arena and creates a new file under a
+new instance id, so an engine that still maps the old one keeps valid (if orphaned) pages
+instead of taking a SIGBUS on memory that a truncate took away; its leases on the old
+instance fail and turn into misses.
 """
 
 from __future__ import annotations
