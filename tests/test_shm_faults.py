@@ -250,3 +250,21 @@ def test_a_clean_stop_leaves_nothing_under_dev_shm(tmp_path: Path) -> None:
                                                                         ".arena"}
         proc.stop()  # SIGTERM: the daemon's own shutdown
         assert not any(SHM_DIR.glob(f"kvtier-{name}.*"))
+
+
+async def test_a_save_larger_than_the_arenas_spare_room_goes_on_in_rounds(
+        tmp_path: Path) -> None:
+    """A full daemon (64 MiB of DRAM, 16 MiB of spare arena) takes a 48 MiB save: each
+    round's commit evicts (here LRU: the older blocks) for room for the next."""
+    with running_daemon(tmp_path, None, "64MiB", "--policy", "lru") as proc:
+        async with await kvtier.open_store([f"local://{proc.shm_name}?timeout=10"]) as store:
+            await store.put_many([(key_of(100 + i), sample_block(i, nbytes=BLOCK))
+                                  for i in range(16)])
+            new = [(key_of(i), sample_block(50 + i, nbytes=BLOCK)) for i in range(12)]
+            await store.put_many(new)
+            out = np.zeros(BLOCK, np.uint8)
+            for key, block in new:
+                assert await store.get_many_into([key], [out]) == [True]
+                assert out.tobytes() == block.tobytes()
+            tier = store.tiers[0]
+            assert isinstance(tier, LocalTier) and tier.used <= 64 << 20

@@ -250,25 +250,42 @@ class LocalTier(Tier):
             return
         if self._client.info is None:
             await self._client.attach()
+        capacity = self.capacity or 0
+        for key, block in items:
+            if block.nbytes > capacity:
+                raise BlockTooLargeError(f"{self.name}: a {block.nbytes}-byte block for "
+                                         f"{key.hex()} exceeds the daemon's {capacity} bytes")
+        # The last value of a repeated key wins: only it is saved, so that no round of the
+        # loop below can land an earlier value after it.
+        todo = list({key: (key, block) for key, block in items}.values())
+        while todo:
+            # A round saves what the daemon has slots for now; its commit lets the daemon
+            # evict (demote) for room, so a save larger than the arena's spare room goes on.
+            left = await self._save_round(todo)
+            if len(left) == len(todo):
+                key, block = todo[0]
+                raise TierFullError(f"{self.name}: no free slot in the daemon's arena for "
+                                    f"{key.hex()} ({block.nbytes} bytes)")
+            todo = left
+
+    async def _save_round(self, items: list[tuple[bytes, Block]]
+                          ) -> list[tuple[bytes, Block]]:
+        """Prepare, copy and commit what the daemon lends slots for; the rest."""
         blocks = [{"key": self._k(k).hex(), "dtype": p.describe(b.dtype), "shape": list(b.shape)}
                   for k, b in items]
         answer = await self._client.call("/v1/prepare", {"blocks": blocks})
         slots = answer.get("slots")
         if not isinstance(slots, list) or len(slots) != len(items):
             raise TierError(f"{self.name}: malformed prepare answer")
-        ids = [s["lease"] for s in slots if s is not None]
+        granted = [(block, slot) for (_k, block), slot in zip(items, slots, strict=True)
+                   if slot is not None]
+        if not granted:
+            return items
+        ids = [slot["lease"] for _b, slot in granted]
         try:
             if not await self._client.ensure(answer.get("instance")):
                 raise TierError(f"{self.name}: the daemon restarted during the call")
-            for (key, block), slot in zip(items, slots, strict=True):
-                if slot is None:
-                    capacity = answer.get("capacity") or 0
-                    if block.nbytes > capacity:
-                        raise BlockTooLargeError(f"{self.name}: a {block.nbytes}-byte block "
-                                                 f"exceeds the daemon's {capacity} bytes")
-                    raise TierFullError(f"{self.name}: no free slot in the daemon's arena "
-                                        f"for {key.hex()} ({block.nbytes} bytes)")
-            for (_key, block), slot in zip(items, slots, strict=True):
+            for block, slot in granted:
                 target = self._view({**slot, "dtype": p.describe(block.dtype),
                                      "shape": list(block.shape)})
                 np.copyto(target, block, casting="no")  # the one copy of a save
@@ -283,7 +300,8 @@ class LocalTier(Tier):
             raise TierError(f"{self.name}: the daemon refused the save: {answer['error']}")
         if not isinstance(committed, list) or not all(c is True for c in committed):
             raise TierError(f"{self.name}: the save's slots expired before its commit")
-        self.counts["saved"] += len(items)
+        self.counts["saved"] += len(granted)
+        return [item for item, slot in zip(items, slots, strict=True) if slot is None]
 
     async def _put(self, key: bytes, block: Block) -> None:
         await self._put_many([(key, block)])
