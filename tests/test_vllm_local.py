@@ -137,3 +137,37 @@ def test_loads_and_saves_in_several_bounce_chunks(daemon: Daemon,
     finally:
         b.close()
         a.close()
+
+
+def test_a_save_larger_than_the_arenas_spare_room_is_committed_in_rounds(
+        tmp_path: Path) -> None:
+    """A full daemon with room for 12 blocks and spare room for 13 takes an 18-block save in
+    two rounds (each commit lets it evict for the next)."""
+    import asyncio
+
+    from kvtier.tiers.local import LocalTier
+
+    block_bytes = 320  # the fake engine's block across its two layers
+    with running_daemon(tmp_path, None, f"{12 * block_bytes}&shm_staging={4 * block_bytes}",
+                        "--policy", "lru") as proc:
+        engine = FakeEngine(_extra(proc))
+        try:
+            assert engine.worker._worker._layers().block_bytes == block_bytes
+            first = [(11 * i + 5) % 997 + 1 for i in range(12 * BLOCK + 1)]
+            engine.prefill(Request("a-1", first), list(range(13)))
+            assert engine.finish(Request("a-1", first)) == {"a-1"}
+            second = [(17 * i + 3) % 991 + 1 for i in range(18 * BLOCK + 1)]
+            engine.prefill(Request("a-2", second), list(range(13, 32)))
+            assert engine.finish(Request("a-2", second)) == {"a-2"}
+
+            async def daemon_stats() -> dict[str, int]:
+                tier = LocalTier(proc.shm_name, timeout=5)
+                try:
+                    return await tier.daemon_stats()
+                finally:
+                    await tier.aclose()
+
+            stats = asyncio.run(daemon_stats())
+            assert stats["committed"] == 12 + 18 and stats["prepare_refused"] > 0
+        finally:
+            engine.close()

@@ -265,40 +265,62 @@ class LocalWorkerSide:
     def _save(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
               copied: concurrent.futures.Future[None],
               written: concurrent.futures.Future[None]) -> None:
-        """On the save thread: prepare, copy out of the pages into the slots, commit."""
-        ids: list[int] = []
+        """On the save thread: prepare, copy out of the pages into the slots, commit; in
+        rounds when the daemon lends slots for part of the blocks only (its arena's spare
+        room is smaller than the save: each commit lets it evict for the next round, and
+        ``copied`` then waits for the rounds' commits too)."""
         try:
             try:
-                spec = {"dtype": "|u1", "shape": [layers.block_bytes]}
-                answer = self.client.call("/v1/prepare", {
-                    "blocks": [{"key": k.hex(), **spec} for k in keys]})
-                slots = answer.get("slots")
-                if not isinstance(slots, list) or len(slots) != len(keys) or \
-                        not self.client.ensure(answer.get("instance")):
-                    raise TierError("the daemon lent no usable slots")
-                ids = [s["lease"] for s in slots if isinstance(s, dict)]
-                rows = self._rows(writeable=True)
-                where = [self._row_of(s, len(rows)) for s in slots]
-                if any(r is None for r in where):
-                    raise TierError("no free slot in the daemon's arena")
-                chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
-                bounce = layers.empty(min(chunk, len(keys)))
-                for start in range(0, len(keys), chunk):
-                    out = bounce[:len(block_ids[start:start + chunk])]
-                    layers.gather_many(block_ids[start:start + chunk], out=out)
-                    rows[[r for r in where[start:start + chunk] if r is not None]] = out
+                todo = list(range(len(keys)))
+                while todo:
+                    left = self._save_round(layers, [block_ids[i] for i in todo],
+                                            [keys[i] for i in todo])
+                    if len(left) == len(todo):
+                        raise TierError("no free slot in the daemon's arena")
+                    todo = [todo[j] for j in left]
             finally:
                 copied.set_result(None)  # the pages are free for vLLM either way
-            answer = self.client.call("/v1/commit", {"leases": ids})
-            if answer.get("error") or not all(c is True for c in answer.get("committed", [])):
-                raise TierError(f"commit refused: {answer.get('error') or 'slots expired'}")
         except BaseException as exc:
-            if ids and not written.done():
-                with contextlib.suppress(TierError):  # else they end at their time bound
-                    self.client.call("/v1/commit", {"leases": ids, "abort": True})
             written.set_exception(exc)
             return
         written.set_result(None)
+
+    def _save_round(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes]
+                    ) -> list[int]:
+        """Save what the daemon lends slots for; the indices of the blocks it did not."""
+        spec = {"dtype": "|u1", "shape": [layers.block_bytes]}
+        answer = self.client.call("/v1/prepare", {
+            "blocks": [{"key": k.hex(), **spec} for k in keys]})
+        slots = answer.get("slots")
+        if not isinstance(slots, list) or len(slots) != len(keys):
+            raise TierError("malformed prepare answer")
+        granted = [j for j, slot in enumerate(slots) if isinstance(slot, dict)]
+        if not granted:
+            return list(range(len(keys)))
+        ids = [slots[j]["lease"] for j in granted]
+        try:
+            if not self.client.ensure(answer.get("instance")):
+                raise TierError("the daemon restarted during the save")
+            rows = self._rows(writeable=True)
+            found = [self._row_of(slots[j], len(rows)) for j in granted]
+            where = [r for r in found if r is not None]
+            if len(where) != len(found):
+                raise TierError("the daemon lent a slot outside its arena")
+            chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
+            bounce = layers.empty(min(chunk, len(granted)))
+            for start in range(0, len(granted), chunk):
+                part = granted[start:start + chunk]
+                out = bounce[:len(part)]
+                layers.gather_many([block_ids[j] for j in part], out=out)
+                rows[where[start:start + chunk]] = out  # the one copy of a save
+            answer = self.client.call("/v1/commit", {"leases": ids})
+            if answer.get("error") or not all(c is True for c in answer.get("committed", [])):
+                raise TierError(f"commit refused: {answer.get('error') or 'slots expired'}")
+        except BaseException:
+            with contextlib.suppress(TierError):  # else they end at their time bound
+                self.client.call("/v1/commit", {"leases": ids, "abort": True})
+            raise
+        return [j for j, slot in enumerate(slots) if not isinstance(slot, dict)]
 
     def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
                save_id: int) -> None:
