@@ -313,15 +313,11 @@ class PeerClient:
         return out
 
     async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]], *,
-                       fill: bool = False, anchor: bytes | None = None) -> None:
+                       fill: bool = False) -> None:
         """Store frames, split into requests that respect the batch and body limits
-        (``fill``: only those the peer does not hold; ``anchor``: the placement key of every
-        block here under chain placement, see :mod:`kvtier.peer.chains`, recorded by the
-        server for its anti-entropy pass)."""
+        (``fill``: only those the peer does not hold)."""
         start, size = 0, 4
-        query = "&".join(([proto.FILL_QUERY] if fill else [])
-                         + ([f"anchor={anchor.hex()}"] if anchor is not None else []))
-        path = f"{proto.BATCH_PUT_PATH}?{query}" if query else proto.BATCH_PUT_PATH
+        path = f"{proto.BATCH_PUT_PATH}?{proto.FILL_QUERY}" if fill else proto.BATCH_PUT_PATH
         for i, (key, frame) in enumerate(items):
             entry = 2 + len(key) + 8 + frame.nbytes
             if i > start and (i - start >= self.limits.max_batch

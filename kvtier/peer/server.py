@@ -207,9 +207,8 @@ class PeerServer:
         self.connections_refused = 0
         self.batch_truncated = 0
         self.handoffs = 0  # data-plane connections handed to aiohttp
-        # key -> the placement key it was stored under (None: its own key); insertion-
-        # ordered; only when tracked
-        self.stored_keys: dict[bytes, bytes | None] = {}
+        # The keys stored through this server (an insertion-ordered set; only when tracked).
+        self.stored_keys: dict[bytes, None] = {}
         self._track_keys = False
         self._write_watches: list[set[bytes]] = []  # see watch_writes
         #: The anti-entropy counters of this node (set by :class:`kvtier.peer.repair.AntiEntropy`),
@@ -293,16 +292,15 @@ class PeerServer:
         anti-entropy pass, which prunes what the segment no longer holds)."""
         self._track_keys = True
 
-    def stored(self, keys: Iterable[bytes], anchor: bytes | None = None) -> None:
-        """Note keys stored through this server, under the placement key ``anchor`` (chain
-        placement) or their own (kept only after :meth:`track_keys`). Every write calls this
-        right after its write-order turn ends, before any other task runs."""
+    def stored(self, keys: Iterable[bytes]) -> None:
+        """Note keys stored through this server (kept only after :meth:`track_keys`). Every
+        write calls this right after its write-order turn ends, before any other task runs."""
         if not self._track_keys and not self._write_watches:
             return
         keys = tuple(keys)
         if self._track_keys:
             for key in keys:
-                self.stored_keys[key] = anchor
+                self.stored_keys[key] = None
         for watch in self._write_watches:
             watch.update(keys)
 
@@ -600,9 +598,6 @@ class PeerServer:
         body = await self._read_body(request, self.limits.max_body_bytes,
                                      "max_body_bytes, kvtier serve --max-body")
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
-        # The chain's placement key (peers://?placement=anchor:R), for anti-entropy.
-        anchor = request.query.get("anchor")
-        placed = None if anchor is None else key_from_hex(anchor, "anchor")
         async with self.write_order.turn(k for k, _ in entries):
             # Every frame is verified before anything is stored: a bad batch changes nothing.
             decoded: list[tuple[bytes, object]] = []
@@ -618,7 +613,7 @@ class PeerServer:
             if decoded:
                 await self.segment.put_many(decoded)
         if decoded:
-            self.stored((k for k, _ in decoded), placed)
+            self.stored(k for k, _ in decoded)
             self._note_abandoned(request)
         return web.Response(status=204)
 
@@ -723,8 +718,8 @@ class PeerServer:
 
 
 def _fills(request: web.Request) -> bool:
-    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`, also
-    beside ``anchor=``): a repair write. The data plane hands any request with a query to
+    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`): a repair
+    write. The data plane hands any request with a query to
     aiohttp, so only these routes see it."""
     name, _, value = proto.FILL_QUERY.partition("=")
     writes = request.method == "PUT" or request.path == proto.BATCH_PUT_PATH

@@ -26,7 +26,6 @@ from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError
 from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
 from kvtier.peer.buffers import BodyBuffers
-from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, PeerUnreachableError, TimeBudget
 from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
 from kvtier.peer.handoff import Hints
@@ -48,12 +47,13 @@ from kvtier.urls import (
 __all__ = ["PeerTier"]
 
 log = logging.getLogger("kvtier.peer.tier")
+PLACEMENTS = ("block",)
 T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
             "change_window", "repair_bytes", "block_bytes", "min_rate", "fail_after",
-            "rejoin_after", "hedge", "placement", "anchor_memo", "recv_reserve"}
+            "rejoin_after", "hedge", "placement", "recv_reserve"}
 _FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
 _HANDOFF_BATCH = 64  # hinted keys checked and copied at once when their owner is back
@@ -131,13 +131,10 @@ class PeerTier(Tier):
         block size do): a frame from a peer that declares another size is a miss, refused
         before it is decompressed (``None``: any size up to ``limits.max_block_bytes``).
     placement
-        Which key of a block's prefix chain picks its owners on the ring: ``"block"`` (its
-        own key), ``"anchor:R"`` (the chain's block R: a whole chain on one owner),
-        ``"chunk:N"`` or ``"root:R"`` (see :mod:`kvtier.peer.chains`). Every client and
-        server of a pool must use the same one.
-    anchor_memo
-        Keys whose chain position this client remembers (from :meth:`note_chain`) under a
-        chain placement; a key it does not know is placed by its own key.
+        ``"block"``: every block on its own key's ring owners. Every client and server of a
+        pool must use the same one. Chain placement (``anchor:R``, ``chunk:N``,
+        ``root:R``) was removed: a block's owner depended on what the process had seen of
+        its chain, and it lost blocks; a URL naming it fails at open.
     recv_reserve
         Bytes of answer buffers faulted in at :meth:`open` and kept for good, as two buffers
         of half the size each, shared by all members' connections (default 0: buffers are
@@ -168,8 +165,7 @@ class PeerTier(Tier):
                  change_window: float = 300.0, repair_bytes: int = 256 << 20,
                  block_bytes: int | None = None, min_rate: float = DEFAULT_MIN_RATE,
                  fail_after: int = 3, rejoin_after: int = 2, hedge: bool = False,
-                 placement: str = "block", anchor_memo: int = 1 << 18,
-                 recv_reserve: int = 0) -> None:
+                 placement: str = "block", recv_reserve: int = 0) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -187,10 +183,7 @@ class PeerTier(Tier):
             raise ConfigError("local: requires self (this node's member id)")
         if members is not None and self_id is not None and self_id not in members:
             raise ConfigError(f"self: {self_id!r} is not one of the members {list(members)}")
-        try:
-            self.chains = ChainPlacement(placement, memo_keys=anchor_memo)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        self.placement = check_placement(placement)
         self.replicas = replicas
         self.min_copies = min_copies
         self.read_walk = read_walk
@@ -224,7 +217,6 @@ class PeerTier(Tier):
                                                 tls_server_name=tls_server_name,
                                                 budget=self.budget,
                                                 buffers=self.answer_buffers))
-        self.members.placement_key = self.chains.placement_key
         self._start_lock = asyncio.Lock()
         self._started = False
         self._background: set[asyncio.Task[bool]] = set()
@@ -297,7 +289,6 @@ class PeerTier(Tier):
             rejoin_after=parse_number(opts.get("rejoin_after", 2), "rejoin_after", int, 1),
             hedge=parse_bool(opts.get("hedge", False), "hedge"),  # type: ignore[arg-type]
             placement=str(opts.get("placement", "block")),
-            anchor_memo=parse_number(opts.get("anchor_memo", 1 << 18), "anchor_memo", int, 0),
             recv_reserve=parse_size(str(opts.get("recv_reserve", 0)), "recv_reserve"),
         )
 
@@ -348,13 +339,8 @@ class PeerTier(Tier):
                         "answer a health probe", self.name, len(down), len(members),
                         ", ".join(down))
 
-    def note_chain(self, keys: Sequence[bytes], parent: bytes | None = None) -> None:
-        """Learn the chain positions of ``keys`` (see :meth:`Tier.note_chain`): under a chain
-        placement their owners are then those of their chain's placement key."""
-        self.chains.learn(keys, parent)
-
     def owners(self, key: bytes) -> list[str]:
-        """The live members that own ``key`` under this pool's placement, primary first."""
+        """The live members that own ``key`` (its ring owners), primary first."""
         return self.members.live_owners(key, self.replicas)
 
     def _is_local(self, member: str) -> bool:
@@ -420,8 +406,7 @@ class PeerTier(Tier):
         for member in order:
             if member not in tried and self.members.alive(member):
                 return member
-        last_resort = order if key is None else self.members.ring.owners(
-            self.members.placement_key(key), self.replicas)
+        last_resort = order if key is None else self.members.ring.owners(key, self.replicas)
         for member in last_resort:
             if member not in tried and self.members.reachable(member):
                 return member
@@ -494,7 +479,7 @@ class PeerTier(Tier):
         suspicion (it gets the block when it is back); returns how many owners hold a hint
         for ``key``."""
         hinted = 0
-        for owner in self.members.ring.owners(self.members.placement_key(key), want):
+        for owner in self.members.ring.owners(key, want):
             if owner != self.members.self_id and (not self.members.alive(owner)
                                                   or self.members.detector[owner].suspicion):
                 self._hints.add(owner, key)
@@ -555,9 +540,6 @@ class PeerTier(Tier):
         put: Callable[[], Awaitable[None]]
         if self._is_local(target):
             put = partial(self._put_local, key, block, fill)
-        elif not self.chains.per_block:  # a batch put carries the chain's placement key
-            put = partial(self.members.client(target).put_many, [(key, frame)], fill=fill,
-                          anchor=self.chains.placement_key(key))
         else:
             put = partial(self.members.client(target).put, key, frame, fill=fill)
         if refusals is None:
@@ -899,24 +881,15 @@ class PeerTier(Tier):
                           frames: list[EncodedFrame], idx: list[int]) -> None:
         if self._is_local(member):
             await self.local.put_many([items[i] for i in idx])  # type: ignore[union-attr]
-        elif len(idx) == 1 and self.chains.per_block:
+        elif len(idx) == 1:
             await self.members.client(member).put(items[idx[0]][0], frames[idx[0]])
         else:
             await self._put_frames(member, [(items[i][0], frames[i]) for i in idx])
 
     async def _put_frames(self, member: str, frames: list[tuple[bytes, EncodedFrame]], *,
                           fill: bool = False) -> None:
-        """Batch puts of ``frames`` onto ``member``: under a chain placement one request per
-        placement key, which the server records for its anti-entropy pass."""
-        client = self.members.client(member)
-        if self.chains.per_block:
-            await client.put_many(frames, fill=fill)
-            return
-        chains: dict[bytes, list[tuple[bytes, EncodedFrame]]] = defaultdict(list)
-        for key, frame in frames:
-            chains[self.chains.placement_key(key)].append((key, frame))
-        for anchor, part in chains.items():
-            await client.put_many(part, fill=fill, anchor=anchor)
+        """Batch puts of ``frames`` onto ``member`` (``fill``: only those it lacks)."""
+        await self.members.client(member).put_many(frames, fill=fill)
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         # Copies may sit on fallback owners written while an owner was down: ask every member.
@@ -974,8 +947,22 @@ class PeerTier(Tier):
                 "hints": len(self._hints), "hints_dropped": self._hints.dropped,
                 "dead": sorted(self.members.dead), "replicas": self.replicas,
                 "walk_limit": self.walk_limit(), "repairs_in_flight": len(self._repairs),
-                "placement": self.chains.mode, "anchors_known": len(self.chains),
+                "placement": self.placement,
                 "member_failures": self.members.failures,
                 "member_recoveries": self.members.recoveries,
                 "answer_buffers_reserved": self.answer_buffers.reserved_bytes,
                 "answer_buffers_reused": self.answer_buffers.reused}
+
+
+def check_placement(placement: str) -> str:
+    """``placement`` if this pool supports it, else a :class:`ConfigError` that says why."""
+    if placement in PLACEMENTS:
+        return placement
+    kind = placement.partition(":")[0]
+    if kind in ("anchor", "chunk", "root"):
+        raise ConfigError(
+            f"placement={placement}: chain placement was removed (a block's owner depended on "
+            "what each process had seen of its chain, and blocks were lost); use "
+            "placement=block (every block on its own key's owners) or placement=local (a "
+            "block stays on the member that computed it, found through the holder directory)")
+    raise ConfigError(f"placement: expected one of {', '.join(PLACEMENTS)}, got {placement!r}")
