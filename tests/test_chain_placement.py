@@ -5,7 +5,6 @@ naming it fails at open. Every test here failed under ``placement=anchor:R``."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -16,9 +15,10 @@ from kvtier import BlockingStore
 from kvtier.errors import ConfigError
 from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
-from tests.helpers.peer_helpers import TOKEN, ServeProcess, serve_processes, token_file
+from tests.helpers.peer_helpers import TOKEN, ServeProcess, free_members, pool_processes, token_file
 
-PLACEMENTS = ["block"]
+PLACEMENTS = ["block", "local"]
+DRAM = ["--tier", "dram://"]
 
 
 def _url(members: list[str], placement: str, **opts: object) -> str:
@@ -50,7 +50,7 @@ def test_chains_extended_with_a_parent_are_found_by_writer_and_fresh_client(
         tmp_path: Path, placement: str) -> None:
     """Repro 1: 4 servers, turn 1 stores 2 blocks, turn 2 four more after ``parent=``; every
     extended chain is found whole (under anchor:3, 6 of 8 were found 0/6)."""
-    with serve_processes(tmp_path, 4, ["--tier", "dram://"]) as procs:
+    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
         members = [p.member for p in procs]
         url = _url(members, placement, home=members[0])
         chains = [_chain(c, 6) for c in range(8)]
@@ -71,7 +71,7 @@ def test_mid_chain_slices_are_found_by_a_fresh_client(tmp_path: Path,
     """Repro 2: a slice ``chain[4:8]`` read or written without ``parent`` by a process that
     never saw the whole prompt (the vLLM worker's loads and saves) finds and places its
     blocks as every other client does (under anchor:1, 12-20 of 32 were missed)."""
-    with serve_processes(tmp_path, 4, ["--tier", "dram://"]) as procs:
+    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
         members = [p.member for p in procs]
         chains = [_chain(c, 8) for c in range(8)]
         with BlockingStore([_url(members, placement, home=members[0])]) as writer:
@@ -98,7 +98,7 @@ def test_explain_get_and_contains_agree_with_lookup_prefix_from_a_fresh_client(
     """Repro 4: a client that never saw the chain finds every block by ``get``, ``contains``
     and ``explain`` alike (under anchor:1, explain called 4 of 8 held blocks "never stored"
     while lookup_prefix found 8 of 8)."""
-    with serve_processes(tmp_path, 4, ["--tier", "dram://"]) as procs:
+    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
         members = [p.member for p in procs]
         chain = _chain(3, 8)
         with BlockingStore([_url(members, placement, home=members[0])]) as writer:
@@ -125,14 +125,8 @@ def test_a_warm_restart_keeps_every_acked_copy(tmp_path: Path, placement: str) -
     stopped one at a time: no acked block is held by no server (under anchor:1 the restart
     pruned its own copies as stand-ins and 4-9 acked blocks were lost)."""
     tokens = token_file(tmp_path)
-    ports = []
     procs: list[ServeProcess] = []
-
-    for _ in range(4):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    members = [f"127.0.0.1:{p}" for p in ports]
+    members = free_members(4)
     pool = _url(members, placement, replicas=2, health_interval=0.1, timeout=2)
 
     def launch(i: int) -> ServeProcess:

@@ -256,6 +256,9 @@ class AntiEntropy:
         a pass), push the missing copies as they are found, fewest copies first of those
         found so far, and drop the spare stand-in copies; returns this pass's counters. The
         stand-ins it keeps for an owner's refill are :attr:`waiting`."""
+        holder = self.server.holder
+        if holder is not None:  # placement=local: blocks stay where they are
+            return await self._local_pass(keys)
         done: dict[str, int] = defaultdict(int)
         members = self.pool.members
         down = members.dead
@@ -288,6 +291,27 @@ class AntiEntropy:
             log.info("anti-entropy: %d blocks checked, %d copies pushed (%d blocks below "
                      "replicas)", done["checked"], done["pushed"], done["under_replicated"])
         return dict(done)
+
+    async def _local_pass(self, keys: list[bytes] | None) -> dict[str, int]:
+        """Under ``placement=local``: register every block held here with its current
+        directory owners and restore copies below ``replicas``
+        (:meth:`kvtier.peer.holder.LocalHolder.repair_pass`); no stand-in is pruned, since
+        a copy away from the key's ring owners is where the placement puts it."""
+        holder = self.server.holder
+        assert holder is not None
+        began = time.monotonic()
+        done: dict[str, int] = {}
+        try:
+            done = await holder.repair_pass(list(self.server.stored_keys) if keys is None
+                                            else keys)
+        finally:
+            done["passes" if keys is None else "rechecks"] = 1
+            for name, n in done.items():
+                self.counts[name] += n
+            self.passed.set()
+        if keys is None and not done.get("failed"):
+            self._clean_since = began
+        return done
 
     async def _push_queued(self, queue: _PushQueue, down: frozenset[str],
                            done: dict[str, int]) -> None:

@@ -27,8 +27,10 @@ from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
 from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, PeerUnreachableError, TimeBudget
+from kvtier.peer.directory import Directory
 from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
 from kvtier.peer.handoff import Hints
+from kvtier.peer.localreads import LocalReads
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
@@ -47,14 +49,14 @@ from kvtier.urls import (
 __all__ = ["PeerTier"]
 
 log = logging.getLogger("kvtier.peer.tier")
-PLACEMENTS = ("block",)
+PLACEMENTS = ("block", "local")
 T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
             "change_window", "repair_bytes", "block_bytes", "min_rate", "fail_after",
-            "rejoin_after", "hedge", "placement", "recv_reserve"}
-_FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
+            "rejoin_after", "hedge", "placement", "home", "recv_reserve"}
+FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
 _HANDOFF_BATCH = 64  # hinted keys checked and copied at once when their owner is back
 _FULL = 507  # "Insufficient Storage": a member whose segment cannot make room; it is up
@@ -131,10 +133,18 @@ class PeerTier(Tier):
         block size do): a frame from a peer that declares another size is a miss, refused
         before it is decompressed (``None``: any size up to ``limits.max_block_bytes``).
     placement
-        ``"block"``: every block on its own key's ring owners. Every client and server of a
-        pool must use the same one. Chain placement (``anchor:R``, ``chunk:N``,
-        ``root:R``) was removed: a block's owner depended on what the process had seen of
-        its chain, and it lost blocks; a URL naming it fails at open.
+        ``"block"``: every block on its own key's ring owners. ``"local"``: a block is
+        stored on ``home`` (and ``replicas - 1`` more members of its ring order), every
+        member registers what it holds in the holder directory, and reads go to home, then
+        to a holder found there (:mod:`kvtier.peer.localreads`; the servers must run
+        ``kvtier serve --pool`` with ``placement=local``). Every client and server of a pool
+        must use the same one. Chain placement (``anchor:R``, ``chunk:N``, ``root:R``) was
+        removed: a block's owner depended on what the process had seen of its chain, and
+        it lost blocks; a URL naming it fails at open.
+    home
+        Under ``placement=local``, the member this client writes to and reads from first:
+        the ``kvtier serve`` on its own host (default: ``self`` when given, else the first
+        member listed).
     recv_reserve
         Bytes of answer buffers faulted in at :meth:`open` and kept for good, as two buffers
         of half the size each, shared by all members' connections (default 0: buffers are
@@ -165,7 +175,7 @@ class PeerTier(Tier):
                  change_window: float = 300.0, repair_bytes: int = 256 << 20,
                  block_bytes: int | None = None, min_rate: float = DEFAULT_MIN_RATE,
                  fail_after: int = 3, rejoin_after: int = 2, hedge: bool = False,
-                 placement: str = "block", recv_reserve: int = 0) -> None:
+                 placement: str = "block", home: str | None = None, recv_reserve: int = 0) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -184,6 +194,18 @@ class PeerTier(Tier):
         if members is not None and self_id is not None and self_id not in members:
             raise ConfigError(f"self: {self_id!r} is not one of the members {list(members)}")
         self.placement = check_placement(placement)
+        if home is not None and placement != "local":
+            raise ConfigError(f"home: only with placement=local, got placement={placement}")
+        home = home or self_id or (members[0] if members else None)
+        if placement == "local" and home is None:
+            raise ConfigError("home: placement=local over peers+dns:// needs home= (the "
+                              "member on this host) or self=")
+        if home is not None and members is not None and home not in members:
+            raise ConfigError(f"home: {home!r} is not one of the members {list(members)}")
+        #: Home-first reads and the holder directory (placement=local), else None.
+        self.local_reads = LocalReads(self, home) if placement == "local" and home else None
+        #: This member's holder directory when it is a ``kvtier serve`` (set by LocalHolder).
+        self.directory: Directory | None = None
         self.replicas = replicas
         self.min_copies = min_copies
         self.read_walk = read_walk
@@ -289,6 +311,7 @@ class PeerTier(Tier):
             rejoin_after=parse_number(opts.get("rejoin_after", 2), "rejoin_after", int, 1),
             hedge=parse_bool(opts.get("hedge", False), "hedge"),  # type: ignore[arg-type]
             placement=str(opts.get("placement", "block")),
+            home=str(opts["home"]) if opts.get("home") else None,
             recv_reserve=parse_size(str(opts.get("recv_reserve", 0)), "recv_reserve"),
         )
 
@@ -340,8 +363,29 @@ class PeerTier(Tier):
                         ", ".join(down))
 
     def owners(self, key: bytes) -> list[str]:
-        """The live members that own ``key`` (its ring owners), primary first."""
+        """The live members that own ``key``, primary first: its ring owners, or under
+        ``placement=local`` the holders this client last saw (no request)."""
+        if self.local_reads is not None:
+            return self.local_reads.holders(key)
         return self.members.live_owners(key, self.replicas)
+
+    async def directory_holders(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Per key, its holders in the holder directory (``placement=local`` only)."""
+        if self.local_reads is None:
+            raise ConfigError(f"{self.name}: the holder directory needs placement=local")
+        await self._start()
+        return await self.local_reads.directory_holders(keys)
+
+    def _order(self, key: bytes) -> list[str]:
+        """Where copies of ``key`` go, first choice first."""
+        if self.local_reads is not None:
+            return self.local_reads.order(key)
+        return self.members.order(key)
+
+    def _write_targets(self, key: bytes, n: int) -> list[str]:
+        if self.local_reads is not None:
+            return self.local_reads.write_targets(key, n)
+        return self.members.write_owners(key, n)
 
     def _is_local(self, member: str) -> bool:
         return self.local is not None and member == self.members.self_id
@@ -349,7 +393,7 @@ class PeerTier(Tier):
     async def _call(self, member: str, op: str, fn: Callable[[], Awaitable[T]],
                     keys: int = 1) -> T | object:
         """Run one peer call of ``keys`` keys; a failure is a miss for that peer only and
-        returns ``_FAILED``.
+        returns ``FAILED``.
 
         Only transport errors, timeouts and 5xx answers count toward taking the member out of
         the path (a refused connection at once): a 4xx, or a ``507`` (its segment is full),
@@ -372,7 +416,7 @@ class PeerTier(Tier):
                     member, exc, started, time.monotonic() - started,
                     hard=isinstance(exc, PeerUnreachableError | ConnectionRefusedError))
             log.debug("peer %s: %s failed: %s", member, op, exc)
-            return _FAILED
+            return FAILED
         if not self._is_local(member):
             self.members.report_success(member, time.monotonic() - started, keys)
         return result
@@ -436,9 +480,9 @@ class PeerTier(Tier):
     async def _put(self, key: bytes, block: Block) -> None:
         await self._start()
         frame = await self._encode(key, block)
-        order = self.members.order(key)
+        order = self._order(key)
         want, need = self._copies()
-        targets = self.members.write_owners(key, want)
+        targets = self._write_targets(key, want)
         if not targets:
             self.counts["puts_under_replicated"] += 1
             raise PeerError(f"{self.name}: no live peer to store {key.hex()}")
@@ -479,7 +523,7 @@ class PeerTier(Tier):
         suspicion (it gets the block when it is back); returns how many owners hold a hint
         for ``key``."""
         hinted = 0
-        for owner in self.members.ring.owners(key, want):
+        for owner in self._order(key)[:want]:
             if owner != self.members.self_id and (not self.members.alive(owner)
                                                   or self.members.detector[owner].suspicion):
                 self._hints.add(owner, key)
@@ -519,7 +563,7 @@ class PeerTier(Tier):
                     stored = await self._call(
                         member, "handoff", partial(self._put_frames, member, frames, fill=True),
                         len(items))
-            if not isinstance(held, list) or stored is _FAILED:
+            if not isinstance(held, list) or stored is FAILED:
                 # Gone again: the hints wait for its next return.
                 for key in keys[start:]:
                     self._hints.add(member, key)
@@ -534,7 +578,7 @@ class PeerTier(Tier):
                       frame: EncodedFrame, *, fill: bool = False,
                       refusals: list[str] | None = None) -> object:
         """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
-        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it, the reason then
+        HTTP) through :meth:`_call`: ``FAILED`` if it did not take it, the reason then
         appended to ``refusals`` (the server's answer names the limit it hit). ``fill``:
         only if ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
         put: Callable[[], Awaitable[None]]
@@ -564,7 +608,7 @@ class PeerTier(Tier):
         current: str | None = member
         while current is not None:
             if await self._put_to(current, "put", key, block, frame,
-                                  refusals=refusals) is not _FAILED:
+                                  refusals=refusals) is not FAILED:
                 return True
             current = self._next(None, order, used)
             if current is not None:
@@ -632,7 +676,7 @@ class PeerTier(Tier):
             pending = []
             for member, reply in answers:
                 idx = groups.get(member, [0])  # a hedged request asked for key 0 only
-                if reply is _FAILED:
+                if reply is FAILED:
                     pending += idx
                     continue
                 for i, value in zip(idx, cast(list[Any], reply), strict=True):
@@ -678,7 +722,7 @@ class PeerTier(Tier):
                 for task in done:
                     reply = task.result()
                     answers.append((asked[task], reply))
-                    if reply is not _FAILED and found(cast(list[Any], reply)[0]) and waiting:
+                    if reply is not FAILED and found(cast(list[Any], reply)[0]) and waiting:
                         if task is second:
                             self.counts["hedge_wins"] += 1
                         for straggler in waiting:
@@ -729,6 +773,8 @@ class PeerTier(Tier):
         return [blocks[k] for k in keys]
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        if self.local_reads is not None:
+            return await self.local_reads.get_many(keys)
         blocks, missed, holders = await self._rounds(keys, "get", self._fetch_blocks,
                                                      lambda b: b is not None)
         self._report_unanswered(keys, blocks, missed)
@@ -818,7 +864,7 @@ class PeerTier(Tier):
         frame = await self._encode(key, block)
         for target in targets:
             if await self._put_to(target, "repair", key, block, frame, fill=True) \
-                    is not _FAILED:
+                    is not FAILED:
                 self.counts["read_repairs"] += 1
 
     async def _exists(self, member: str, keys: list[bytes]) -> list[bool]:
@@ -827,6 +873,8 @@ class PeerTier(Tier):
         return await self.members.client(member).exists_many(keys)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if self.local_reads is not None:
+            return await self.local_reads.contains_many(keys)
         got, missed, _ = await self._rounds(keys, "exists", self._exists, bool)
         self._report_unanswered(keys, got, missed)
         return [bool(g) for g in got]
@@ -845,9 +893,9 @@ class PeerTier(Tier):
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._start()
         frames = [await self._encode(key, block) for key, block in items]
-        orders = [self.members.order(k) for k, _ in items]
+        orders = [self._order(k) for k, _ in items]
         want, need = self._copies()
-        used = [set(self.members.write_owners(k, want)) for k, _ in items]
+        used = [set(self._write_targets(k, want)) for k, _ in items]
         stored = [0] * len(items)
         plan: dict[str, list[int]] = defaultdict(list)
         for i, owners in enumerate(used):
@@ -861,7 +909,7 @@ class PeerTier(Tier):
             plan = defaultdict(list)
             for (_member, idx), reply in zip(groups, replies, strict=True):
                 for i in idx:
-                    if reply is not _FAILED:
+                    if reply is not FAILED:
                         stored[i] += 1
                         continue
                     fallback = self._next(None, orders[i], used[i])
@@ -948,6 +996,7 @@ class PeerTier(Tier):
                 "dead": sorted(self.members.dead), "replicas": self.replicas,
                 "walk_limit": self.walk_limit(), "repairs_in_flight": len(self._repairs),
                 "placement": self.placement,
+                **({} if self.local_reads is None else self.local_reads.stats()),
                 "member_failures": self.members.failures,
                 "member_recoveries": self.members.recoveries,
                 "answer_buffers_reserved": self.answer_buffers.reserved_bytes,
