@@ -49,7 +49,14 @@ from kvtier.peer.guards import (
 )
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
-from kvtier.peer.metrics import Family, miss_families, render, repair_families, store_families
+from kvtier.peer.metrics import (
+    Family,
+    local_families,
+    miss_families,
+    render,
+    repair_families,
+    store_families,
+)
 from kvtier.peer.writeorder import WriteOrder
 
 if TYPE_CHECKING:
@@ -747,7 +754,8 @@ class PeerServer:
             family = Family(name, kind, text)  # type: ignore[arg-type]
             family.add(value)
             out.append(family)
-        return out + repair_families(self.repair_stats) + \
+        return out + repair_families(self.repair_stats) + local_families(
+            None if self.holder is None else self.holder.stats) + \
             store_families(_tier_stats(self.segment)) + miss_families(self.segment.stats())
 
     def _open_connections(self) -> int:
