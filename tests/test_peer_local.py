@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -93,8 +94,8 @@ def test_home_needs_placement_local_and_a_member() -> None:
 
 # ---------------------------------------------------------------- real kvtier serve
 def _client(members: list[str], home: str, **opts: object) -> BlockingStore:
-    return BlockingStore([pool_url(members, placement="local", home=home, timeout=5,
-                                   health_interval=30, **opts)])
+    return BlockingStore([pool_url(members, **{"placement": "local", "home": home,
+                                               "timeout": 5, "health_interval": 30, **opts})])
 
 
 def _metric(member: str, name: str) -> float:
@@ -224,3 +225,56 @@ def test_a_fresh_client_finds_blocks_through_the_directory_and_copies_hot_ones_h
         with _client(members, members[1]) as again:
             again.get_many(keys)
             assert again.stats()["tiers"][0].get("remote_hits", 0) == 0
+
+
+def test_replicas_keep_directory_entries_and_last_copies_through_a_member_down(
+        tmp_path: Path) -> None:
+    """replicas=2: every block is written to its home and one more member, registered with
+    two directory owners, and a home that evicts a block forwards it (one copy left is
+    below replicas); with any one member stopped, a fresh client still reads every block."""
+    opts = {**POOL, "replicas": 2}
+    with pool_processes(tmp_path, 4, lambda i: _dram(30 if i == 0 else 400), opts) as (
+            procs, _):
+        members = [p.member for p in procs]
+        time.sleep(0.5)
+        keys = [key_of(5000 + i) for i in range(90)]
+        with _client(members, members[0], replicas=2) as writer:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        held = [_held(m, keys) for m in members]
+        assert all(sum(h[i] for h in held) >= 2 for i in range(len(keys)))
+        assert _metric(members[0], "forwarded") >= 60
+        for down in range(4):
+            procs[down].signal(signal.SIGSTOP)  # frozen: a silent member, its DRAM kept
+            try:
+                with _client(members, members[(down + 1) % 4], replicas=2,
+                             timeout=1) as fresh:
+                    got = fresh.get_many(keys)
+            finally:
+                procs[down].signal(signal.SIGCONT)
+            assert all(g is not None and np.array_equal(g, sample_block(i))
+                       for i, g in enumerate(got)), f"member {down} down"
+
+
+def test_a_directory_owner_restarted_empty_is_refilled_by_the_holders(tmp_path: Path
+                                                                      ) -> None:
+    """The member that keeps the directory entries of some keys restarts empty: the
+    holder's anti-entropy pass (a membership change) registers its blocks again, and a
+    fresh client of a third home finds every one."""
+    with pool_processes(tmp_path, 3, lambda i: _dram(1000), POOL) as (procs, _):
+        members = [p.member for p in procs]
+        ring = PeerTier.from_url(pool_url(members)).members.ring
+        keys = [k for k in map(key_of, range(6000, 6400))
+                if ring.primary(k) == members[1]][:40]
+        with _client(members, members[0]) as writer:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        procs[1].stop()
+        procs[1].launch(members[1])
+        procs[1].wait_ready()
+        for _ in range(100):  # until member 0 sees the restart and its pass re-registers
+            if _metric(members[1], "directory_keys") >= len(keys):
+                break
+            time.sleep(0.1)
+        with _client(members, members[2]) as fresh:
+            got = fresh.get_many(keys)
+        assert all(g is not None and np.array_equal(g, sample_block(i))
+                   for i, g in enumerate(got))
