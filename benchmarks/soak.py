@@ -445,7 +445,10 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
             if i not in out:
                 await s.wait_ready()
         rss_start = {i: _rss_mib(s.proc.pid) for i, s in enumerate(servers) if s.proc}
-        stores = [await kvtier.open_store([pool]) for _ in range(args.clients)]
+        # Under placement=local each client is attached to its own home member.
+        stores = [await kvtier.open_store(
+            [pool + (f"&home=127.0.0.1:{ports[i % len(ports)]}"
+                     if args.placement == "local" else "")]) for i in range(args.clients)]
         t0 = time.monotonic()
         until = t0 + args.duration
         try:
@@ -650,7 +653,8 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-disk-mib", type=int, default=0,
                         help="server 0's LMDB segment on a tmpfs of this size (0: off)")
     parser.add_argument("--placement", default="block",
-                        help="the pool's placement= (block)")
+                        help="the pool's placement= (block, local: client i's home is "
+                             "server i)")
     parser.add_argument("--chain", type=int, default=1,
                         help="blocks per put: > 1 puts and reads whole prompt chains")
 
