@@ -73,6 +73,7 @@ class LocalHolder:
         self.born: dict[bytes, float] = {}  # key -> when its age began (monotonic)
         self._victim: tuple[float, float] | None = None  # (age, when) of the last victim
         self.counts: dict[str, int] = defaultdict(int)
+        self._updates: set[asyncio.Future[list[list[str]] | None]] = set()  # in background
 
     def attach(self) -> None:
         """Hook this holder into the server (registration on stores and deletes, the age in
@@ -125,12 +126,28 @@ class LocalHolder:
             return None
 
     async def register(self, keys: Sequence[bytes]) -> None:
-        """Tell the directory owners of ``keys`` that this member holds them."""
+        """Tell the directory owners of ``keys`` that this member holds them: returns once
+        each key's entry is recorded at one of its owners (a reader walks the owners), or
+        every owner failed; the other owners' updates finish in the background, so a frozen
+        owner does not stall puts until it is taken out of the path."""
         plan: dict[str, list[bytes]] = defaultdict(list)
+        firsts: dict[bytes, list[str]] = {}
         for key in keys:
-            for owner in self._directory_owners(key):
+            owners = self._directory_owners(key)
+            firsts[key] = owners
+            for owner in owners:
                 plan[owner].append(key)
-        await asyncio.gather(*(self._update(m, ks, ()) for m, ks in plan.items()))
+        tasks = {asyncio.ensure_future(self._update(m, ks, ())): ks for m, ks in plan.items()}
+        for task in tasks:
+            self._updates.add(task)
+            task.add_done_callback(self._updates.discard)
+        pending = set(tasks)
+        unrecorded = {k for k, owners in firsts.items() if owners}
+        while pending and unrecorded:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.result() is not None:
+                    unrecorded.difference_update(tasks[task])
         self.counts["registered"] += len(keys)
 
     async def unregister(self, keys: Sequence[bytes]) -> list[tuple[int, set[str]]]:
