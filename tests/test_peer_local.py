@@ -200,7 +200,8 @@ def test_no_copy_is_lost_when_two_members_forward_at_once(tmp_path: Path) -> Non
 def test_a_fresh_client_finds_blocks_through_the_directory_and_copies_hot_ones_home(
         tmp_path: Path) -> None:
     """Blocks written through one home are found by a client of another home with one
-    directory lookup; what it read is copied to its own home, which serves the next read."""
+    directory lookup; what it reads a second time is copied to its own home, which serves
+    the next read."""
     with pool_processes(tmp_path, 3, lambda i: _dram(1000), POOL) as (procs, _):
         members = [p.member for p in procs]
         keys = [key_of(4000 + i) for i in range(24)]
@@ -212,12 +213,14 @@ def test_a_fresh_client_finds_blocks_through_the_directory_and_copies_hot_ones_h
             assert reader.lookup_prefix(keys) == 24
             got = reader.get_many(keys)
             assert all(np.array_equal(g, sample_block(i)) for i, g in enumerate(got))
+            assert _held(members[1], keys) == [False] * 24  # read once: not copied
+            reader.get_many(keys)  # read again from member 0: hot, copied home
             for _ in range(200):  # the copies home run in the background
                 stats = reader.stats()["tiers"][0]
                 if stats.get("local_copies", 0) >= 24:
                     break
                 time.sleep(0.05)
-            assert stats["remote_hits"] == 24 and stats["local_copies"] == 24
+            assert stats["remote_hits"] == 48 and stats["local_copies"] == 24
             # Routed by the holders it saw (no request): members 0 and 1 hold the prompt.
             assert reader.route(keys, [members[2], members[0]]) == members[0]
             assert reader.route(keys, members, {members[0]: 5}) == members[1]

@@ -6,10 +6,12 @@ A client of a ``placement=local`` pool writes to its *home* member (``home=host:
 request); the keys home lacks are looked up at their directory owners (one request per
 directory owner for the batch, the next owner for keys the first did not answer or knew no
 holder of) and read from a holder (one batch request per holder, the next holder for keys
-one lacked). A block read from another member is copied to home in the background
-(``local_copies`` in :meth:`PeerTier.stats`; bounded by ``repair_bytes`` in flight, a copy
-past it dropped and counted), so the next read of a hot block stays on its host. A directory
-owner found without an entry that a later owner had is told (``directory_repairs``).
+one lacked). A *hot* block, one this client reads from another member for the second time
+(of the last 65536 such reads), is copied to home in the background (``local_copies`` in
+:meth:`PeerTier.stats`; bounded by ``repair_bytes`` in flight, a copy past it dropped and
+counted), so its next read stays on its host, while a block read once costs home no room.
+A directory owner found without an entry that a later owner had is told
+(``directory_repairs``).
 
 The holders learned are kept (bounded) for :meth:`kvtier.TieredStore.route`, which routes a
 prompt to the member holding the longest run of its blocks with no request.
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["LocalReads"]
 
 _KNOWN_KEYS = 1 << 18  # holders remembered for routing
+_READ_ONCE = 1 << 16  # keys read once from another member, remembered to spot hot ones
 
 
 class LocalReads:
@@ -40,6 +43,7 @@ class LocalReads:
         self.tier = tier
         self.home = home
         self._known: OrderedDict[bytes, list[str]] = OrderedDict()
+        self._read_once: OrderedDict[bytes, None] = OrderedDict()
 
     # ------------------------------------------------------------------ placement
     def order(self, key: bytes) -> list[str]:
@@ -204,12 +208,19 @@ class LocalReads:
         return flags
 
     def _copy_home(self, items: list[tuple[bytes, Block]]) -> None:
-        """Copy blocks read from other members to home, in the background, within
-        ``repair_bytes`` (past it a copy is dropped, counted)."""
+        """Copy the hot ones of blocks read from other members (read so before) to home, in
+        the background, within ``repair_bytes`` (past it a copy is dropped, counted)."""
         tier = self.tier
         take: list[tuple[bytes, Block]] = []
         held = 0
+        once = self._read_once
         for key, block in items:
+            if key not in once:
+                once[key] = None
+                if len(once) > _READ_ONCE:
+                    once.popitem(last=False)
+                continue
+            del once[key]
             if tier._repair_held + held + block.nbytes > tier.repair_bytes:
                 tier.counts["local_copies_dropped"] += 1
                 continue
