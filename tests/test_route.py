@@ -1,5 +1,6 @@
-"""Owner-aware routing: ``pick_node`` (hand-computed) and ``store.route`` from a router process's
-``BlockingStore`` against real `kvtier serve` processes on loopback."""
+"""Owner-aware routing: ``pick_node`` and ``owner_runs`` (hand-computed) and ``store.route``'s
+argument checks (routing by holders under ``placement=local`` against real `kvtier serve`
+processes: tests/test_peer_local.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import pytest
 
 from kvtier import open_store
 from kvtier.errors import ConfigError
-from kvtier.peer.client import PeerClient
 from kvtier.routing import owner_runs, pick_node
 from kvtier.testing.conformance import key_of
 from tests.helpers.peer_helpers import TOKEN
@@ -44,17 +44,4 @@ async def test_route_needs_a_pool_and_candidates() -> None:
     async with open_store([f"peers://127.0.0.1:9?token={TOKEN}"]) as pooled:
         with pytest.raises(ValueError, match="candidates"):
             pooled.route([key_of(1)], [])
-
-
-def _chain(index: int, length: int = 6) -> list[bytes]:
-    return [key_of(index * 100 + i) for i in range(length)]
-
-
-async def _held_by(member: str, keys: list[bytes]) -> list[bool]:
-    client = PeerClient(member, token=TOKEN, timeout=5.0)
-    try:
-        return await client.exists_many(keys)
-    finally:
-        await client.close()
-
 
