@@ -281,3 +281,27 @@ def test_a_directory_owner_restarted_empty_is_refilled_by_the_holders(tmp_path: 
             got = fresh.get_many(keys)
         assert all(g is not None and np.array_equal(g, sample_block(i))
                    for i, g in enumerate(got))
+
+
+def test_a_directory_owner_that_leaves_is_replaced_by_the_next_member(tmp_path: Path
+                                                                      ) -> None:
+    """The directory owner of some keys stops for good: once the holder sees it gone, its
+    anti-entropy pass registers its blocks with the keys' next live member, and a fresh
+    client finds every one."""
+    with pool_processes(tmp_path, 3, lambda i: _dram(1000), POOL) as (procs, _):
+        members = [p.member for p in procs]
+        ring = PeerTier.from_url(pool_url(members)).members.ring
+        keys = [k for k in map(key_of, range(7000, 7400))
+                if ring.primary(k) == members[1]][:40]
+        with _client(members, members[0]) as writer:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        procs[1].stop()
+        for _ in range(100):  # until member 0's pass registered them elsewhere
+            if _metric(members[2], "directory_keys") + _metric(members[0],
+                                                               "directory_keys") >= 40:
+                break
+            time.sleep(0.1)
+        with _client(members, members[2], fail_after=1) as fresh:
+            got = fresh.get_many(keys)
+        assert all(g is not None and np.array_equal(g, sample_block(i))
+                   for i, g in enumerate(got))

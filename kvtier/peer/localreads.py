@@ -79,14 +79,17 @@ class LocalReads:
     async def directory_holders(self, keys: Sequence[bytes]) -> list[list[str]]:
         """Per key, the holders its directory owners know: the first live owner of each
         key is asked (one request per owner for the batch), the next for keys that owner
-        did not answer or knew no holder of, up to ``replicas`` owners. An owner that knew
-        none of a key a later owner knew is told, in the background."""
+        did not answer or knew no holder of, up to :meth:`PeerTier.walk_limit` members of
+        its ring order (past the ``replicas`` owners: the owners before a recent join or
+        leave, until the holders' anti-entropy registered again). An owner that knew none
+        of a key a later member knew is told, in the background."""
         tier = self.tier
-        owners = [tier.members.live_owners(k, tier.replicas) for k in keys]
+        walk = tier.walk_limit()
+        owners = [tier.members.live_owners(k, walk) for k in keys]
         found: list[list[str]] = [[] for _ in keys]
         empty_at: list[list[str]] = [[] for _ in keys]
         pending = list(range(len(keys)))
-        for depth in range(tier.replicas):
+        for depth in range(walk):
             groups: dict[str, list[int]] = defaultdict(list)
             for i in pending:
                 if depth < len(owners[i]):
@@ -104,8 +107,8 @@ class LocalReads:
                     if holders:
                         found[i] = holders
                     else:
-                        if isinstance(reply, list):
-                            empty_at[i].append(member)
+                        if isinstance(reply, list) and depth < tier.replicas:
+                            empty_at[i].append(member)  # an owner: repaired below
                         pending.append(i)
         self._repair_directory(keys, found, empty_at)
         for key, holders in zip(keys, found, strict=True):
