@@ -20,7 +20,7 @@ directory, and forwards a block's last copy by global age when its segment evict
 * Two members dropping their copies of one block at once each take themselves off the
   entry in one step of every directory owner, so one of them sees the other gone and
   forwards; with several directory owners the smallest count answered decides (an owner
-  that did not answer counts as none left).
+  that did not answer within half the pool's ``timeout`` counts as none left).
 
 A block's age here is the time since it was stored on this member (a forwarded block
 arrives with its age); reads refresh the segment's own eviction order, not the age.
@@ -158,8 +158,17 @@ class LocalHolder:
         for i, key in enumerate(keys):
             for owner in self._directory_owners(key):
                 plan[owner].append(i)
-        answers = await asyncio.gather(*(self._update(m, (), [keys[i] for i in idx])
-                                         for m, idx in plan.items()))
+        tasks = [asyncio.ensure_future(self._update(m, (), [keys[i] for i in idx]))
+                 for m, idx in plan.items()]
+        for task in tasks:
+            self._updates.add(task)
+            task.add_done_callback(self._updates.discard)
+        # A slow owner (frozen, not yet out of the path) is not waited for past half the
+        # pool's timeout: it counts as none left (the copy is forwarded, never lost), and
+        # its update still lands in the background.
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.pool.timeout / 2)
+        answers = [t.result() if t.done() and not t.cancelled() else None for t in tasks]
         fewest: list[int | None] = [None] * len(keys)
         left: list[set[str]] = [set() for _ in keys]
         for idx, answer in zip(plan.values(), answers, strict=True):
