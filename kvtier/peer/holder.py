@@ -186,9 +186,8 @@ class LocalHolder:
         """Keys stored on this member (``age``: a forwarded block's age): registered
         before the store is acknowledged."""
         now = time.monotonic()
-        for key in keys:
-            if age is not None or key not in self.born:
-                self.born.pop(key, None)
+        for key in keys:  # stored again: young again, and last in the insertion order
+            self.born.pop(key, None)
             self.born[key] = now - (age or 0.0)
         await self.register(keys)
 

@@ -6,7 +6,9 @@ is a miss, never an exception or a hang, and counts toward taking it out of the 
 :mod:`kvtier.peer.health`). ``put`` writes every owner concurrently, falling to the next live
 member when one fails. Batch forms
 send one request per owner, in parallel. When an owner is this node (``self=``) its segment
-(``local=``) is used directly, without HTTP.
+(``local=``) is used directly, without HTTP. Under ``placement=local`` copies go to the
+client's home member first and reads go home, then to holders found in the holder directory
+(:mod:`kvtier.peer.localreads`).
 """
 
 from __future__ import annotations
