@@ -303,7 +303,6 @@ class TieredStore:
         """
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         return await self._reads.get_many(key_list, self._deadline(timeout))
 
     @_in_flight
@@ -336,7 +335,6 @@ class TieredStore:
         """
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         if isinstance(outs, bytes | str) or not isinstance(outs, Sequence):
             raise TypeError(f"outs: expected a sequence of buffers, got {type(outs).__name__}")
         if len(outs) != len(key_list):
@@ -368,7 +366,6 @@ class TieredStore:
         """
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         return await self._reads.lookup_prefix(key_list, self._deadline(timeout))
 
     @_in_flight
@@ -490,7 +487,6 @@ class TieredStore:
         # Only a repeated key's last value is observable, and writing just that one keeps
         # the order of puts into different tiers from mattering.
         last: dict[bytes, tuple[Block, int]] = {}
-        chain: list[bytes] = []
         count = 0
         for i, item in enumerate(items):
             if not isinstance(item, tuple) or len(item) != 2:
@@ -500,11 +496,9 @@ class TieredStore:
             first = self._placement.first_fitting(block.nbytes, f"items[{i}] value")
             last.pop(key, None)
             last[key] = (block, first)
-            chain.append(key)
             count += 1
         if not last:
             return WritesDone()
-        self._note_chain(chain, parent)
         return await self._within(seconds, "put_many",
                                   self._placement.put_many(last, count, parent))
 
@@ -620,7 +614,6 @@ class TieredStore:
 
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         # An explicit timeout is taken as given (math.inf: no limit, as for every verb).
         seconds = (self._timeout or LOCATE_DEADLINE) if timeout is None \
             else check_timeout(timeout)
@@ -638,8 +631,7 @@ class TieredStore:
 
         Each candidate's local run is the number of leading ``keys`` it owns in this store's
         ``peers://`` tier (one of their first ``replicas`` live owners, under the pool's
-        placement): with ``placement=anchor:R`` a whole chain has one owner, which serves it
-        from its own segment, and the blocks computed there are stored there. The longest
+        placement). The longest
         run wins among the candidates whose load stays within
         :data:`kvtier.routing.LOAD_BOUND` (1.25) times the mean; ties go to the least
         loaded. Nothing is sent over the network: the runs are predicted from the ring, not
@@ -648,8 +640,7 @@ class TieredStore:
         Parameters
         ----------
         keys
-            The request's prompt as a prefix chain, in order (learned as for
-            :meth:`lookup_prefix`).
+            The request's prompt as a prefix chain, in order.
         candidates
             Member ids of the pool (``host:port`` of each node's ``kvtier serve``) the
             request may go to; a router maps them to its engines.
@@ -672,13 +663,7 @@ class TieredStore:
 
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         return route_by_owner(self._chain.tiers, key_list, candidates, load or {})
-
-    def _note_chain(self, keys: Sequence[bytes], parent: bytes | None = None) -> None:
-        if keys:
-            for tier in self._chain.tiers:
-                tier.note_chain(keys, parent)
 
     # ------------------------------------------------------------------ pins
     async def pin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:

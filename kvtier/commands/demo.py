@@ -2,12 +2,10 @@
 
 Four nodes in this process on loopback (real ``PeerServer``s for the pool), every node with
 the same ``dram://`` + ``lmdb://`` tiers in a temp dir, the built-in synthetic agentic
-workload (or ``--trace``) with real bytes. Five rows at equal tiers and total capacity, which
+workload (or ``--trace``) with real bytes. Four rows at equal tiers and total capacity, which
 differ only in what the row is about: per-node caches routed round-robin, with session
-affinity, and by where a prefix lives (each node's ``locate_prefix``, load bounded); the pool
-with per-block placement routed round-robin; the pool with chain placement
-(``placement=anchor:R``, R past the shared system prompt) routed to each chain's owner by
-``store.route``.
+affinity, and by where a prefix lives (each node's ``locate_prefix``, load bounded); and the
+pool with per-block placement routed round-robin.
 """
 
 from __future__ import annotations
@@ -27,16 +25,14 @@ from kvtier.replay.trace import BLOCK_TOKENS, Request
 NAME = "demo"
 HELP = ("show what pooling buys on an embedded default: 4 nodes on loopback replaying a "
         "synthetic agentic workload, per-node caches (round-robin, session, locate) vs the pool "
-        "(block placement, chain placement + owner routing) at equal capacity (under a minute)")
+        "(block placement) at equal capacity (under a minute)")
 
 # (label, mode, routing, placement): what each row is about; everything else is the same in
-# every row. "anchor": a whole chain on the owner of its first block after the shared system
-# prompt (see chain_placement).
+# every row.
 ROWS = (("per-node rr", "per-node", "rr", "block"),
         ("per-node session", "per-node", "session", "block"),
         ("per-node locate-b", "per-node", "locate", "block"),
-        ("pooled rr", "pooled", "rr", "block"),
-        ("pooled chain+owner", "pooled", "owner", "anchor"))
+        ("pooled rr", "pooled", "rr", "block"))
 # The row that runs first, bounded by the time limit: the slowest (HTTP on most blocks).
 SLOWEST = "pooled rr"
 LABEL_WIDTH = max(len(label) for label, *_ in ROWS)
@@ -101,22 +97,8 @@ def row_configs(args: argparse.Namespace) -> list[tuple[str, RealConfig]]:
         raise ConfigError(f"--lmdb-blocks: expected >= 0, got {lmdb}")
     base = RealConfig(mode="per-node", routing="rr", nodes=args.nodes, block_bytes=block_bytes,
                       dram_blocks=dram, lmdb_blocks=lmdb, shared_file=False, time_limit=limit)
-    anchored = chain_placement(args)
-    return [(label, dataclasses.replace(base, mode=mode, routing=routing,
-                                        placement=anchored if placement == "anchor" else placement))
+    return [(label, dataclasses.replace(base, mode=mode, routing=routing, placement=placement))
             for label, mode, routing, placement in ROWS]
-
-
-def chain_placement(args: argparse.Namespace) -> str:
-    """The chain row's ``placement=anchor:R``: R is the first block past the system prompt
-    every session shares (block 1 in the shared traces; the built-in workload's prompt spans
-    several blocks). Anchored on a shared block, all the chains behind one system prompt
-    would land on one owner."""
-    from kvtier.workload import WorkloadConfig
-
-    if args.trace:
-        return "anchor:1"
-    return f"anchor:{-(-WorkloadConfig().system_prompt_tokens // BLOCK_TOKENS)}"
 
 
 def _load(args: argparse.Namespace) -> list[Request]:
@@ -175,11 +157,6 @@ def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Names
         "  MB/req    bytes that crossed the network per request (pool reads of remote blocks",
         "            and writes of new blocks to their owners), at this demo's block size",
         "  load      busiest node's requests / mean (1.00 = even)",
-        f"  chain+owner  the pool with placement={chain_placement(args)} (a whole chain on the "
-        "owner of its first",
-        "            block past the shared system prompt), each request routed to its chain's "
-        "owner",
-        "            by store.route (load bounded at 1.25x the mean)",
         f"  prefill saved  hit tokens per request, and the prefill time they save at "
         f"{args.prefill_rate:,.0f} tokens/s",
         f"  fetch     time to pull the remote hits over a {args.link_gbps:g} Gbit/s link, "
@@ -192,8 +169,6 @@ def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Names
     by_label = dict(results)
     pooled, session = by_label["pooled rr"], by_label["per-node session"]
     gain = (pooled["prefix_hit_rate_blocks"] - session["prefix_hit_rate_blocks"]) * 100
-    chained, located = by_label["pooled chain+owner"], by_label["per-node locate-b"]
-    chain_gain = (chained["prefix_hit_rate_blocks"] - located["prefix_hit_rate_blocks"]) * 100
     # The demo moves small blocks; the modelled engine's block of BLOCK_TOKENS tokens is larger.
     scale = args.kv_bytes_per_token * BLOCK_TOKENS / pooled["block_bytes"]
     lines += [
@@ -202,10 +177,6 @@ def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Names
         f"{_net_bytes_per_request(pooled) / 1e6:.2f} MB moved per request "
         f"({_net_bytes_per_request(pooled) * scale / 1e6:,.0f} MB at {kv_kib:,.0f} KiB of KV "
         "per token).",
-        f"pooled chain+owner vs per-node locate-b (the strongest per-node setup): "
-        f"{chain_gain:+.1f} points, {_net_bytes_per_request(chained) / 1e6:.2f} MB moved per "
-        f"request ({_net_bytes_per_request(chained) * scale / 1e6:,.0f} MB at "
-        f"{kv_kib:,.0f} KiB of KV per token).",
         "prefill saved net of fetches (estimate at the stated rates): "
         + ", ".join(f"{label} {_net_ms(row, args):.1f}" for label, row in results)
         + " ms per request.",

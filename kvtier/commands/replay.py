@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from kvtier.peer.chains import ChainPlacement
+    from kvtier.replay.chainplace import ChainPlacement
     from kvtier.replay.routing import LOCATE_ROUTINGS
     from kvtier.replay.sim import MODES, POLICIES, ROUTINGS
 
@@ -111,7 +111,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.vnodes is not None and args.vnodes < 1:
         raise ConfigError(f"--vnodes: expected >= 1, got {args.vnodes}")
     try:
-        ChainPlacement(args.placement, memo_keys=0)
+        ChainPlacement(args.placement)
     except ValueError as exc:
         raise ConfigError(f"--placement: {exc}") from None
     if args.limit is not None and args.limit < 1:

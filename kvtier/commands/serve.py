@@ -7,7 +7,7 @@ import asyncio
 import importlib.util
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -209,9 +209,12 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     local = None
     if args.shm is not None:
         local = await _start_local(args, server)
-    repair = None
-    if (args.pool or args.repair) and not args.no_repair:
-        repair = await _start_repair(args, server)
+    try:
+        close_pool = await _start_pool(args, server) if args.pool or args.repair else None
+    except BaseException:
+        if local is not None:
+            await local.stop()
+        raise
     if token is None:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
     # Handlers first: whoever reads "listening" may signal at once.
@@ -224,8 +227,8 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     await stop.wait()
     if local is not None:
         await local.stop()
-    if repair is not None:
-        await repair.close()
+    if close_pool is not None:
+        await close_pool()
     # In-flight requests finish, then the store flushes its write-back queues and closes.
     await server.stop()
     print(f"kvtier serve on {bound_host}:{bound_port} stopped", flush=True)
@@ -251,9 +254,14 @@ async def _start_local(args: argparse.Namespace, server: Any) -> Any:
     return local
 
 
-async def _start_repair(args: argparse.Namespace, server: Any) -> Any:
-    """The anti-entropy loop of ``--pool POOL_URL`` (see kvtier.peer.repair)."""
+async def _start_pool(args: argparse.Namespace, server: Any
+                      ) -> Callable[[], Awaitable[None]] | None:
+    """This member's pool tier of ``--pool POOL_URL``: its anti-entropy loop (see
+    kvtier.peer.repair; off with ``--no-repair``), and under ``placement=local`` its holder
+    (kvtier.peer.holder: directory registration, forwarding of evicted last copies, kept
+    with ``--no-repair``). Returns what closes them at exit."""
     from kvtier.errors import ConfigError
+    from kvtier.peer.holder import LocalHolder
     from kvtier.peer.repair import AntiEntropy
     from kvtier.peer.tier import PeerTier
     from kvtier.urls import parse_size
@@ -265,9 +273,16 @@ async def _start_repair(args: argparse.Namespace, server: Any) -> Any:
     own = {} if "self=" in url else {"self": server.member_id}
     try:
         pool = PeerTier.from_url(url, local=server.segment, **own)
+        if pool.placement == "local":
+            LocalHolder(server, pool).attach()
+        elif args.no_repair:
+            return None
+        if args.no_repair:
+            await pool.open()
+            return pool.aclose
         repair = AntiEntropy(server, pool, interval=args.repair_interval, rate=rate or None)
         await repair.start()
     except BaseException:
         await server.stop()
         raise
-    return repair
+    return repair.close

@@ -369,6 +369,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             del body
             await server.segment.put(request.key, block)
         server.stored((request.key,))
+        if server.holder is not None:  # placement=local: registered before the answer
+            await server.holder.stored((request.key,))
         transport = self._transport
         if transport is None or transport.is_closing():
             server.puts_abandoned += 1

@@ -178,6 +178,25 @@ def repair_families(stats: Callable[[], dict[str, Any]] | None) -> list[Family]:
     return out
 
 
+def local_families(stats: Callable[[], dict[str, Any]] | None) -> list[Family]:
+    """``kvtier_peer_local_<name>``: this member's ``placement=local`` figures
+    (:meth:`kvtier.peer.holder.LocalHolder.stats`; none under another placement):
+    counters of blocks registered, forwarded and dropped, gauges ``directory_keys`` and
+    ``evict_age`` (seconds, absent until the first eviction)."""
+    if stats is None:
+        return []
+    out = []
+    for name, value in sorted(stats().items()):
+        if _numeric(value):
+            gauge = name in ("directory_keys", "evict_age")
+            family = Family(f"kvtier_peer_local_{name}", "gauge" if gauge else "counter",
+                            f"placement=local {name!r}" + ("" if gauge else
+                                                           " (running total)") + ".")
+            family.add(value)
+            out.append(family)
+    return out
+
+
 def _numeric(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.ring import HashRing
+from kvtier.replay.chainplace import ChainPlacement
 from kvtier.replay.dry import block_key
 from kvtier.replay.routing import make_simulation, routing_metrics
 from kvtier.replay.sim import DEFAULT_POOL_VNODES, Simulation
@@ -69,7 +69,7 @@ def shard_balance(trace: str, nodes: int,
     ring = HashRing([f"node{i}" for i in range(nodes)], vnodes=vnodes)
     index = {m: i for i, m in enumerate(ring.members)}
     owner_of: dict[bytes, int] = {}
-    chains = {p: ChainPlacement(p, memo_keys=0) for p in placements}
+    chains = {p: ChainPlacement(p) for p in placements}
     held: dict[str, set[tuple[int, int]]] = {p: set() for p in placements}
     for req in iter_trace(trace):
         keys = [block_key(h) for h in req.hash_ids]

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.ring import HashRing
+from kvtier.peer.tier import check_placement
 from kvtier.progress import Progress
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 from kvtier.store import TieredStore
@@ -83,10 +83,7 @@ class RealConfig:
             raise ConfigError("routing: locate needs mode per-node or pooled")
         if self.routing == "owner" and self.mode != "pooled":
             raise ConfigError("routing: owner (store.route over the pool) needs mode pooled")
-        try:
-            ChainPlacement(self.placement, memo_keys=0)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        check_placement(self.placement)  # the real pool's placements (no chain placement)
         if self.placement != "block" and self.mode != "pooled":
             raise ConfigError(f"placement: {self.placement!r} places a pool's blocks; it "
                               "needs mode pooled")
@@ -210,7 +207,6 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
     ring = cluster.ring
     stream = iter(requests)
     node_requests = [0] * config.nodes
-    placement = ChainPlacement(config.placement, memo_keys=0)
     members = [s.member_id for s in cluster.servers]
     http = None
     if config.routing == "locate" and config.mode == "pooled":
@@ -249,8 +245,7 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
             served += 1
         if ring is not None:
             me = members[node]
-            counts["remote_hits"] += sum(ring.primary(k) != me for k in
-                                         placement.placement_keys(keys)[:served])
+            counts["remote_hits"] += sum(ring.primary(k) != me for k in keys[:served])
         new = []
         for block_id, key in zip(req.hash_ids[served:], keys[served:], strict=True):
             payload = payloads.get(block_id)

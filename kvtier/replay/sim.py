@@ -14,9 +14,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
 from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
+from kvtier.replay.chainplace import ChainPlacement
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
 __all__ = ["DEFAULT_POOL_VNODES", "MODES", "POLICIES", "ROUTINGS", "BlockPolicy", "Chain",
@@ -149,7 +149,7 @@ class Simulation:
         self.mode, self.routing, self.policy, self.nodes = mode, routing, policy, nodes
         self.capacities = list(capacities)
         self.placement = placement
-        self._placement = ChainPlacement(placement, memo_keys=0)
+        self._placement = ChainPlacement(placement)
         if spill is not None and (mode != "pooled" or self._placement.per_block
                                   or not spill >= 0):
             raise ValueError(f"spill: needs mode pooled, a chain placement and a value >= 0, "
