@@ -7,6 +7,7 @@ buffers of large dropped blocks through a spare pool.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Sequence
@@ -311,12 +312,15 @@ class DRAMTier(BudgetedTier):
     async def _aclose(self) -> None:
         if self._arena is not None:
             self._arena.stop_prefault()
-            self._arena.unregister()
         self._blocks.clear()
         self._eviction_state.forget_leaving()
         self._spare.clear()
         for key in list(self._policy.lru_order()):
             self._policy.remove(key)
+        if self._arena is not None:
+            # Unmapped now (its blocks are dropped above), not when the cycle collector
+            # frees the tier: a store and its tiers reference each other.
+            await asyncio.to_thread(self._arena.close)
 
     def stats(self) -> dict[str, Any]:
         """Tier figures plus ``blocks``, ``pinned_bytes``, ``spare_bytes`` (buffers and

@@ -10,8 +10,21 @@ DRAM copy, no staging buffer).
 Background prefault: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) over the arena in
 chunks, from a daemon thread (a ctypes call releases the GIL). It maps pages writable
 without touching their bytes, so it is safe while puts already copy into slots. It covers
-at most half the memory available at open, so a capacity larger than what is free does not
-push the host into swap; it stops at close.
+at most half the memory available at open (the host's ``MemAvailable`` or, in a container,
+what its memory cgroup still allows: :mod:`kvtier.tiers.host_memory`), so a capacity larger
+than what is free neither pushes the host into swap nor gets a container OOM-killed; it
+stops at close.
+
+Puts never race it over the same pages: each chunk starts at the carve point (or past the
+last chunk), and a put whose new slot lies above the faulted frontier populates its own
+range in one ``madvise`` call before copying (what the background thread would have done,
+without page-faulting through the copy while the thread faults the same pages). Filled
+right after open, a put costs about what it costs with ``prefault=0`` at worst, and the
+thread's chunks land ahead of the puts, where later puts find them ready.
+
+Close: :meth:`HostArena.close` unmaps the arena at once when no block of it is referenced
+any more (else when the last reference goes), so a closed tier's memory does not wait for
+the cycle collector.
 
 Slots: a block of ``n`` bytes takes a slot of its size class (``n`` rounded up to 64 bytes);
 freed slots go back to their class's free list (LIFO, so an overwrite copies into the slot
@@ -39,13 +52,13 @@ import mmap
 import threading
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import ConfigError
+from kvtier.tiers.host_memory import available_memory
 
 __all__ = ["HostArena", "fault_in", "slot_bytes"]
 
@@ -76,7 +89,7 @@ _MADVISE = _libc_madvise()
 
 
 def _populate(ref: weakref.ref[HostArena], limit: int) -> None:
-    """Fault ``[0, limit)`` of the arena in, chunk by chunk, until done, stopped, refused,
+    """Fault the arena in up to ``limit``, chunk by chunk, until done, stopped, refused,
     or the arena is gone."""
     while True:
         arena = ref()
@@ -107,17 +120,6 @@ def fault_in(buffer: npt.NDArray[np.uint8]) -> None:
             buffer[0] = buffer[0]  # the partial page before the first aligned one
         return
     buffer[::_PAGE] = 0
-
-
-def available_memory() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` in bytes (``None`` where unknown)."""
-    try:
-        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def slot_bytes(nbytes: int) -> int:
@@ -167,7 +169,7 @@ class HostArena:
         elif prefault is not True:
             flags |= getattr(mmap, "MAP_NORESERVE", 0)
         try:
-            self._map = mmap.mmap(-1, mapped, flags=flags)
+            self._map: mmap.mmap | None = mmap.mmap(-1, mapped, flags=flags)
         except OSError as exc:
             raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: {exc}") from exc
         self.hugepages = False
@@ -197,6 +199,8 @@ class HostArena:
         self.overflow = 0
         self._unregister: Callable[[], None] | None = None
         self._lock = threading.Lock()
+        self._prefault_thread: threading.Thread | None = None
+        self._closed = False
         if prefault == "background":
             self._start_prefault()
 
@@ -208,36 +212,75 @@ class HostArena:
             return
         # The thread holds the arena only while one chunk is faulted in: an arena dropped
         # without a close (its tier garbage) is freed, and the prefault stops.
-        threading.Thread(target=_populate, args=(weakref.ref(self), limit),
-                         name="kvtier-arena-prefault", daemon=True).start()
+        self._prefault_thread = threading.Thread(
+            target=_populate, args=(weakref.ref(self), limit), name="kvtier-arena-prefault",
+            daemon=True)
+        self._prefault_thread.start()
 
     def _populate_chunk(self, limit: int) -> bool:
-        """Fault in the next chunk below ``limit``; whether to go on."""
-        if self.prefaulted_bytes >= limit or self._stop_prefault.is_set():
+        """Fault in the next chunk below ``limit``; whether to go on. The chunk starts at
+        the carve point when puts are ahead of the frontier: the slots below it populated
+        themselves (:meth:`allocate`), so the thread never faults the pages a put is
+        copying into."""
+        if self._stop_prefault.is_set() or self._closed:
             return False
         if _MADVISE is None:
             self.prefault_error = "no libc madvise"
             return False
-        size = min(PREFAULT_CHUNK, limit - self.prefaulted_bytes)
+        with self._lock:
+            start = max(self.prefaulted_bytes, -(-self._top // _PAGE) * _PAGE)
+            if start >= limit:
+                self.prefaulted_bytes = max(self.prefaulted_bytes, min(start, self.nbytes))
+                return False
+            size = min(PREFAULT_CHUNK, limit - start)
         base = self.buffer.__array_interface__["data"][0]
-        if _MADVISE(base + self.prefaulted_bytes, size, _MADV_POPULATE_WRITE) != 0:
+        if _MADVISE(base + start, size, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             self.prefault_error = "MADV_POPULATE_WRITE unsupported (Linux < 5.14)" \
                 if err == errno.EINVAL else f"madvise: {errno.errorcode.get(err, err)}"
             return False
-        self.prefaulted_bytes += size
+        with self._lock:
+            self.prefaulted_bytes = start + size
         return True
 
     def stop_prefault(self) -> None:
         """Stop a background prefault after its current chunk (at the tier's close)."""
         self._stop_prefault.set()
 
+    def close(self) -> None:
+        """Stop the prefault (waiting for its chunk in flight), undo :meth:`register`, and
+        unmap the arena now if no slot of it is referenced any more; else the mapping goes
+        when the last reference to a slot does (readers' views stay valid). Blocks for at
+        most one prefault chunk: call it from a worker thread. Calling it again does
+        nothing."""
+        if self._closed:
+            return
+        self.stop_prefault()
+        thread = self._prefault_thread
+        if thread is not None:
+            thread.join()
+        self.unregister()
+        with self._lock:
+            self._closed = True
+            self._refs.clear()
+        self.buffer = np.empty(0, np.uint8)  # releases its export of the mapping
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:  # a slot is still referenced: unmapped when it goes
+                pass
+
     def allocate(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
         """A writable ``uint8`` array of ``nbytes`` bytes in a slot of the arena, or ``None``
         when no slot of its class is free and the unused end is too short (the caller
         falls back to the heap). The slot is free again once the array is garbage."""
         size = slot_bytes(nbytes)
+        populate = False
         with self._lock:
+            if self._closed or self._map is None:
+                return None
+            mapping = self._map
             self._drain()
             free = self._free.get(size)
             if free:
@@ -247,13 +290,19 @@ class HostArena:
             elif self._top + size <= self.nbytes:
                 offset = self._top
                 self._top += size
+                # A fresh slot above the faulted frontier: fault it in with one call here
+                # rather than page by page through the copy (module notes).
+                populate = self.prefault_mode == "background" and \
+                    offset + size > self.prefaulted_bytes
             else:
                 self.overflow += 1
                 return None
         # Its own buffer export, not a slice of ``buffer``: numpy collapses a view's base to
         # the first array whose base is not an array, so every view of this slot (and of
         # the block typed over it) keeps exactly this array alive.
-        raw = np.frombuffer(self._map, np.uint8, nbytes, offset)
+        raw = np.frombuffer(mapping, np.uint8, nbytes, offset)
+        if populate:
+            fault_in(raw)
         self._refs[offset] = weakref.ref(raw, functools.partial(_released, self._freed,
                                                                 size, offset))
         return raw
@@ -268,7 +317,8 @@ class HostArena:
     def owns(self, raw: object) -> bool:
         """Whether ``raw`` (a block's base) is a slot of this arena."""
         base = getattr(raw, "base", None)
-        return isinstance(base, memoryview) and base.obj is self._map
+        return isinstance(base, memoryview) and self._map is not None and \
+            base.obj is self._map
 
     def stats(self) -> dict[str, Any]:
         """``arena_bytes``, ``arena_free_bytes`` (released slots), ``arena_unused_bytes``
