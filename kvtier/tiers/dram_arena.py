@@ -15,12 +15,12 @@ what its memory cgroup still allows: :mod:`kvtier.tiers.host_memory`), so a capa
 than what is free neither pushes the host into swap nor gets a container OOM-killed; it
 stops at close.
 
-Puts never race it over the same pages: each chunk starts at the carve point (or past the
-last chunk), and a put whose new slot lies above the faulted frontier populates its own
-range in one ``madvise`` call before copying (what the background thread would have done,
-without page-faulting through the copy while the thread faults the same pages). Filled
-right after open, a put costs about what it costs with ``prefault=0`` at worst, and the
-thread's chunks land ahead of the puts, where later puts find them ready.
+Puts do not race it over the same pages: slots are carved upwards from the start of the
+arena while the thread faults chunks downwards from its end, and a put whose fresh slot
+lies below what the thread has done populates its own range in one ``madvise`` call before
+copying (rather than page-faulting through the copy while the thread faults those pages).
+Filled right after open, the puts and the thread fault disjoint halves on two cores, and
+the puts that reach the thread's part copy into ready pages.
 
 Close: :meth:`HostArena.close` unmaps the arena at once when no block of it is referenced
 any more (else when the last reference goes), so a closed tier's memory does not wait for
@@ -200,6 +200,8 @@ class HostArena:
         self._unregister: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._prefault_thread: threading.Thread | None = None
+        # The background prefault has faulted in [_low, _limit) (module notes).
+        self._low = self._limit = 0
         self._closed = False
         if prefault == "background":
             self._start_prefault()
@@ -207,6 +209,7 @@ class HostArena:
     def _start_prefault(self) -> None:
         memory = available_memory()
         limit = self.nbytes if memory is None else min(self.nbytes, memory // 2 // _PAGE * _PAGE)
+        self._low = self._limit = limit
         if limit <= PREFAULT_INLINE_MAX:
             _populate(weakref.ref(self), limit)
             return
@@ -218,21 +221,20 @@ class HostArena:
         self._prefault_thread.start()
 
     def _populate_chunk(self, limit: int) -> bool:
-        """Fault in the next chunk below ``limit``; whether to go on. The chunk starts at
-        the carve point when puts are ahead of the frontier: the slots below it populated
-        themselves (:meth:`allocate`), so the thread never faults the pages a put is
-        copying into."""
+        """Fault in the next chunk, walking down from ``limit`` towards the carve point
+        (puts carve upwards from 0, so the two never fault the same pages but where they
+        meet); whether to go on."""
         if self._stop_prefault.is_set() or self._closed:
             return False
         if _MADVISE is None:
             self.prefault_error = "no libc madvise"
             return False
         with self._lock:
-            start = max(self.prefaulted_bytes, -(-self._top // _PAGE) * _PAGE)
-            if start >= limit:
-                self.prefaulted_bytes = max(self.prefaulted_bytes, min(start, self.nbytes))
+            top = -(-self._top // _PAGE) * _PAGE
+            if self._low <= top:
                 return False
-            size = min(PREFAULT_CHUNK, limit - start)
+            start = max(top, self._low - PREFAULT_CHUNK)
+            size = self._low - start
         base = self.buffer.__array_interface__["data"][0]
         if _MADVISE(base + start, size, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
@@ -240,7 +242,8 @@ class HostArena:
                 if err == errno.EINVAL else f"madvise: {errno.errorcode.get(err, err)}"
             return False
         with self._lock:
-            self.prefaulted_bytes = start + size
+            self._low = start
+            self.prefaulted_bytes += size
         return True
 
     def stop_prefault(self) -> None:
@@ -290,10 +293,10 @@ class HostArena:
             elif self._top + size <= self.nbytes:
                 offset = self._top
                 self._top += size
-                # A fresh slot above the faulted frontier: fault it in with one call here
-                # rather than page by page through the copy (module notes).
+                # A fresh slot the prefault has not reached: fault it in with one call
+                # here rather than page by page through the copy (module notes).
                 populate = self.prefault_mode == "background" and \
-                    offset + size > self.prefaulted_bytes
+                    (offset < self._low or offset + size > self._limit)
             else:
                 self.overflow += 1
                 return None
