@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from kvtier.closeflush import CloseFlush
+from kvtier.deadline import Deadline
 from kvtier.codec import as_block
 from kvtier.errors import ClosedError, ConfigError, WrongLoopError
 from kvtier.events import EventHub, Subscription
@@ -542,14 +543,13 @@ class TieredStore:
 
     @staticmethod
     async def _within(seconds: float | None, op: str, call: Awaitable[T]) -> T:
-        """``call`` under a write's deadline (checked seconds; ``None``: none)."""
+        """``call`` under a write's deadline (checked seconds; ``None``: none): at it, tier
+        calls still queued are cancelled and started ones waited for
+        (:mod:`kvtier.deadline`); the ``TimeoutError`` says which."""
         if seconds is None:
             return await call
-        try:
-            async with asyncio.timeout(seconds):
-                return await call
-        except TimeoutError:
-            raise TimeoutError(f"{op}: did not finish within {seconds} s") from None
+        async with Deadline.after(seconds, op):
+            return await call
 
     # ------------------------------------------------------------------ routers
     def events(self, *, buffer: int | None = None) -> Subscription:

@@ -35,6 +35,7 @@ from urllib.parse import unquote
 
 import lmdb
 
+from kvtier.deadline import acquire, in_thread
 from kvtier.codec import encode_frame, frame_size_bound, parse_compress
 from kvtier.errors import (
     ConfigError,
@@ -284,10 +285,8 @@ class LMDBTier(BudgetedTier):
         # asyncio.to_thread without its Task wrapper (one loop hop less per read). Shielded
         # and tracked: a cancelled caller does not drop the future while its thread is still
         # inside the environment, and aclose() waits for it.
-        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        self._inflight.add(fut)
-        fut.add_done_callback(self._inflight.discard)
-        return await asyncio.shield(fut)
+        return await in_thread(fn, *args, what="lmdb read", wait_started=False,
+                               track=self._inflight)
 
     def _frame_bytes(self, key: bytes) -> int:
         """Stored bytes of a held block: from the policy, or from its eviction while it is
@@ -331,8 +330,15 @@ class LMDBTier(BudgetedTier):
         waits for (a write transaction cannot be stopped, and one left running would act
         after the call returned)."""
         async def run() -> T:
-            async with self._lock:
+            try:
+                await acquire(self._lock, "lmdb writer lock")
+            except BaseException:
+                coro.close()  # never started
+                raise
+            try:
                 return await coro
+            finally:
+                self._lock.release()
 
         task = asyncio.ensure_future(run())
         self._inflight.add(task)
@@ -473,7 +479,8 @@ class LMDBTier(BudgetedTier):
         await self._ready()
         if self._busy():  # a deleted key is not demoted afterwards
             await self._settled(keys)
-        present = await self._locked(self._delete_locked(list(dict.fromkeys(keys))))
+        present = await self._locked(self._delete_locked(list(dict.fromkeys(keys)),
+                                                         cancellable=True))
         return [present.pop(k, False) for k in keys]
 
     async def _touch_chain(self, keys: Sequence[bytes]) -> None:
@@ -514,10 +521,15 @@ class LMDBTier(BudgetedTier):
         if records and self._env is not None:
             await asyncio.to_thread(self._env.write, [], [], records)
 
-    async def _delete_locked(self, keys: list[bytes]) -> dict[bytes, bool]:
+    async def _delete_locked(self, keys: list[bytes], *,
+                             cancellable: bool = False) -> dict[bytes, bool]:
+        """Delete ``keys`` in one write transaction. Only a caller's delete is
+        ``cancellable`` by its deadline while queued; the tier's own (demoted victims, a
+        corrupt block) runs whatever the deadline says, so storage and accounting agree."""
         env = self._live_env()
         try:
-            present = await asyncio.to_thread(env.write, [], keys, [])
+            present = await (in_thread(env.write, [], keys, [], what="lmdb delete")
+                             if cancellable else asyncio.to_thread(env.write, [], keys, []))
         except lmdb.Error as exc:
             self.io_errors += 1
             raise TierError(f"lmdb tier {self.name}: delete failed: {exc}") from exc
@@ -546,7 +558,8 @@ class LMDBTier(BudgetedTier):
     async def _commit(self, items: Sequence[tuple[bytes, Block]],
                       dropped: list[bytes]) -> list[int]:
         """Delete the demoted victims and write ``items`` in one write transaction."""
-        async with self._lock:
+        await acquire(self._lock, "lmdb writer lock")
+        try:
             env = self._live_env()
             batch = dict(items)
             deletes = list(dropped)
@@ -556,8 +569,9 @@ class LMDBTier(BudgetedTier):
                 for _ in range(_MAP_FULL_RETRIES + 1):
                     touches = self._touch_records()
                     try:
-                        pending = await asyncio.to_thread(
-                            self._encode_and_write, env, batch, pending, now, deletes, touches)
+                        pending = await in_thread(
+                            self._encode_and_write, env, batch, pending, now, deletes, touches,
+                            what="lmdb write")
                         break
                     except lmdb.MapFullError as exc:
                         self.map_full += 1
@@ -584,6 +598,8 @@ class LMDBTier(BudgetedTier):
             for key in dropped:
                 self._touched.discard(key)
             return [put.nbytes for put in pending or ()]
+        finally:
+            self._lock.release()
 
     def _encode_and_write(self, env: BlockEnv, batch: dict[bytes, Block],
                           pending: list[PendingPut] | None, now: float,
