@@ -124,6 +124,7 @@ class Deadline:
         self._timer: asyncio.TimerHandle | None = None
         self._token: contextvars.Token[Deadline | None] | None = None
         self._fired = False
+        self._task_cancelled = False
         self._committed = False
         self._started = 0.0
         self._cancelling = 0
@@ -189,12 +190,16 @@ class Deadline:
             self._parent.awaited += self.awaited
         if not self._fired or self._task is None:
             return
-        # Our own cancellation: absorbed here, whatever the body did with it.
-        if self._task.uncancel() <= self._cancelling and exc_type is not None and \
-                issubclass(exc_type, asyncio.CancelledError):
+        # Our own cancellation is absorbed here, whatever the body did with it; a call the
+        # deadline refused to start (it had passed, the timer not run yet) raised one too.
+        pending = self._task.uncancel() if self._task_cancelled else self._task.cancelling()
+        ours = pending <= self._cancelling  # else someone else cancelled it too: theirs
+        if ours and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
             raise self.error() from None
 
-    def _expire(self) -> None:
+    def _cancel_queued(self) -> None:
+        """Cancel every call made under this deadline that has not started; note the
+        started ones that will be waited for."""
         self._fired = True
         for call, (future, wait_started) in list(self._queued.items()):
             if not self._committed and call.cancel():
@@ -203,8 +208,12 @@ class Deadline:
             elif wait_started:
                 self.awaited.append(call.what)
         self._queued.clear()
+
+    def _expire(self) -> None:
+        self._cancel_queued()
         if self._task is not None and not self._task.done():
             self._task.cancel()
+            self._task_cancelled = True
 
     def error(self) -> DeadlineExceeded:
         """The :class:`DeadlineExceeded` that says what this deadline did."""
@@ -253,6 +262,7 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
     """
     deadline = current()
     if deadline is not None and deadline.cancels:
+        deadline._cancel_queued()
         deadline.cancelled.append(what)
         raise _not_started(what, "its deadline had passed")
     call = _Call(fn, args, what)
