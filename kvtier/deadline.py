@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from kvtier.errors import KVTierError
+from kvtier.tasks import TaskSet
 
 __all__ = ["Deadline", "DeadlineExceeded", "acquire", "current", "in_thread"]
 
@@ -237,14 +238,15 @@ def current() -> Deadline | None:
 
 async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
                     executor: Executor | None = None, wait_started: bool = True,
-                    track: set[asyncio.Future[Any]] | None = None) -> T:
+                    track: TaskSet | None = None) -> T:
     """``fn(*args)`` in a worker thread (``executor``; default: the loop's), under the
     current deadline's rule.
 
     Cancelled (by the caller, or by the deadline passing) while still queued, the call
-    never runs and :class:`asyncio.CancelledError` is raised. Cancelled once started, it is waited for
-    to its end and the cancellation is raised after it (``wait_started=False``, for a read
-    into memory the tier owns: the caller leaves at once and the thread finishes alone).
+    never runs and :class:`asyncio.CancelledError` is raised. Cancelled once started, it
+    is waited for to its end and the cancellation is raised after it
+    (``wait_started=False``, for a read into memory the tier owns: the caller leaves at
+    once and the thread finishes alone).
     Called after the deadline has passed, it does not start at all.
 
     Parameters
@@ -258,7 +260,7 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
     wait_started
         Whether a cancelled caller waits for a started call.
     track
-        A set the call's future is in until it ends (a tier's ``aclose`` waits for them).
+        Where the call's future is held until it ends (a tier's ``aclose`` waits for it).
     """
     deadline = current()
     if deadline is not None and deadline.cancels:
@@ -270,8 +272,7 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
     if deadline is not None:
         deadline._queued[call] = (future, wait_started)
     if track is not None:
-        track.add(future)
-        future.add_done_callback(track.discard)
+        track.track(future)
     interrupted = False
     try:
         while True:

@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from kvtier.closeflush import CloseFlush
-from kvtier.deadline import Deadline
 from kvtier.codec import as_block
+from kvtier.deadline import Deadline
 from kvtier.errors import ClosedError, ConfigError, WrongLoopError
 from kvtier.events import EventHub, Subscription
 from kvtier.explain import Explanation, explain_keys

@@ -104,8 +104,7 @@ async def test_a_started_call_is_waited_for_and_the_error_says_so() -> None:
         return "written"
 
     async def release_soon() -> None:
-        while not entered.is_set():
-            await asyncio.sleep(0.01)
+        await asyncio.to_thread(entered.wait, 10)
         await asyncio.sleep(0.3)  # past the deadline below
         release.set()
 

@@ -9,10 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import redis_servers
 
 from kvtier import ConfigError, TieredStore, open_store
-
-from helpers import redis_servers
 
 
 def _probes(root: Path) -> list[Path]:

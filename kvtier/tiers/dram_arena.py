@@ -44,6 +44,7 @@ appends to a deque that the tier's loop drains.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -269,10 +270,8 @@ class HostArena:
         self.buffer = np.empty(0, np.uint8)  # releases its export of the mapping
         mapping, self._map = self._map, None
         if mapping is not None:
-            try:
-                mapping.close()
-            except BufferError:  # a slot is still referenced: unmapped when it goes
-                pass
+            with contextlib.suppress(BufferError):  # a slot still referenced: unmapped
+                mapping.close()                       # when its last view goes
 
     def allocate(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
         """A writable ``uint8`` array of ``nbytes`` bytes in a slot of the arena, or ``None``

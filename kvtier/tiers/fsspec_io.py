@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvtier.deadline import in_thread
 from kvtier.codec import FLAG_ZSTD, EncodedFrame, parse_header
+from kvtier.deadline import in_thread
 from kvtier.errors import CorruptBlockError
 from kvtier.tiers.base import Block
 

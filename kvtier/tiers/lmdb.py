@@ -28,15 +28,15 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
 from urllib.parse import unquote
 
 import lmdb
 
-from kvtier.deadline import acquire, in_thread
 from kvtier.codec import encode_frame, frame_size_bound, parse_compress
+from kvtier.deadline import acquire, in_thread
 from kvtier.errors import (
     ConfigError,
     CorruptBlockError,
@@ -46,6 +46,7 @@ from kvtier.errors import (
 )
 from kvtier.misses import MissReason
 from kvtier.policy import Clock, RecencyPolicy
+from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Block, copy_into, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.lmdb_dir import (
@@ -174,7 +175,7 @@ class LMDBTier(BudgetedTier):
         # demotion (see kvtier.tiers.budget).
         self._lock = asyncio.Lock()
         self._touched: set[bytes] = set()
-        self._inflight: set[asyncio.Future[Any]] = set()
+        self._inflight = TaskSet()
         self.hits = self.misses = self.corrupt = self.io_errors = self.map_full = 0
         self.discarded_after_os_crash = False
 
@@ -240,7 +241,7 @@ class LMDBTier(BudgetedTier):
             # leaves it running, and the next caller awaits the same open. LMDB forbids
             # opening one environment twice in a process.
             self._opening = asyncio.ensure_future(self._open())
-            self._inflight.add(self._opening)
+            self._inflight.track(self._opening)
             self._opening.add_done_callback(self._opened)
         return await asyncio.shield(self._opening)
 
@@ -255,7 +256,6 @@ class LMDBTier(BudgetedTier):
         return env
 
     def _opened(self, task: asyncio.Future[BlockEnv]) -> None:
-        self._inflight.discard(task)
         if task.cancelled() or task.exception() is not None:
             self._opening = None  # nothing opened: the next call tries again
 
@@ -325,7 +325,7 @@ class LMDBTier(BudgetedTier):
             out += await self._in_thread(env.read, keys[start:])
         return out
 
-    async def _locked(self, coro: Awaitable[T]) -> T:
+    async def _locked(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` under the writer lock as a tracked task that a cancelled caller
         waits for (a write transaction cannot be stopped, and one left running would act
         after the call returned)."""
@@ -340,9 +340,7 @@ class LMDBTier(BudgetedTier):
             finally:
                 self._lock.release()
 
-        task = asyncio.ensure_future(run())
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        task = self._inflight.start(run())
         return await run_to_end(task)
 
     # ---------------------------------------------------------------- contract
@@ -490,7 +488,7 @@ class LMDBTier(BudgetedTier):
 
     async def _aclose(self) -> None:
         while self._inflight or self._eviction_state.committing:
-            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+            await self._inflight.wait()
             await self._commits_done()
         try:
             if self._env is not None:
