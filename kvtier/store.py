@@ -423,9 +423,11 @@ class TieredStore:
         TierError
             If every tier that could hold the block failed, or the pool copy failed.
         TimeoutError
-            If ``timeout`` passed first. The block may or may not be stored, but nothing the
-            put started acts after this is raised: a write a tier had begun has ended (it
-            no longer reads ``value``), and none lands over a later put of ``key``.
+            If ``timeout`` passed first (:class:`kvtier.deadline.DeadlineExceeded`). The
+            block may or may not be stored, but nothing the put started acts after this is
+            raised: a tier's worker-thread call still queued at the deadline is cancelled
+            (never runs), one that had begun has ended (it no longer reads ``value``), and
+            none lands over a later put of ``key``; the message says which.
         """
         self._enter()
         seconds = check_timeout(timeout)
@@ -524,8 +526,11 @@ class TieredStore:
             ``bytes`` of 1..128 bytes.
         timeout
             Deadline in seconds, as for :meth:`put`. A delete is never left half done:
-            past the deadline it still finishes in every tier, then raises
-            ``TimeoutError`` (the key is gone), so it never removes a later put's block.
+            at the deadline, a tier call that has not started is cancelled only while no
+            tier has removed the key yet (the key then stays where it was); once one has,
+            the delete finishes in every tier. Either way it then raises
+            ``TimeoutError`` (:class:`kvtier.deadline.DeadlineExceeded`, saying which), and
+            it never removes a later put's block.
         """
         self._enter()
         seconds = check_timeout(timeout)

@@ -122,7 +122,8 @@ class DRAMTier(BudgetedTier):
     prefault
         Fault the arena's pages in so no put pays a page fault. ``None`` (default) or
         ``"background"``: in a background thread from construction on (``open`` does not
-        wait; at most half the memory available then; progress in ``stats()``:
+        wait; at most half the memory available then, the memory cgroup's limit included;
+        progress in ``stats()``:
         ``prefaulted_bytes``, ``prefaulted``). ``True``: at construction, which takes about
         capacity / a few GB/s. ``False``: pages fault in on each block's first put (a fill
         then ran at 0.06-0.4x memcpy, ``docs/performance.md``).
