@@ -28,7 +28,7 @@ from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
 from kvtier.deadline import Deadline
 from kvtier.errors import ClosedError, ConfigError, WrongLoopError
-from kvtier.events import EventHub, Subscription
+from kvtier.events import RESYNC_KEYS, EventHub, Resident, Subscription
 from kvtier.explain import Explanation, explain_keys
 from kvtier.keys import validate_key
 from kvtier.misses import DEFAULT_MISS_RECORD_SIZE, MissLedger
@@ -176,7 +176,7 @@ class TieredStore:
             raise ConfigError(f"node: expected a non-empty str, got {node!r}")
         if block_tokens is not None:
             check_positive_int(block_tokens, "block_tokens")
-        self._events = EventHub(node or _default_node(tiers))
+        self._events = EventHub(node or _default_node(tiers), resident=self._resident)
         self._timeout = check_timeout(timeout)
         self._write_policy: WritePolicy = write_policy
         self._closed = False
@@ -229,6 +229,15 @@ class TieredStore:
         """The store's KV event hub (what :meth:`events` subscribes to; hand it to
         ``kvtier.events_zmq.ZmqEventPublisher`` to publish on ZMQ)."""
         return self._events
+
+    def _resident(self) -> Resident:
+        """What each tier that can list its keys holds now (a subscription's resync)."""
+        out = []
+        for index, tier in enumerate(self._chain.tiers):
+            keys = tier.resident_keys()
+            if keys:
+                out.append((tier.name, self._chain.mediums[index], keys))
+        return out
 
     def _enter(self) -> None:
         """Every call's entry check: open, and on the store's own event loop."""
@@ -557,19 +566,26 @@ class TieredStore:
             return await call
 
     # ------------------------------------------------------------------ routers
-    def events(self, *, buffer: int | None = None) -> Subscription:
+    def events(self, *, buffer: int | None = None, resync: bool = True) -> Subscription:
         """Subscribe to this store's KV events (call on the store's event loop).
 
+        It starts with ``AllBlocksCleared`` (every tier of this node) and ``BlockStored``
+        for what the tiers hold now (a warm LMDB or file tier after a restart), then
         ``BlockStored`` when a tier admits blocks (puts, promotions, demotions, write-through
         and pool copies, the close flush), ``BlockRemoved`` when blocks leave a tier (budget
-        eviction, delete, a copy superseded above a newer one) and ``AllBlocksCleared`` per
-        tier when the store closes; see ``docs/events.md``.
+        eviction, delete, a copy superseded above a newer one; always after the
+        ``BlockStored`` that listed them) and, when the store closes, ``BlockRemoved`` for
+        what each tier held and ``AllBlocksCleared`` per tier. Every event carries the
+        store's ``incarnation`` and a ``seq``; see ``docs/events.md``.
 
         Parameters
         ----------
         buffer
             Events this subscription buffers (default 10,000). A consumer that falls behind
             loses the oldest ones, counted in ``Subscription.dropped``; the store never waits.
+        resync
+            Start with the ``AllBlocksCleared`` and ``BlockStored`` of what the tiers hold
+            (default); ``False``: only the events from now on.
 
         Returns
         -------
@@ -578,7 +594,7 @@ class TieredStore:
             batches); ``sub.close()`` ends it, as does :meth:`aclose`.
         """
         self._enter()
-        return self._events.subscribe(buffer=buffer)
+        return self._events.subscribe(buffer=buffer, resync=resync)
 
     @_in_flight
     async def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
@@ -767,11 +783,18 @@ class TieredStore:
                 await self._close_flush.run()
         finally:
             for index, tier in enumerate(self._chain.tiers):
+                # Each block leaves by name before the tier's AllBlocksCleared: a router
+                # that ignores AllBlocksCleared (llm-d-kv-cache#593) still ends up right.
+                held = tier.resident_keys() if self._events.subscribers else None
                 try:
                     await tier.aclose()
                 except Exception as exc:
                     self._chain.error(index, "aclose", exc)
-                self._events.cleared(tier=tier.name, medium=self._chain.mediums[index])
+                medium = self._chain.mediums[index]
+                for start in range(0, len(held or ()), RESYNC_KEYS):
+                    self._events.removed((held or [])[start:start + RESYNC_KEYS],
+                                         tier=tier.name, medium=medium)
+                self._events.cleared(tier=tier.name, medium=medium)
             self._chain.warnings.flush()
             self._events.close()
 

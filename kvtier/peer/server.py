@@ -39,7 +39,7 @@ from kvtier.peer.guards import (
 )
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
-from kvtier.peer.metrics import Family, miss_families, render, repair_families, store_families
+from kvtier.peer.metrics import Family, render, repair_families, segment_families
 from kvtier.peer.writeorder import WriteOrder
 
 __all__ = ["PeerServer", "Segment"]
@@ -717,8 +717,7 @@ class PeerServer:
             family = Family(name, kind, text)  # type: ignore[arg-type]
             family.add(value)
             out.append(family)
-        return out + repair_families(self.repair_stats) + \
-            store_families(_tier_stats(self.segment)) + miss_families(self.segment.stats())
+        return out + repair_families(self.repair_stats) + segment_families(self.segment.stats())
 
     def _open_connections(self) -> int:
         server = self._runner.server if self._runner is not None else None

@@ -61,7 +61,7 @@ import numpy.typing as npt
 from kvtier.errors import ConfigError
 from kvtier.tiers.host_memory import available_memory
 
-__all__ = ["HostArena", "fault_in", "slot_bytes"]
+__all__ = ["HostArena", "fault_in", "populate", "slot_bytes"]
 
 _ALIGN = 64  # a cache line: copies into a slot never share a line with a neighbour
 _PAGE = mmap.PAGESIZE
@@ -69,6 +69,10 @@ _HUGE_PAGE = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value (5.14+)
 #: Bytes faulted in per madvise call by the background prefault (one GIL-free call each).
 PREFAULT_CHUNK = 64 << 20
+#: The same for a shared arena (the host daemon's): each call holds the process's mmap lock,
+#: which its request handling then waits for (a malloc that maps memory), so a daemon serving
+#: engines while it prefaults takes small steps.
+SHARED_PREFAULT_CHUNK = 2 << 20
 #: Arenas up to this size are faulted in at construction even in background mode: it takes
 #: about a millisecond, less than starting a thread.
 PREFAULT_INLINE_MAX = 4 << 20
@@ -123,6 +127,18 @@ def fault_in(buffer: npt.NDArray[np.uint8]) -> None:
     buffer[::_PAGE] = 0
 
 
+def populate(buffer: npt.NDArray[np.uint8]) -> bool:
+    """Map every page of ``buffer`` writable now without touching its bytes
+    (``madvise(MADV_POPULATE_WRITE)``); ``False`` where the kernel cannot (nothing is
+    written then, unlike :func:`fault_in`), so it is safe on memory other processes use (a
+    shared arena an engine maps). Blocks the calling thread (no GIL held)."""
+    base = int(buffer.__array_interface__["data"][0])
+    start = (base + _PAGE - 1) // _PAGE * _PAGE
+    end = (base + buffer.nbytes) // _PAGE * _PAGE
+    return _MADVISE is not None and (end <= start or
+                                     _MADVISE(start, end - start, _MADV_POPULATE_WRITE) == 0)
+
+
 def slot_bytes(nbytes: int) -> int:
     """The size class (slot size) of a block of ``nbytes`` bytes."""
     return max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
@@ -150,13 +166,17 @@ class HostArena:
     hugepages
         ``madvise(MADV_HUGEPAGE)``: transparent huge pages (one fault and one TLB entry per
         2 MiB) where the kernel allows them (``/sys/kernel/mm/transparent_hugepage``).
+    backing
+        Carve slots from this mapping (at least ``nbytes`` long) instead of mapping
+        anonymous memory: the host daemon's shared arena file (:mod:`kvtier.shm.files`),
+        which engine processes map too. :meth:`offset_of` then locates a block in it.
 
     Concurrency: :meth:`allocate` may be called from any thread (a lock orders it); slots
     are released from any thread.
     """
 
     def __init__(self, nbytes: int, *, prefault: Prefault = False,
-                 hugepages: bool = False) -> None:
+                 hugepages: bool = False, backing: mmap.mmap | None = None) -> None:
         if nbytes <= 0:
             raise ConfigError(f"capacity: an arena needs a positive size, got {nbytes}")
         #: Bytes slots are carved from (``nbytes`` rounded up to a page).
@@ -169,20 +189,31 @@ class HostArena:
             flags |= mmap.MAP_POPULATE
         elif prefault is not True:
             flags |= getattr(mmap, "MAP_NORESERVE", 0)
-        try:
-            self._map: mmap.mmap | None = mmap.mmap(-1, mapped, flags=flags)
-        except OSError as exc:
-            raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: {exc}") from exc
+        # A backing mapping belongs to its file (the host daemon's): close leaves it alone.
+        self._owns_map = backing is None
+        if backing is not None:
+            if len(backing) < self.nbytes:
+                raise ConfigError(f"backing: {len(backing)} bytes, the arena needs "
+                                  f"{self.nbytes}")
+            mapping = backing
+        else:
+            try:
+                mapping = mmap.mmap(-1, mapped, flags=flags)
+            except OSError as exc:
+                raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: "
+                                  f"{exc}") from exc
+        self._map: mmap.mmap | None = mapping
         self.hugepages = False
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
+                mapping.madvise(mmap.MADV_HUGEPAGE)
                 self.hugepages = True
             except OSError:  # THP disabled in this kernel: plain pages, still correct
                 pass
         #: The whole arena as one writable ``uint8`` array (what a backend pins).
-        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8, self.nbytes)
-        if prefault is True and hugepages:
+        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(mapping, np.uint8, self.nbytes)
+        self._address = int(self.buffer.__array_interface__["data"][0])
+        if prefault is True and (hugepages or backing is not None):
             self.buffer[::_PAGE] = 0  # first touch after madvise, so faults map huge pages
         self.prefault_mode = "open" if prefault is True else \
             "background" if prefault == "background" else "off"
@@ -191,6 +222,7 @@ class HostArena:
         self.prefault_error: str | None = None
         self._prefault_done = prefault != "background"
         self._stop_prefault = threading.Event()
+        self._prefault_chunk = PREFAULT_CHUNK if backing is None else SHARED_PREFAULT_CHUNK
         self._top = 0  # slots are carved from [_top, nbytes)
         self._free: dict[int, list[int]] = {}
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -234,7 +266,7 @@ class HostArena:
             top = -(-self._top // _PAGE) * _PAGE
             if self._low <= top:
                 return False
-            start = max(top, self._low - PREFAULT_CHUNK)
+            start = max(top, self._low - self._prefault_chunk)
             size = self._low - start
         base = self.buffer.__array_interface__["data"][0]
         if _MADVISE(base + start, size, _MADV_POPULATE_WRITE) != 0:
@@ -269,7 +301,7 @@ class HostArena:
             self._refs.clear()
         self.buffer = np.empty(0, np.uint8)  # releases its export of the mapping
         mapping, self._map = self._map, None
-        if mapping is not None:
+        if mapping is not None and self._owns_map:
             with contextlib.suppress(BufferError):  # a slot still referenced: unmapped
                 mapping.close()                       # when its last view goes
 
@@ -278,7 +310,7 @@ class HostArena:
         when no slot of its class is free and the unused end is too short (the caller
         falls back to the heap). The slot is free again once the array is garbage."""
         size = slot_bytes(nbytes)
-        populate = False
+        fresh = False  # a slot the background prefault has not reached
         with self._lock:
             if self._closed or self._map is None:
                 return None
@@ -294,7 +326,7 @@ class HostArena:
                 self._top += size
                 # A fresh slot the prefault has not reached: fault it in with one call
                 # here rather than page by page through the copy (module notes).
-                populate = self.prefault_mode == "background" and \
+                fresh = self.prefault_mode == "background" and \
                     (offset < self._low or offset + size > self._limit)
             else:
                 self.overflow += 1
@@ -303,11 +335,26 @@ class HostArena:
         # the first array whose base is not an array, so every view of this slot (and of
         # the block typed over it) keeps exactly this array alive.
         raw = np.frombuffer(mapping, np.uint8, nbytes, offset)
-        if populate:
-            fault_in(raw)
+        if fresh:
+            populate(raw)  # no write: a shared arena's pages may be an engine's too
         self._refs[offset] = weakref.ref(raw, functools.partial(_released, self._freed,
                                                                 size, offset))
         return raw
+
+    def offset_of(self, block: npt.NDArray[Any]) -> int | None:
+        """Where ``block``'s bytes start in the arena, or ``None`` if they are not all in
+        it (a heap block: an overflow, or one a lower tier returned)."""
+        start = int(block.__array_interface__["data"][0]) - self._address
+        if start >= 0 and start + block.nbytes <= self.nbytes:
+            return start
+        return None
+
+    def used_bytes(self) -> int:
+        """Bytes of slots handed out and not yet released (blocks, and whatever a reader
+        or a lease still holds of dropped ones)."""
+        with self._lock:
+            self._drain()
+            return self._top - self.free_bytes
 
     def _drain(self) -> None:
         freed = self._freed
