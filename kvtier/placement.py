@@ -12,6 +12,7 @@ put that needed the room fails (:meth:`Placement.demoter`).
 
 from __future__ import annotations
 
+from kvtier.deadline import current as current_deadline
 from kvtier.errors import BlockTooLargeError, TierError, TierFullError
 from kvtier.misses import MissReason
 from kvtier.promotion import Promotion
@@ -259,6 +260,8 @@ class Placement:
                 except Exception as exc:
                     self._chain.error(index, "delete_many", exc)
                     continue
+                if (deadline := current_deadline()) is not None:
+                    deadline.commit()  # gone from one tier: the others must follow
                 self._chain.removed_where(index, keys, gone)
                 self._chain.misses.note_many(index, [k for k, g in zip(keys, gone, strict=True)
                                                      if g], MissReason.DELETED)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, Ty
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
+from kvtier.deadline import Deadline
 from kvtier.errors import ClosedError, ConfigError, WrongLoopError
 from kvtier.events import RESYNC_KEYS, EventHub, Resident, Subscription
 from kvtier.explain import Explanation, explain_keys
@@ -428,9 +429,11 @@ class TieredStore:
         TierError
             If every tier that could hold the block failed, or the pool copy failed.
         TimeoutError
-            If ``timeout`` passed first. The block may or may not be stored, but nothing the
-            put started acts after this is raised: a write a tier had begun has ended (it
-            no longer reads ``value``), and none lands over a later put of ``key``.
+            If ``timeout`` passed first (:class:`kvtier.deadline.DeadlineExceeded`). The
+            block may or may not be stored, but nothing the put started acts after this is
+            raised: a tier's worker-thread call still queued at the deadline is cancelled
+            (never runs), one that had begun has ended (it no longer reads ``value``), and
+            none lands over a later put of ``key``; the message says which.
         """
         self._enter()
         seconds = check_timeout(timeout)
@@ -526,8 +529,11 @@ class TieredStore:
             ``bytes`` of 1..128 bytes.
         timeout
             Deadline in seconds, as for :meth:`put`. A delete is never left half done:
-            past the deadline it still finishes in every tier, then raises
-            ``TimeoutError`` (the key is gone), so it never removes a later put's block.
+            at the deadline, a tier call that has not started is cancelled only while no
+            tier has removed the key yet (the key then stays where it was); once one has,
+            the delete finishes in every tier. Either way it then raises
+            ``TimeoutError`` (:class:`kvtier.deadline.DeadlineExceeded`, saying which), and
+            it never removes a later put's block.
         """
         self._enter()
         seconds = check_timeout(timeout)
@@ -545,14 +551,13 @@ class TieredStore:
 
     @staticmethod
     async def _within(seconds: float | None, op: str, call: Awaitable[T]) -> T:
-        """``call`` under a write's deadline (checked seconds; ``None``: none)."""
+        """``call`` under a write's deadline (checked seconds; ``None``: none): at it, tier
+        calls still queued are cancelled and started ones waited for
+        (:mod:`kvtier.deadline`); the ``TimeoutError`` says which."""
         if seconds is None:
             return await call
-        try:
-            async with asyncio.timeout(seconds):
-                return await call
-        except TimeoutError:
-            raise TimeoutError(f"{op}: did not finish within {seconds} s") from None
+        async with Deadline.after(seconds, op):
+            return await call
 
     # ------------------------------------------------------------------ routers
     def events(self, *, buffer: int | None = None, resync: bool = True) -> Subscription:

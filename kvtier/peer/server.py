@@ -472,7 +472,7 @@ class PeerServer:
         try:
             while have < length:
                 gap_end = loop.time() + self.body_timeout
-                rate_end = self.body_rate_deadline(started, have)
+                rate_end = self.body_rate_deadline(started, have, length)
                 try:
                     async with asyncio.timeout_at(min(gap_end, rate_end)):
                         chunk, _ = await request.content.readchunk()
@@ -497,19 +497,23 @@ class PeerServer:
         self.bytes_in += length
         return body
 
-    def body_rate_deadline(self, started: float, have: int) -> float:
-        """The loop time by which a body that started arriving at ``started`` and holds
-        ``have`` bytes must hold more: it keeps ``min_body_rate`` on average from
-        ``BODY_RATE_GRACE`` seconds after its head."""
-        if not self.min_body_rate:
+    def body_rate_deadline(self, started: float, have: int, length: int) -> float:
+        """The loop time by which a body of ``length`` bytes that started arriving at
+        ``started`` and holds ``have`` bytes must hold more: it keeps, on average from
+        ``BODY_RATE_GRACE`` seconds after its head, ``min_body_rate`` or, while the
+        in-flight budget is more than half held, its share of the budget's bandwidth
+        (:meth:`~kvtier.peer.guards.BodyBudget.required_rate`)."""
+        rate = self.budget.required_rate(length, self.min_body_rate)
+        if not rate:
             return float("inf")
-        return started + BODY_RATE_GRACE + have / self.min_body_rate
+        return started + BODY_RATE_GRACE + have / rate
 
     def body_timeout_error(self, too_slow: bool) -> TimeoutError:
         """The error a stalled (``too_slow=False``) or too slow body is refused with."""
         if too_slow:
             return TimeoutError(f"body arrived at under min_body_rate "
-                                f"{self.min_body_rate:.0f} bytes/s")
+                                f"{self.min_body_rate:.0f} bytes/s, or under its share of "
+                                "the in-flight budget while that was more than half held")
         return TimeoutError(f"no body bytes for {self.body_timeout} s")
 
     async def decode(self, key: bytes, frame: bytes | memoryview) -> Block:

@@ -38,6 +38,7 @@ from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
 from kvtier.peer.tls import client_context
+from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Block, Tier
 from kvtier.urls import (
     merge_options,
@@ -243,7 +244,7 @@ class PeerTier(Tier):
                                                 buffers=self.answer_buffers))
         self._start_lock = asyncio.Lock()
         self._started = False
-        self._background: set[asyncio.Task[bool]] = set()
+        self._background = TaskSet()
         self._repairs: set[asyncio.Task[None]] = set()
         self.counts: dict[str, int] = defaultdict(int)
         # Keys already checked on every current owner, with the change count then.
@@ -476,8 +477,7 @@ class PeerTier(Tier):
     def _track(self, task: asyncio.Task[Any]) -> None:
         # Referenced until done (a bare task can be garbage-collected mid-flight), and
         # awaited by flush()/aclose() even when the put that made it was cancelled.
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.track(task)
 
     async def _put(self, key: bytes, block: Block) -> None:
         await self._start()

@@ -7,6 +7,7 @@ buffers of large dropped blocks through a spare pool.
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import sys
 import time
@@ -128,7 +129,8 @@ class DRAMTier(BudgetedTier):
     prefault
         Fault the arena's pages in so no put pays a page fault. ``None`` (default) or
         ``"background"``: in a background thread from construction on (``open`` does not
-        wait; at most half the memory available then; progress in ``stats()``:
+        wait; at most half the memory available then, the memory cgroup's limit included;
+        progress in ``stats()``:
         ``prefaulted_bytes``, ``prefaulted``). ``True``: at construction, which takes about
         capacity / a few GB/s. ``False``: pages fault in on each block's first put (a fill
         then ran at 0.06-0.4x memcpy, ``docs/performance.md``).
@@ -353,12 +355,15 @@ class DRAMTier(BudgetedTier):
     async def _aclose(self) -> None:
         if self._arena is not None:
             self._arena.stop_prefault()
-            self._arena.unregister()
         self._blocks.clear()
         self._eviction_state.forget_leaving()
         self._spare.clear()
         for key in list(self._policy.lru_order()):
             self._policy.remove(key)
+        if self._arena is not None:
+            # Unmapped now (its blocks are dropped above), not when the cycle collector
+            # frees the tier: a store and its tiers reference each other.
+            await asyncio.to_thread(self._arena.close)
         if self._shm is not None:
             self._shm.close()
 
