@@ -77,11 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "node (TTFT only)")):
         parser.add_argument(flag, type=float, default=None, metavar="S",
                             help=f"--load inflight: {what} (default: the --engine preset's)")
-    parser.add_argument("--hot-reads", type=int, default=2, metavar="K",
-                        help="--mode local: remote reads of a block after which the reader "
-                             "keeps a copy (0: never; default 2)")
-    parser.add_argument("--max-copies", type=int, default=2, metavar="M",
-                        help="--mode local: most nodes one block may be on (default 2)")
+    parser.add_argument("--live-weight", type=float, default=None, metavar="W",
+                        help="locate-live: load penalty weight (default 0.5, see "
+                             "docs/replay.md)")
+    parser.add_argument("--hot-reads", type=int, default=None, metavar="K",
+                        help="--mode local: remote reads of a block after which it is copied "
+                             "or moved to the reader (0: never; default 2)")
+    parser.add_argument("--max-copies", type=int, default=None, metavar="M",
+                        help="--mode local: copies a hot block may have; at M it moves to "
+                             "its reader instead (default 1)")
+    parser.add_argument("--forward-margin", type=float, default=None, metavar="F",
+                        help="--mode local: forward an evicted last copy of age a only to a "
+                             "node whose oldest block is older than (1 + F) a (0: the Global "
+                             "Memory Service rule; default 0.5)")
     engine = parser.add_mutually_exclusive_group()
     engine.add_argument("--dry", action="store_true", help="metadata only (the default)")
     engine.add_argument("--real", action="store_true",
@@ -131,10 +139,12 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and not value >= 0:
             raise ConfigError(f"--{flag.replace('_', '-')}: expected >= 0, got {value}")
-    if args.hot_reads < 0:
-        raise ConfigError(f"--hot-reads: expected >= 0, got {args.hot_reads}")
-    if args.max_copies < 1:
-        raise ConfigError(f"--max-copies: expected >= 1, got {args.max_copies}")
+    for flag, value, low in (("--hot-reads", args.hot_reads, 0),
+                             ("--max-copies", args.max_copies, 1),
+                             ("--forward-margin", args.forward_margin, 0),
+                             ("--live-weight", args.live_weight, 0)):
+        if value is not None and not value >= low:
+            raise ConfigError(f"{flag}: expected >= {low}, got {value}")
     if "local" in args.mode and (args.lower_blocks or args.cascade or args.policy != ["lru"]):
         raise ConfigError("--mode local: one tier under LRU by global age (no --lower-blocks, "
                           "--cascade or --policy other than lru)")
@@ -230,11 +240,14 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
         for mode, policy in itertools.product(args.mode, args.policy):
             routings = ["none"] if mode == "ideal" else args.routing
             for routing in routings:
-                local = {"hot_reads": args.hot_reads,
-                         "max_copies": args.max_copies} if mode == "local" else {}
+                options = {name: getattr(args, name) for name in (
+                    ("hot_reads", "max_copies", "forward_margin") if mode == "local" else ())
+                    if getattr(args, name) is not None}
+                if routing == "locate-live" and args.live_weight is not None:
+                    options["live_weight"] = args.live_weight
                 sims.append(make_simulation(
                     mode, routing, policy, args.nodes, caps, ring=ring, seed=args.seed,
-                    cascade=args.cascade, **local,
+                    cascade=args.cascade, **options,
                     clock=None if cost is None else NodeClock(args.nodes, cost)))
     builtin = args.trace == BUILTIN
     total = 0 if builtin else trace_size(args.trace)

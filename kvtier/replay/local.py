@@ -12,8 +12,10 @@ Dahlin et al., OSDI 1994): to the node with free room or, else, the node whose o
 is the oldest anywhere, when that block is older than the one forwarded (that node then
 drops its oldest block, the oldest anywhere); a block that is itself the oldest anywhere is
 dropped. Age is the logical time of a block's last use, on any node: a forwarded block keeps
-its age. A block read remotely ``hot_reads`` times gets a copy on the reader (at most
-``max_copies`` copies of a block).
+its age. A block read remotely ``hot_reads`` times gets a copy on the reader while it has
+fewer than ``max_copies`` copies; at ``max_copies`` it moves to the reader instead (the copy
+read from is dropped: with ``max_copies=1`` a hot block follows its readers and memory is
+never spent on duplicates).
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LocalPool"]
+__all__ = ["FORWARD_MARGIN", "HOT_READS", "MAX_COPIES", "LocalPool"]
+
+# Defaults: the configuration docs/pooling-results.md measures ("The local pool against a
+# live router"): a block read remotely twice moves to its reader (one copy of every block),
+# and a last copy is forwarded only to a node whose oldest block is 1.5x as old.
+HOT_READS = 2
+MAX_COPIES = 1
+FORWARD_MARGIN = 0.5
 
 
 class LocalPool:
@@ -37,11 +46,17 @@ class LocalPool:
     hot_reads
         Remote reads of a block after which a reader keeps a copy (0: never copy).
     max_copies
-        Most nodes that may hold one block through hot copies (>= 1).
+        Most nodes that may hold one block through hot copies (>= 1); a hot block with that
+        many copies moves to its reader.
+    forward_margin
+        A last copy of age ``a`` (logical time since its last use) is forwarded only to a
+        node whose oldest block is older than ``(1 + forward_margin) * a``: 0 is the Global
+        Memory Service's rule; more skips swaps of blocks of about the same age, which move
+        bytes for no hit.
     """
 
-    def __init__(self, nodes: int, capacity: int, *, hot_reads: int = 2,
-                 max_copies: int = 2) -> None:
+    def __init__(self, nodes: int, capacity: int, *, hot_reads: int = HOT_READS,
+                 max_copies: int = MAX_COPIES, forward_margin: float = FORWARD_MARGIN) -> None:
         if type(capacity) is not int or capacity < 1:
             raise ValueError(f"capacity: expected an int >= 1, got {capacity!r}")
         if type(hot_reads) is not int or hot_reads < 0:
@@ -49,7 +64,10 @@ class LocalPool:
         if type(max_copies) is not int or max_copies < 1:
             raise ValueError(f"max_copies: expected an int >= 1, got {max_copies!r}")
         self.nodes, self.capacity = nodes, capacity
+        if not forward_margin >= 0:
+            raise ValueError(f"forward_margin: expected >= 0, got {forward_margin!r}")
         self.hot_reads, self.max_copies = hot_reads, max_copies
+        self.forward_margin = float(forward_margin)
         # Per node: key -> logical time of last use, and a lazy min-heap of (time, key)
         # whose stale entries (a later use) are skipped when the oldest is looked for.
         self.held: list[dict[bytes, int]] = [{} for _ in range(nodes)]
@@ -63,6 +81,7 @@ class LocalPool:
         self.dropped_last = 0  # last copies dropped as the oldest anywhere
         self.dropped_copies = 0  # evicted blocks that had another copy
         self.hot_copies = 0
+        self.hot_moves = 0
         self.directory_updates = 0  # holder added or removed
 
     # -- ages ------------------------------------------------------------------------
@@ -117,7 +136,10 @@ class LocalPool:
         # The last copy: forward it to the node with room, else the one whose oldest block
         # is older than it (the globally oldest; that node then drops its oldest, itself the
         # oldest anywhere, so forwarding never cascades).
-        target, oldest = -1, tick
+        now = self._tick
+        # Older than this tick: at least (1 + margin) times the victim's age.
+        oldest = now - (1.0 + self.forward_margin) * (now - tick)
+        target = -1
         for other in range(self.nodes):
             if other == node:
                 continue
@@ -126,7 +148,7 @@ class LocalPool:
                 break
             found = self._oldest(other)
             if found is not None and found[0] < oldest:
-                target, oldest = other, found[0]
+                target, oldest = other, float(found[0])
         self._remote_reads_of.pop(key, None)
         if target < 0:
             self.dropped_last += 1
@@ -176,8 +198,15 @@ class LocalPool:
                 remote += 1
                 reads = self._remote_reads_of.get(key, 0) + 1
                 self._remote_reads_of[key] = reads
-                if self.hot_reads and reads >= self.hot_reads and len(where) < self.max_copies:
-                    self.hot_copies += 1
+                if self.hot_reads and reads >= self.hot_reads:
+                    self._remote_reads_of[key] = 0
+                    if len(where) < self.max_copies:
+                        self.hot_copies += 1
+                    else:  # moves: the copy it was read from goes
+                        self.hot_moves += 1
+                        source = where[0]
+                        del self.held[source][key]
+                        self._unlist(key, source)
                     self._store(node, key, tick)
                     continue
             # Read from (or, past the hit, recomputed but already held by) another node:
@@ -191,5 +220,6 @@ class LocalPool:
         return {"local_hits": self.local_hits, "remote_reads": self.remote_reads,
                 "forwarded": self.forwarded, "dropped_last_copies": self.dropped_last,
                 "dropped_copies": self.dropped_copies, "hot_copies": self.hot_copies,
+                "hot_moves": self.hot_moves,
                 "directory_updates": self.directory_updates,
                 "held_blocks": [len(h) for h in self.held]}

@@ -21,8 +21,10 @@ Four routings:
     combine them: per node, ``run / len(prompt) - LIVE_LOAD_WEIGHT * (q - q_min) / (q_max -
     q_min)`` (the load term is 0 when every node has the same ``q``), where ``q`` is the
     node's load; the highest score wins, ties to the least loaded. ``LIVE_LOAD_WEIGHT`` is
-    1: the gateway-api-inference-extension plugin profile weighs its prefix-cache and queue
-    scorers equally (weight 2 each).
+    0.5, half of what llm-d's gateway plugin profile implies (it weighs its prefix-cache and
+    queue scorers equally, weight 2 each: weight 1 here); at weight 1 per-node caches on the
+    agentic trace send so much work away from the prefix's holder that they lose ~40 points
+    of hit rate and saturate (docs/pooling-results.md), so 0.5 is the stronger baseline.
 ``owner``
     What :meth:`kvtier.TieredStore.route` does: no locate request; per-node and ``pooled``:
     the node owning the longest leading run of the prompt on the ring; ``local``: the holder
@@ -46,7 +48,7 @@ __all__ = ["LIVE_LOAD_WEIGHT", "LOAD_BOUND", "LOCATE_ROUTINGS", "LocateSimulatio
            "format_routing_table", "live_pick", "make_simulation", "routing_metrics"]
 
 LOCATE_ROUTINGS = ("locate", "locate-bounded", "locate-live", "owner")
-LIVE_LOAD_WEIGHT = 1.0
+LIVE_LOAD_WEIGHT = 0.5
 
 
 def live_pick(runs: Sequence[int], loads: Sequence[float], blocks: int,
@@ -75,10 +77,13 @@ class LocateSimulation(Simulation):
         One of :data:`LOCATE_ROUTINGS`.
     policy, nodes, capacities, ring, seed, cascade, clock, hot_reads, max_copies
         As for :class:`~kvtier.replay.sim.Simulation`.
+    live_weight
+        ``locate-live``'s load weight (default :data:`LIVE_LOAD_WEIGHT`).
     """
 
     def __init__(self, mode: str, routing: str, policy: str, nodes: int,
-                 capacities: Sequence[int], **options: Any) -> None:
+                 capacities: Sequence[int], *, live_weight: float = LIVE_LOAD_WEIGHT,
+                 **options: Any) -> None:
         if routing not in LOCATE_ROUTINGS:
             raise ValueError(f"routing: expected one of {', '.join(LOCATE_ROUTINGS)}, "
                              f"got {routing!r}")
@@ -88,6 +93,9 @@ class LocateSimulation(Simulation):
         super().__init__(mode, "rr", policy, nodes, capacities, **options)
         self.routing = routing
         self.load_bound = None if routing in ("locate", "locate-live") else LOAD_BOUND
+        if not live_weight >= 0:
+            raise ValueError(f"live_weight: expected >= 0, got {live_weight!r}")
+        self.live_weight = live_weight
         self.local_blocks = 0  # sum over requests of the chosen node's local prefix
 
     def local_prefix(self, keys: Sequence[bytes]) -> list[int]:
@@ -136,7 +144,7 @@ class LocateSimulation(Simulation):
     def _route(self, req: Request, keys: Sequence[bytes]) -> int:
         local = self.owned_prefix(keys) if self.routing == "owner" else self.local_prefix(keys)
         if self.routing == "locate-live":
-            best = live_pick(local, self.loads(), len(keys))
+            best = live_pick(local, self.loads(), len(keys), self.live_weight)
         else:
             best = pick_node(local, self.loads(), self.load_bound)
         self.local_blocks += local[best]

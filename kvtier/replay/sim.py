@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
 from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
-from kvtier.replay.local import LocalPool
+from kvtier.replay.local import FORWARD_MARGIN, HOT_READS, MAX_COPIES, LocalPool
 from kvtier.replay.timed import NodeClock
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
@@ -137,14 +137,15 @@ class Simulation:
         Placement for ``pooled`` (default: a :class:`HashRing` over ``node0..``).
     clock
         The timed load model (``None``: load is requests routed so far, nothing timed).
-    hot_reads, max_copies
+    hot_reads, max_copies, forward_margin
         ``local`` only: see :class:`~kvtier.replay.local.LocalPool`.
     """
 
     def __init__(self, mode: str, routing: str, policy: str, nodes: int,
                  capacities: Sequence[int], *, ring: HashRing | None = None,
                  seed: int = 0, cascade: bool = False, clock: NodeClock | None = None,
-                 hot_reads: int = 2, max_copies: int = 2) -> None:
+                 hot_reads: int = HOT_READS, max_copies: int = MAX_COPIES,
+                 forward_margin: float = FORWARD_MARGIN) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: unknown {mode!r}; known: {', '.join(MODES)}")
         if routing not in ROUTINGS and mode != "ideal":
@@ -161,7 +162,7 @@ class Simulation:
             if len(capacities) != 1 or policy != "lru" or cascade:
                 raise ValueError("mode local: one tier, policy lru (age is global), no cascade")
             self.local = LocalPool(nodes, capacities[0], hot_reads=hot_reads,
-                                   max_copies=max_copies)
+                                   max_copies=max_copies, forward_margin=forward_margin)
         if clock is not None and clock.nodes != nodes:
             raise ValueError(f"clock: has {clock.nodes} nodes, the simulation {nodes}")
         self.clock = clock
@@ -209,16 +210,22 @@ class Simulation:
         self._rr = (node + 1) % self.nodes
         return node
 
-    def loads(self) -> list[int]:
-        """Each node's load as routers see it now: requests in flight (timed) or routed so
-        far (``count``)."""
-        return self.clock.inflight if self.clock is not None else self.node_requests
+    def loads(self) -> Sequence[float]:
+        """Each node's load as routers see it now: requests routed so far (``count``), or
+        requests in flight (timed) plus a tie-break under 1/1000 of a request, the node's
+        share of the busy time so far (so that among idle nodes the least used one wins,
+        not always the first)."""
+        clock = self.clock
+        if clock is None:
+            return self.node_requests
+        total = sum(clock.busy_s) or 1.0
+        return [q + 1e-3 * b / total for q, b in zip(clock.inflight, clock.busy_s, strict=True)]
 
     def _least_loaded(self) -> int:
         clock = self.clock
         assert clock is not None
         return min(range(self.nodes), key=lambda n: (clock.inflight[n], clock.remaining_s(n),
-                                                     self.node_requests[n]))
+                                                     clock.busy_s[n]))
 
     def _route(self, req: Request, keys: Sequence[bytes]) -> int:
         routing = self.routing
