@@ -143,10 +143,14 @@ class LocateSimulation(Simulation):
 
     def _route(self, req: Request, keys: Sequence[bytes]) -> int:
         local = self.owned_prefix(keys) if self.routing == "owner" else self.local_prefix(keys)
+        loads = self.loads()
+        order = self.tie_order()  # both pickers break ties by position: least busy first
+        runs = [local[n] for n in order]
+        queued = [loads[n] for n in order]
         if self.routing == "locate-live":
-            best = live_pick(local, self.loads(), len(keys), self.live_weight)
+            best = order[live_pick(runs, queued, len(keys), self.live_weight)]
         else:
-            best = pick_node(local, self.loads(), self.load_bound)
+            best = order[pick_node(runs, queued, self.load_bound)]
         self.local_blocks += local[best]
         return best
 

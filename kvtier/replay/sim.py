@@ -210,16 +210,20 @@ class Simulation:
         self._rr = (node + 1) % self.nodes
         return node
 
-    def loads(self) -> Sequence[float]:
+    def loads(self) -> list[int]:
         """Each node's load as routers see it now: requests routed so far (``count``), or
-        requests in flight (timed) plus a tie-break under 1/1000 of a request, the node's
-        share of the busy time so far (so that among idle nodes the least used one wins,
+        requests in flight (timed)."""
+        return self.clock.inflight if self.clock is not None else self.node_requests
+
+    def tie_order(self) -> list[int]:
+        """Nodes in the order routers break ties in: by index (``count``, as it always did),
+        or least busy time so far first (timed: among idle nodes the least used one wins,
         not always the first)."""
         clock = self.clock
         if clock is None:
-            return self.node_requests
-        total = sum(clock.busy_s) or 1.0
-        return [q + 1e-3 * b / total for q, b in zip(clock.inflight, clock.busy_s, strict=True)]
+            return list(range(self.nodes))
+        busy = clock.busy_s
+        return sorted(range(self.nodes), key=busy.__getitem__)
 
     def _least_loaded(self) -> int:
         clock = self.clock
