@@ -12,10 +12,11 @@ Dahlin et al., OSDI 1994): to the node with free room or, else, the node whose o
 is the oldest anywhere, when that block is older than the one forwarded (that node then
 drops its oldest block, the oldest anywhere); a block that is itself the oldest anywhere is
 dropped. Age is the logical time of a block's last use, on any node: a forwarded block keeps
-its age. A block read remotely ``hot_reads`` times gets a copy on the reader while it has
-fewer than ``max_copies`` copies; at ``max_copies`` it moves to the reader instead (the copy
-read from is dropped: with ``max_copies=1`` a hot block follows its readers and memory is
-never spent on duplicates).
+its age. A block read remotely ``hot_reads`` times is hot: if more than one node read it
+(a shared prefix, such as a system prompt) and it has fewer than ``max_copies`` copies, the
+reader gets a copy; else it moves to the reader (the copy read from is dropped: a session
+whose requests now run elsewhere takes its blocks along, and memory is not spent on
+duplicates of blocks only one node reads).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from typing import Any
 __all__ = ["FORWARD_MARGIN", "HOT_READS", "MAX_COPIES", "LocalPool"]
 
 # Defaults: the configuration docs/pooling-results.md measures ("The local pool against a
-# live router"): a block read remotely twice moves to its reader (one copy of every block),
-# and a last copy is forwarded only to a node whose oldest block is 1.5x as old.
+# live router"): a block read remotely twice is hot (copied when several nodes read it, up to
+# 4 copies, else moved to its reader), and a last copy is forwarded only to a node whose
+# oldest block is 1.5x as old.
 HOT_READS = 2
-MAX_COPIES = 1
+MAX_COPIES = 4
 FORWARD_MARGIN = 0.5
 
 
@@ -74,6 +76,7 @@ class LocalPool:
         self._heaps: list[list[tuple[int, bytes]]] = [[] for _ in range(nodes)]
         self.holders: dict[bytes, list[int]] = {}  # the directory
         self._remote_reads_of: dict[bytes, int] = {}
+        self._readers_of: dict[bytes, set[int]] = {}  # remote readers since it was last hot
         self._tick = 0
         self.local_hits = 0
         self.remote_reads = 0
@@ -150,6 +153,7 @@ class LocalPool:
             if found is not None and found[0] < oldest:
                 target, oldest = other, float(found[0])
         self._remote_reads_of.pop(key, None)
+        self._readers_of.pop(key, None)
         if target < 0:
             self.dropped_last += 1
             return
@@ -198,9 +202,12 @@ class LocalPool:
                 remote += 1
                 reads = self._remote_reads_of.get(key, 0) + 1
                 self._remote_reads_of[key] = reads
+                readers = self._readers_of.setdefault(key, set())
+                readers.add(node)
                 if self.hot_reads and reads >= self.hot_reads:
                     self._remote_reads_of[key] = 0
-                    if len(where) < self.max_copies:
+                    del self._readers_of[key]
+                    if len(readers) > 1 and len(where) < self.max_copies:
                         self.hot_copies += 1
                     else:  # moves: the copy it was read from goes
                         self.hot_moves += 1
