@@ -75,17 +75,19 @@ def test_a_node_with_room_takes_the_last_copy_and_the_margin_holds_back_swaps() 
 
 
 def test_evicting_a_copy_that_has_another_drops_it_and_updates_the_directory() -> None:
-    pool = LocalPool(2, 2, hot_reads=1, max_copies=2)
+    pool = LocalPool(3, 2, hot_reads=2, max_copies=2)
     pool.serve(0, _keys(1))
-    assert pool.serve(1, _keys(1)) == (1, 1)  # hot after one read: copied to node 1
-    assert pool.hot_copies == 1 and sorted(pool.holders[block_key(1)]) == [0, 1]
-    pool.serve(1, _keys(5, 6))  # node 1 evicts its copy of block 1
+    assert pool.serve(1, _keys(1)) == (1, 1)
+    assert pool.serve(2, _keys(1)) == (1, 1)  # hot, read by two nodes: copied to node 2
+    assert pool.hot_copies == 1 and sorted(pool.holders[block_key(1)]) == [0, 2]
+    pool.serve(2, _keys(5, 6))  # node 2 evicts its copy of block 1
     assert pool.dropped_copies == 1 and pool.holders[block_key(1)] == [0]
     _check(pool)
 
 
-def test_a_hot_block_moves_to_its_reader_with_one_copy() -> None:
-    pool = LocalPool(2, 10, hot_reads=2, max_copies=1)
+@pytest.mark.parametrize("max_copies", [1, 4])
+def test_a_hot_block_one_node_reads_moves_to_it(max_copies: int) -> None:
+    pool = LocalPool(2, 10, hot_reads=2, max_copies=max_copies)
     pool.serve(0, _keys(1, 2))
     pool.serve(1, _keys(1, 2))  # first remote read of each
     assert pool.hot_moves == 0
@@ -108,7 +110,8 @@ def test_random_traffic_keeps_the_directory_exact_and_loses_only_counted_blocks(
     _check(pool)
     # Every block seen is held somewhere or was dropped as a last copy, once per drop.
     assert len(seen) - len(pool.holders) <= pool.dropped_last
-    assert pool.forwarded > 0 and pool.hot_copies > 0
+    assert pool.forwarded > 0 and pool.hot_copies > 0 and pool.hot_moves > 0
+    assert max(len(nodes) for nodes in pool.holders.values()) <= 2
 
 
 def test_simulation_local_mode_counts_reads_and_forwards_as_remote_bytes() -> None:
