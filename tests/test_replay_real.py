@@ -98,13 +98,9 @@ async def test_per_node_locate_routes_to_the_node_holding_the_prefix(tmp_path: P
     assert rows["locate"]["network_bytes"] == 0 and rows["locate"]["load_imbalance"] <= 1.3
 
 
-def test_real_config_owner_and_placement_need_the_pool() -> None:
+def test_real_config_owner_needs_the_pool() -> None:
     with pytest.raises(ConfigError, match="owner"):
         RealConfig(mode="per-node", routing="owner")
-    with pytest.raises(ConfigError, match="chain placement was removed"):
-        RealConfig(mode="pooled", placement="anchor:1")
-    with pytest.raises(ConfigError, match="placement"):
-        RealConfig(mode="pooled", placement="anchor:x")
     with pytest.raises(ConfigError, match="locate"):
         RealConfig(mode="ideal", routing="locate")
     assert RealConfig(mode="pooled", routing="owner").routing == "owner"
@@ -122,3 +118,8 @@ def test_cli_real_runs_owner_and_locate_bounded_routing(tmp_path: Path) -> None:
     assert [(r["routing"], r["placement"]) for r in rows] == [
         ("rr", "block"), ("owner", "block"), ("locate", "block")]
     assert all(r["requests"] == 40 for r in rows)
+    # The local pool and locate-live are dry models: --real refuses them.
+    for extra in (["--mode", "local"], ["--routing", "locate-live"]):
+        proc = subprocess.run([*base, *extra], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and "--dry only" in proc.stderr
