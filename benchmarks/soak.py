@@ -362,8 +362,7 @@ async def _membership(servers: list[Server], tally: Tally, t0: float, duration: 
 async def _read_back(store: object, batches: list[list[bytes]], nbytes: int
                      ) -> tuple[set[bytes], int]:
     """``(keys read with the right bytes, wrong blocks)`` of the keys in ``batches`` (each
-    one ``get_many``: a chain is read as one prompt, as a fresh client learns its placement
-    from it) through ``store``."""
+    one ``get_many``: a chain is read as one prompt) through ``store``."""
     good: set[bytes] = set()
     wrong = 0
     for chunk in batches:
@@ -446,7 +445,10 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
             if i not in out:
                 await s.wait_ready()
         rss_start = {i: _rss_mib(s.proc.pid) for i, s in enumerate(servers) if s.proc}
-        stores = [await kvtier.open_store([pool]) for _ in range(args.clients)]
+        # Under placement=local each client is attached to its own home member.
+        stores = [await kvtier.open_store(
+            [pool + (f"&home=127.0.0.1:{ports[i % len(ports)]}"
+                     if args.placement == "local" else "")]) for i in range(args.clients)]
         t0 = time.monotonic()
         until = t0 + args.duration
         try:
@@ -651,7 +653,8 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-disk-mib", type=int, default=0,
                         help="server 0's LMDB segment on a tmpfs of this size (0: off)")
     parser.add_argument("--placement", default="block",
-                        help="the pool's placement= (block, anchor:R)")
+                        help="the pool's placement= (block, local: client i's home is "
+                             "server i)")
     parser.add_argument("--chain", type=int, default=1,
                         help="blocks per put: > 1 puts and reads whole prompt chains")
 

@@ -85,13 +85,21 @@ class CloseFlush:
                 (k, b) for k, b in zip(batch, blocks, strict=True) if b is not None]
             if not items:
                 continue
+            owed = chain.owe_batch([k for k, _ in items])  # see kvtier.event_order
             try:
+                if owed is not None:
+                    owed.writing(target, owed.keys)
                 await chain.tiers[target]._put_many(items)
             except Exception:  # a refused block must not stop the others: one by one
+                if owed is not None:
+                    owed.written(target, ok=False)
                 for key, block in items:
                     if await chain.write(target, key, block, "close_flush"):
                         chain.counters.close_flushed += 1
             else:
+                if owed is not None:
+                    owed.written(target, ok=True)
                 chain.counters.close_flushed += len(items)
                 chain.tier_counters[target].bytes_in += sum(b.nbytes for _, b in items)
-                chain.stored(target, [k for k, _ in items])
+            finally:
+                chain.announce(owed)

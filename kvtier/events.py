@@ -18,21 +18,27 @@ Usage::
 
 Producers may call from any thread (an LMDB eviction running in ``asyncio.to_thread``): a
 subscriber's wake-up is handed to its event loop with ``call_soon_threadsafe``.
+
+Every event carries the hub's ``incarnation`` (random, new for every hub) and a ``seq`` in
+emission order; every subscription starts with a resync (``AllBlocksCleared`` for the node,
+then ``BlockStored`` for what it holds), so a consumer's view starts true after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
+import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "MEDIUM_GPU", "MEDIUM_SHARED", "VLLM_MEDIUM",
-           "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventHub", "KVEvent",
-           "Subscription", "medium_of"]
+__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "MEDIUM_GPU", "MEDIUM_SHARED", "RESYNC_KEYS",
+           "VLLM_MEDIUM", "AllBlocksCleared", "BlockRemoved", "BlockStored", "EventHub",
+           "KVEvent", "Resident", "Subscription", "medium_of"]
 
 # ``medium`` values, as in the issue's contract and vLLM's events (vLLM itself spells its
 # own tiers "GPU"/"CPU"; a publisher can map these with VLLM_MEDIUM).
@@ -97,6 +103,8 @@ class BlockStored:
     block_tokens: int | None = None
     token_ids: tuple[int, ...] = ()
     ts: float = field(default_factory=time.time)
+    seq: int = 0
+    incarnation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,16 +117,24 @@ class BlockRemoved:
     node: str
     medium: str
     ts: float = field(default_factory=time.time)
+    seq: int = 0
+    incarnation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """Every block of ``tier`` on ``node`` is gone (``tier`` ``None``: of every tier)."""
+    """Every block of ``tier`` on ``node`` is gone (``tier`` ``None``: of every tier).
+
+    The first event of every subscription is one with ``tier`` ``None``: forget what this
+    node held before (another incarnation's blocks), the blocks it holds now follow.
+    """
 
     node: str
     tier: str | None = None
     medium: str | None = None
     ts: float = field(default_factory=time.time)
+    seq: int = 0
+    incarnation: str = ""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -164,6 +180,15 @@ class Subscription:
             self._buffer.append(event)
         self._wake_consumer()
         return lost
+
+    def _seed(self, events: list[KVEvent]) -> None:
+        """Start the buffer with ``events`` (a resync): the bound grows by their number, so
+        live events never push the resync out before it is taken."""
+        with self._lock:
+            self._buffer.extend(events)
+            self._limit += len(events)
+        if events:
+            self._wake_consumer()
 
     def _wake_consumer(self) -> None:
         if threading.get_ident() == self._thread:
@@ -239,8 +264,19 @@ class Subscription:
         self.close()
 
 
+#: What a hub's ``resident`` callback returns: per tier, ``(tier, medium, keys held)``.
+Resident = Iterable[tuple[str, str, Sequence[bytes]]]
+#: Keys per ``BlockStored`` of a subscription's resync.
+RESYNC_KEYS = 1024
+
+
 class EventHub:
     """Fan-out of KV events to bounded subscriptions; producers never wait.
+
+    Every event carries the hub's :attr:`incarnation` (a random id, new for every hub, so
+    for every process start) and a sequence number ``seq`` (1, 2, ... in emission order,
+    across all producers' threads): a consumer that sees a gap in ``seq`` lost events, one
+    that sees a new incarnation talks to a restarted node.
 
     Parameters
     ----------
@@ -250,31 +286,59 @@ class EventHub:
         Default per-subscriber bound, in events.
     max_batch
         Most events a consumer takes per wake-up.
+    resident
+        What the node holds now (``(tier, medium, keys)`` per tier): each subscription
+        starts with ``AllBlocksCleared`` (every tier) and then ``BlockStored`` for these
+        keys, so a consumer's view starts true whatever it believed before (a restart, a
+        late subscriber). ``None``: the subscription starts with the ``AllBlocksCleared``
+        only.
     """
 
-    def __init__(self, node: str, *, buffer: int = 10_000, max_batch: int = 1024) -> None:
+    def __init__(self, node: str, *, buffer: int = 10_000, max_batch: int = 1024,
+                 resident: Callable[[], Resident] | None = None) -> None:
         if not isinstance(node, str) or not node:
             raise ValueError(f"node: expected a non-empty str, got {node!r}")
         for name, value in (("buffer", buffer), ("max_batch", max_batch)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         self.node = node
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.resident = resident
         self._buffer = buffer
         self._max_batch = max_batch
         self._subs: tuple[Subscription, ...] = ()
         self._lock = threading.Lock()
+        self.seq = 0  # of the last event emitted
         self.emitted = 0
         self.dropped = 0
 
-    def subscribe(self, *, buffer: int | None = None) -> Subscription:
-        """A new subscription on the running event loop (bounded to ``buffer`` events)."""
+    def subscribe(self, *, buffer: int | None = None, resync: bool = True) -> Subscription:
+        """A new subscription on the running event loop (bounded to ``buffer`` events).
+
+        With ``resync`` (default) it starts with ``AllBlocksCleared`` (``tier`` ``None``)
+        and ``BlockStored`` runs (at most :data:`RESYNC_KEYS` keys each, ``parent``
+        ``None``) for what the node holds now, all with the ``seq`` of the last event
+        emitted before; the bound grows by their number.
+        """
         size = self._buffer if buffer is None else buffer
         if type(size) is not int or size < 1:
             raise ValueError(f"buffer: expected an int >= 1, got {size!r}")
         sub = Subscription(self, size, self._max_batch)
-        with self._lock:
+        with self._lock:  # no event slips between the snapshot and the first live one
+            if resync:
+                sub._seed(self._resync_events())
             self._subs = (*self._subs, sub)
         return sub
+
+    def _resync_events(self) -> list[KVEvent]:
+        seq, inc = self.seq, self.incarnation
+        out: list[KVEvent] = [AllBlocksCleared(self.node, seq=seq, incarnation=inc)]
+        for tier, medium, keys in (self.resident() if self.resident is not None else ()):
+            held = tuple(keys)
+            for start in range(0, len(held), RESYNC_KEYS):
+                out.append(BlockStored(held[start:start + RESYNC_KEYS], tier, self.node,
+                                       medium, seq=seq, incarnation=inc))
+        return out
 
     def _unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
@@ -285,18 +349,24 @@ class EventHub:
         """Open subscriptions."""
         return len(self._subs)
 
-    def emit(self, event: KVEvent) -> None:
-        """Hand ``event`` to every subscriber (a no-op without subscribers)."""
-        subs = self._subs  # an immutable snapshot: subscribe/close may run meanwhile
-        if not subs:
-            return
-        with self._lock:  # producers may run on several threads
+    def _emit(self, build: Callable[[int], KVEvent]) -> None:
+        """Number and hand the event ``build(seq)`` to every subscriber, under the hub's
+        lock: producers on several threads get their events out in ``seq`` order."""
+        with self._lock:
+            subs = self._subs
+            if not subs:
+                return
+            self.seq += 1
             self.emitted += 1
-        for sub in subs:
-            lost = sub._offer(event)
-            if lost:
-                with self._lock:
-                    self.dropped += lost
+            event = build(self.seq)
+            for sub in subs:
+                self.dropped += sub._offer(event)
+
+    def emit(self, event: KVEvent) -> None:
+        """Hand ``event`` to every subscriber, renumbered with this hub's ``seq`` and
+        incarnation (a no-op without subscribers)."""
+        self._emit(lambda seq: dataclasses.replace(event, seq=seq,
+                                                   incarnation=self.incarnation))
 
     def stored(self, keys: Sequence[bytes], *, tier: str, medium: str,
                parent: bytes | None = None, block_tokens: int | None = None,
@@ -304,19 +374,24 @@ class EventHub:
         """Emit :class:`BlockStored` for ``keys`` admitted into ``tier``."""
         if not self._subs or not keys:
             return
-        self.emit(BlockStored(_keys(keys), tier, self.node, medium, parent, block_tokens,
-                              tuple(token_ids)))
+        checked, tokens = _keys(keys), tuple(token_ids)
+        self._emit(lambda seq: BlockStored(checked, tier, self.node, medium, parent,
+                                           block_tokens, tokens, seq=seq,
+                                           incarnation=self.incarnation))
 
     def removed(self, keys: Sequence[bytes], *, tier: str, medium: str) -> None:
         """Emit :class:`BlockRemoved` for ``keys`` that left ``tier``."""
         if not self._subs or not keys:
             return
-        self.emit(BlockRemoved(_keys(keys), tier, self.node, medium))
+        checked = _keys(keys)
+        self._emit(lambda seq: BlockRemoved(checked, tier, self.node, medium, seq=seq,
+                                            incarnation=self.incarnation))
 
     def cleared(self, *, tier: str | None = None, medium: str | None = None) -> None:
         """Emit :class:`AllBlocksCleared` (``tier`` ``None``: every tier of this node)."""
         if self._subs:
-            self.emit(AllBlocksCleared(self.node, tier, medium))
+            self._emit(lambda seq: AllBlocksCleared(self.node, tier, medium, seq=seq,
+                                                    incarnation=self.incarnation))
 
     def close(self) -> None:
         """End every subscription (each still yields what it had buffered)."""

@@ -9,6 +9,11 @@ a ZMQ PUB socket sending three frames per batch,
    msgspec structs ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` with vLLM's field
    names (the structs below mirror ``vllm/distributed/kv_events.py``).
 
+Batch 0 of every publisher is the hub's resync (``AllBlocksCleared``, then ``BlockStored``
+for what the node holds): a restarted node says so first, to a subscriber that watches the
+sequence (it went back to 0) and to one that does not. Each batch also carries the hub's
+``incarnation`` (a field vLLM's decoder ignores).
+
 With ``replay_endpoint`` a ROUTER socket answers a subscriber's request for missed batches
 (frames ``[b"", start_seq u64 BE]``) with ``[b"", seq, payload]`` per kept batch from
 ``start_seq`` on, then ``[b"", -1 as i64 BE, b""]``, as vLLM's publisher does.
@@ -71,6 +76,9 @@ class _EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
+    # kvtier's addition: the publisher's incarnation (a decoder of vLLM's struct ignores
+    # the field; one that reads it tells a restart apart from a sequence gap).
+    incarnation: str | None = None
 
 
 class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False,
@@ -223,7 +231,8 @@ class ZmqEventPublisher:
         """The msgpack payload of one batch."""
         batch = VllmKVEventBatch(ts=time.time(), events=[to_vllm(e, self._medium)
                                                          for e in events],
-                                 data_parallel_rank=self._rank)
+                                 data_parallel_rank=self._rank,
+                                 incarnation=self.hub.incarnation)
         return self._encoder.encode(batch)
 
     async def _publish(self, sub: Subscription) -> None:

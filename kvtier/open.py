@@ -9,6 +9,7 @@ function.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +127,7 @@ async def _open(urls: Sequence[str | Tier],
             opener = getattr(tier, "open", None)
             if opener is not None:
                 await opener()
+                _raise_if_cancelled()
         from kvtier.store import TieredStore  # kvtier.store re-exports open_store
 
         store = TieredStore(tiers, **options)
@@ -135,3 +137,13 @@ async def _open(urls: Sequence[str | Tier],
         raise
     store._enter()  # the store belongs to the loop that opened it
     return store
+
+
+def _raise_if_cancelled() -> None:
+    """Raise ``CancelledError`` if the opening task was cancelled meanwhile: a tier's open
+    may swallow the cancellation (a client library turning it into a connection error that
+    the tier logs as "unreachable"), and a cancelled ``open_store`` must never return a
+    store. The tiers it built are then closed."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError("open_store was cancelled")

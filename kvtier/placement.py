@@ -12,6 +12,7 @@ put that needed the room fails (:meth:`Placement.demoter`).
 
 from __future__ import annotations
 
+from kvtier.deadline import current as current_deadline
 from kvtier.errors import BlockTooLargeError, TierError, TierFullError
 from kvtier.misses import MissReason
 from kvtier.promotion import Promotion
@@ -106,25 +107,35 @@ class Placement:
             self._keys.invalidate(key)
         top = [(k, b) for k, (b, first) in items.items() if first == 0]
         placed: dict[bytes, int] = {}
-        if top:
-            try:
-                # Tail first: a batch larger than the tier then evicts the chain's end, not
-                # its start (admitted head-first, the head was the oldest entry and went).
-                await chain.tiers[0]._put_many(top[::-1])
-            except Exception as exc:
-                if not isinstance(exc, NOT_HERE):
-                    chain.error(0, "put_many", exc)
-            else:
-                chain.tier_counters[0].bytes_in += sum(b.nbytes for _, b in top)
-                placed.update((k, 0) for k, _ in top)
-                await chain.touch(0, [k for k, _ in top])
-        for key, (block, first) in reversed(items.items()):
-            if key not in placed:
-                placed[key] = await self._place(key, block, first)
         keys = list(items)
+        owed = chain.owe_batch(keys, parent)  # BlockStored before any BlockRemoved of these
+        try:
+            if top:
+                if owed is not None:
+                    owed.writing(0, [k for k, _ in top])
+                try:
+                    # Tail first: a batch larger than the tier then evicts the chain's end,
+                    # not its start (admitted head-first, the head was the oldest entry).
+                    await chain.tiers[0]._put_many(top[::-1])
+                except Exception as exc:
+                    if owed is not None:
+                        owed.written(0, ok=False)
+                    if not isinstance(exc, NOT_HERE):
+                        chain.error(0, "put_many", exc)
+                else:
+                    if owed is not None:
+                        owed.written(0, ok=True)
+                    chain.tier_counters[0].bytes_in += sum(b.nbytes for _, b in top)
+                    placed.update((k, 0) for k, _ in top)
+                    await chain.touch(0, [k for k, _ in top])
+            for key, (block, first) in reversed(items.items()):
+                if key not in placed:
+                    placed[key] = await self._place(key, block, first)
+                    if owed is not None:
+                        owed.owe(placed[key], [key])
+        finally:
+            chain.announce(owed)
         events = chain.events.subscribers > 0
-        if events:
-            chain.stored_runs([placed[k] for k in keys], keys, parent)
         per_pool: dict[int, list[tuple[bytes, Block]]] = {}
         for key, index in placed.items():
             pool = self._pool_below[index]
@@ -249,6 +260,8 @@ class Placement:
                 except Exception as exc:
                     self._chain.error(index, "delete_many", exc)
                     continue
+                if (deadline := current_deadline()) is not None:
+                    deadline.commit()  # gone from one tier: the others must follow
                 self._chain.removed_where(index, keys, gone)
                 self._chain.misses.note_many(index, [k for k, g in zip(keys, gone, strict=True)
                                                      if g], MissReason.DELETED)

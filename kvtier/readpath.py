@@ -325,21 +325,26 @@ class ReadPath:
             if not fresh or self._is_closed():
                 continue
             items = [(keys[j], block) for j in fresh if (block := results[j]) is not None]
+            owed = self._chain.owe_batch(keys)  # stored before removed, kvtier.event_order
             try:
+                if owed is not None:
+                    owed.writing(target, [k for k, _ in items])
                 await self._chain.tiers[target]._put_many(items)
             except Exception as exc:
+                if owed is not None:
+                    owed.written(target, ok=False)
                 # One refused block must not stop the others: count it, then one by one.
                 self._chain.error(target, "promote_many", exc)
                 for key, block in items:
                     await self._chain.write(target, key, block, "promote")
             else:
+                if owed is not None:
+                    owed.written(target, ok=True)
                 c = self._chain.tier_counters[target]
                 c.promotions += len(items)
                 c.bytes_in += sum(b.nbytes for _, b in items)
-                if self._chain.events.subscribers:
-                    promoted = set(fresh)
-                    self._chain.stored_runs([target if j in promoted else None
-                                             for j in range(len(keys))], keys)
+            finally:
+                self._chain.announce(owed)
             held[target].extend(fresh)
 
     async def _touch_held(self, keys: list[bytes], held: list[list[int]]) -> None:

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, Ty
 
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
+from kvtier.deadline import Deadline
 from kvtier.errors import ClosedError, ConfigError, WrongLoopError
-from kvtier.events import EventHub, Subscription
+from kvtier.events import RESYNC_KEYS, EventHub, Resident, Subscription
 from kvtier.explain import Explanation, explain_keys
 from kvtier.keys import PrefixKeys, validate_key
 from kvtier.lookuplog import open_lookup_log
@@ -183,7 +184,7 @@ class TieredStore:
             raise ConfigError(f"node: expected a non-empty str, got {node!r}")
         if block_tokens is not None:
             check_positive_int(block_tokens, "block_tokens")
-        self._events = EventHub(node or _default_node(tiers))
+        self._events = EventHub(node or _default_node(tiers), resident=self._resident)
         self._timeout = check_timeout(timeout)
         self._write_policy: WritePolicy = write_policy
         self._closed = False
@@ -238,6 +239,15 @@ class TieredStore:
         """The store's KV event hub (what :meth:`events` subscribes to; hand it to
         ``kvtier.events_zmq.ZmqEventPublisher`` to publish on ZMQ)."""
         return self._events
+
+    def _resident(self) -> Resident:
+        """What each tier that can list its keys holds now (a subscription's resync)."""
+        out = []
+        for index, tier in enumerate(self._chain.tiers):
+            keys = tier.resident_keys()
+            if keys:
+                out.append((tier.name, self._chain.mediums[index], keys))
+        return out
 
     def _enter(self) -> None:
         """Every call's entry check: open, and on the store's own event loop."""
@@ -304,7 +314,6 @@ class TieredStore:
         """
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         return await self._reads.get_many(key_list, self._deadline(timeout))
 
     @_in_flight
@@ -337,7 +346,6 @@ class TieredStore:
         """
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         if isinstance(outs, bytes | str) or not isinstance(outs, Sequence):
             raise TypeError(f"outs: expected a sequence of buffers, got {type(outs).__name__}")
         if len(outs) != len(key_list):
@@ -369,7 +377,6 @@ class TieredStore:
         """
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         hit = await self._reads.lookup_prefix(key_list, self._deadline(timeout))
         if self._lookup_log is not None:
             # The caller's PrefixKeys carries the namespace (key_list is a plain copy).
@@ -436,9 +443,11 @@ class TieredStore:
         TierError
             If every tier that could hold the block failed, or the pool copy failed.
         TimeoutError
-            If ``timeout`` passed first. The block may or may not be stored, but nothing the
-            put started acts after this is raised: a write a tier had begun has ended (it
-            no longer reads ``value``), and none lands over a later put of ``key``.
+            If ``timeout`` passed first (:class:`kvtier.deadline.DeadlineExceeded`). The
+            block may or may not be stored, but nothing the put started acts after this is
+            raised: a tier's worker-thread call still queued at the deadline is cancelled
+            (never runs), one that had begun has ended (it no longer reads ``value``), and
+            none lands over a later put of ``key``; the message says which.
         """
         self._enter()
         seconds = check_timeout(timeout)
@@ -495,7 +504,6 @@ class TieredStore:
         # Only a repeated key's last value is observable, and writing just that one keeps
         # the order of puts into different tiers from mattering.
         last: dict[bytes, tuple[Block, int]] = {}
-        chain: list[bytes] = []
         count = 0
         for i, item in enumerate(items):
             if not isinstance(item, tuple) or len(item) != 2:
@@ -505,11 +513,9 @@ class TieredStore:
             first = self._placement.first_fitting(block.nbytes, f"items[{i}] value")
             last.pop(key, None)
             last[key] = (block, first)
-            chain.append(key)
             count += 1
         if not last:
             return WritesDone()
-        self._note_chain(chain, parent)
         return await self._within(seconds, "put_many",
                                   self._placement.put_many(last, count, parent))
 
@@ -537,8 +543,11 @@ class TieredStore:
             ``bytes`` of 1..128 bytes.
         timeout
             Deadline in seconds, as for :meth:`put`. A delete is never left half done:
-            past the deadline it still finishes in every tier, then raises
-            ``TimeoutError`` (the key is gone), so it never removes a later put's block.
+            at the deadline, a tier call that has not started is cancelled only while no
+            tier has removed the key yet (the key then stays where it was); once one has,
+            the delete finishes in every tier. Either way it then raises
+            ``TimeoutError`` (:class:`kvtier.deadline.DeadlineExceeded`, saying which), and
+            it never removes a later put's block.
         """
         self._enter()
         seconds = check_timeout(timeout)
@@ -556,29 +565,35 @@ class TieredStore:
 
     @staticmethod
     async def _within(seconds: float | None, op: str, call: Awaitable[T]) -> T:
-        """``call`` under a write's deadline (checked seconds; ``None``: none)."""
+        """``call`` under a write's deadline (checked seconds; ``None``: none): at it, tier
+        calls still queued are cancelled and started ones waited for
+        (:mod:`kvtier.deadline`); the ``TimeoutError`` says which."""
         if seconds is None:
             return await call
-        try:
-            async with asyncio.timeout(seconds):
-                return await call
-        except TimeoutError:
-            raise TimeoutError(f"{op}: did not finish within {seconds} s") from None
+        async with Deadline.after(seconds, op):
+            return await call
 
     # ------------------------------------------------------------------ routers
-    def events(self, *, buffer: int | None = None) -> Subscription:
+    def events(self, *, buffer: int | None = None, resync: bool = True) -> Subscription:
         """Subscribe to this store's KV events (call on the store's event loop).
 
+        It starts with ``AllBlocksCleared`` (every tier of this node) and ``BlockStored``
+        for what the tiers hold now (a warm LMDB or file tier after a restart), then
         ``BlockStored`` when a tier admits blocks (puts, promotions, demotions, write-through
         and pool copies, the close flush), ``BlockRemoved`` when blocks leave a tier (budget
-        eviction, delete, a copy superseded above a newer one) and ``AllBlocksCleared`` per
-        tier when the store closes; see ``docs/events.md``.
+        eviction, delete, a copy superseded above a newer one; always after the
+        ``BlockStored`` that listed them) and, when the store closes, ``BlockRemoved`` for
+        what each tier held and ``AllBlocksCleared`` per tier. Every event carries the
+        store's ``incarnation`` and a ``seq``; see ``docs/events.md``.
 
         Parameters
         ----------
         buffer
             Events this subscription buffers (default 10,000). A consumer that falls behind
             loses the oldest ones, counted in ``Subscription.dropped``; the store never waits.
+        resync
+            Start with the ``AllBlocksCleared`` and ``BlockStored`` of what the tiers hold
+            (default); ``False``: only the events from now on.
 
         Returns
         -------
@@ -587,7 +602,7 @@ class TieredStore:
             batches); ``sub.close()`` ends it, as does :meth:`aclose`.
         """
         self._enter()
-        return self._events.subscribe(buffer=buffer)
+        return self._events.subscribe(buffer=buffer, resync=resync)
 
     @_in_flight
     async def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
@@ -618,7 +633,6 @@ class TieredStore:
 
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         # An explicit timeout is taken as given (math.inf: no limit, as for every verb).
         seconds = (self._timeout or LOCATE_DEADLINE) if timeout is None \
             else check_timeout(timeout)
@@ -636,8 +650,7 @@ class TieredStore:
 
         Each candidate's local run is the number of leading ``keys`` it owns in this store's
         ``peers://`` tier (one of their first ``replicas`` live owners, under the pool's
-        placement): with ``placement=anchor:R`` a whole chain has one owner, which serves it
-        from its own segment, and the blocks computed there are stored there. The longest
+        placement). The longest
         run wins among the candidates whose load stays within
         :data:`kvtier.routing.LOAD_BOUND` (1.25) times the mean; ties go to the least
         loaded. Nothing is sent over the network: the runs are predicted from the ring, not
@@ -646,8 +659,7 @@ class TieredStore:
         Parameters
         ----------
         keys
-            The request's prompt as a prefix chain, in order (learned as for
-            :meth:`lookup_prefix`).
+            The request's prompt as a prefix chain, in order.
         candidates
             Member ids of the pool (``host:port`` of each node's ``kvtier serve``) the
             request may go to; a router maps them to its engines.
@@ -670,13 +682,7 @@ class TieredStore:
 
         self._enter()
         key_list = keys_list(keys)
-        self._note_chain(key_list)
         return route_by_owner(self._chain.tiers, key_list, candidates, load or {})
-
-    def _note_chain(self, keys: Sequence[bytes], parent: bytes | None = None) -> None:
-        if keys:
-            for tier in self._chain.tiers:
-                tier.note_chain(keys, parent)
 
     # ------------------------------------------------------------------ pins
     async def pin(self, keys: Sequence[bytes], *, tier: int | None = None) -> None:
@@ -776,11 +782,18 @@ class TieredStore:
                 await self._close_flush.run()
         finally:
             for index, tier in enumerate(self._chain.tiers):
+                # Each block leaves by name before the tier's AllBlocksCleared: a router
+                # that ignores AllBlocksCleared (llm-d-kv-cache#593) still ends up right.
+                held = tier.resident_keys() if self._events.subscribers else None
                 try:
                     await tier.aclose()
                 except Exception as exc:
                     self._chain.error(index, "aclose", exc)
-                self._events.cleared(tier=tier.name, medium=self._chain.mediums[index])
+                medium = self._chain.mediums[index]
+                for start in range(0, len(held or ()), RESYNC_KEYS):
+                    self._events.removed((held or [])[start:start + RESYNC_KEYS],
+                                         tier=tier.name, medium=medium)
+                self._events.cleared(tier=tier.name, medium=medium)
             self._chain.warnings.flush()
             self._events.close()
             if self._lookup_log is not None:

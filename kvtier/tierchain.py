@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
+from kvtier.event_order import OwedStored
 from kvtier.events import EventHub, medium_of
 from kvtier.keys import validate_key
 from kvtier.misses import MissLedger, MissReason
@@ -107,6 +108,7 @@ class TierChain:
         self.block_tokens = block_tokens
         self.mediums = [medium_of(t) for t in tiers]
         self.misses = misses if misses is not None else MissLedger(len(tiers))
+        self._owed: list[OwedStored] = []  # batch writes in flight that owe BlockStored
         # One line per tier and operation per interval: a tier failing every block (an
         # unwritable directory) must not log a line per block.
         self.warnings = WarningSummary(log)
@@ -137,8 +139,31 @@ class TierChain:
             start = j
 
     def removed(self, index: int, keys: Sequence[bytes]) -> None:
-        """``BlockRemoved``: ``keys`` left tier ``index``."""
+        """``BlockRemoved``: ``keys`` left tier ``index`` (after the ``BlockStored`` a batch
+        write in flight still owed for any of them, see :mod:`kvtier.event_order`)."""
+        for owed in self._owed:
+            for run, parent in owed.take_removed(index, keys):
+                self.stored(index, run, parent)
         self.events.removed(keys, tier=self.tiers[index].name, medium=self.mediums[index])
+
+    def owe_batch(self, keys: Sequence[bytes], parent: bytes | None = None
+                  ) -> OwedStored | None:
+        """Start a batch write of the chain ``keys`` whose ``BlockStored`` it announces at
+        its end (:meth:`announce`); ``None`` without a subscriber."""
+        if not self.events.subscribers:
+            return None
+        owed = OwedStored(keys, parent)
+        self._owed.append(owed)
+        return owed
+
+    def announce(self, owed: OwedStored | None) -> None:
+        """End a batch write: ``BlockStored`` for what it wrote and has not announced, one
+        per run of consecutive chain keys in one tier. Call it in ``finally``."""
+        if owed is None:
+            return
+        self._owed.remove(owed)
+        for index, keys, parent in owed.runs():
+            self.stored(index, keys, parent)
 
     def _dropper(self, index: int, policy: str) -> Callable[[Sequence[bytes]], None]:
         def dropped(keys: Sequence[bytes]) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvtier.singleflight import KeyRegistry, KeyState
 from kvtier.stats import StoreCounters
+from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Block
 
 __all__ = ["WriteThrough", "WritesDone"]
@@ -125,7 +126,7 @@ class WriteThrough:
         self._next_seq = 0
         self._unfinished: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._changed: asyncio.Condition | None = None
-        self._workers: list[asyncio.Task[None]] = []
+        self._workers = TaskSet()
 
     @property
     def depth(self) -> int:
@@ -153,8 +154,8 @@ class WriteThrough:
             return
         if self._changed is None:
             self._changed = asyncio.Condition()
-            self._workers = [asyncio.create_task(self._worker(self._changed), name=f"kvtier-wt-{i}")
-                             for i in range(self._n_workers)]
+            for i in range(self._n_workers):
+                self._workers.start(self._worker(self._changed), name=f"kvtier-wt-{i}")
         changed = self._changed
         nbytes = block.nbytes
         async with changed:
@@ -229,10 +230,7 @@ class WriteThrough:
         try:
             await self.flush()
         finally:
-            for task in self._workers:
-                task.cancel()
-            await asyncio.gather(*self._workers, return_exceptions=True)
-            self._workers = []
+            await self._workers.cancel_all()
             while self._queue:
                 item = self._queue.popleft()
                 self._keys.unwatch(item.key, item.state)

@@ -1,110 +1,159 @@
-"""ChainPlacement: which key of a prefix chain picks each block's owner (hand-computed)."""
+"""The four data-loss repros of chain placement (issue 29), against real `kvtier serve`
+processes under the placements that remain. Chain placement (``placement=anchor:R``) made a
+block's owner depend on what each process had seen of its chain; it was removed, and a URL
+naming it fails at open. Every test here failed under ``placement=anchor:R``."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
+import numpy as np
 import pytest
 
-from kvtier.peer.chains import ChainPlacement
+from kvtier import BlockingStore
+from kvtier.errors import ConfigError
+from kvtier.peer.tier import PeerTier
+from kvtier.testing.conformance import key_of, sample_block
+from tests.helpers.peer_helpers import TOKEN, ServeProcess, free_members, pool_processes, token_file
+
+PLACEMENTS = ["block", "local"]
+DRAM = ["--tier", "dram://"]
 
 
-def _chain(n: int) -> list[bytes]:
-    return [bytes([i]) * 16 for i in range(n)]
+def _url(members: list[str], placement: str, **opts: object) -> str:
+    if placement != "local":
+        opts.pop("home", None)  # the member a placement=local client writes to
+    query = "&".join(f"{k}={v}" for k, v in
+                     {"token": TOKEN, "timeout": 5, "health_interval": 30,
+                      "placement": placement, **opts}.items())
+    return f"peers://{','.join(members)}?{query}"
 
 
-def test_block_places_each_block_by_its_own_key() -> None:
-    chain = _chain(4)
-    p = ChainPlacement()
-    assert p.per_block
-    assert p.learn(chain) == chain
-    assert p.placement_key(chain[2]) == chain[2]
+def _chain(index: int, length: int) -> list[bytes]:
+    return [key_of(index * 100 + i) for i in range(length)]
 
 
-def test_chunk_places_runs_by_their_first_key() -> None:
-    k = _chain(5)
-    assert ChainPlacement("chunk:2").placement_keys(k) == [k[0], k[0], k[2], k[2], k[4]]
-    assert ChainPlacement("chunk:1").placement_keys(k) == k
+def _same(got: object, i: int) -> bool:
+    return got is not None and np.array_equal(got, sample_block(i))  # type: ignore[arg-type]
 
 
-def test_anchor_places_the_whole_chain_by_block_r_or_the_last() -> None:
-    k = _chain(5)
-    p = ChainPlacement("anchor:1")
-    assert p.placement_keys(k) == [k[1]] * 5
-    assert p.placement_keys(k[:1]) == [k[0]]  # shorter than R+1: its last block
-    assert ChainPlacement("anchor:0").placement_keys(k) == [k[0]] * 5
-    assert ChainPlacement("anchor:9").placement_keys(k) == [k[4]] * 5
+@pytest.mark.parametrize("mode", ["anchor:3", "anchor:1:4", "chunk:2", "root:1"])
+def test_a_chain_placement_url_fails_at_open_and_names_the_alternatives(mode: str) -> None:
+    with pytest.raises(ConfigError, match="chain placement was removed") as info:
+        PeerTier.from_url(f"peers://127.0.0.1:1?placement={mode}")
+    assert "placement=local" in str(info.value) and "placement=block" in str(info.value)
 
 
-def test_learned_keys_answer_for_a_partial_chain_and_the_memo_is_bounded() -> None:
-    k = _chain(6)
-    p = ChainPlacement("anchor:1", memo_keys=4)
-    p.learn(k[:3])  # k0..k2 -> k1
-    assert p.placement_key(k[2]) == k[1]
-    p.learn(k)  # all six -> k1, the oldest learned (k0, k1) forgotten beyond 4 keys
-    assert [p.placement_key(x) for x in k] == [k[0], k[1], k[1], k[1], k[1], k[1]]
-    assert p.placement_key(b"unknown") == b"unknown"
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_chains_extended_with_a_parent_are_found_by_writer_and_fresh_client(
+        tmp_path: Path, placement: str) -> None:
+    """Repro 1: 4 servers, turn 1 stores 2 blocks, turn 2 four more after ``parent=``; every
+    extended chain is found whole (under anchor:3, 6 of 8 were found 0/6)."""
+    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
+        members = [p.member for p in procs]
+        url = _url(members, placement, home=members[0])
+        chains = [_chain(c, 6) for c in range(8)]
+        with BlockingStore([url]) as writer:
+            for chain in chains:
+                writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain[:2])])
+            for chain in chains:
+                writer.put_many([(k, sample_block(i + 2)) for i, k in enumerate(chain[2:])],
+                                parent=chain[1])
+            assert [writer.lookup_prefix(c) for c in chains] == [6] * 8
+        with BlockingStore([_url(members, placement, home=members[2])]) as fresh:
+            assert [fresh.lookup_prefix(c) for c in chains] == [6] * 8
 
 
-@pytest.mark.parametrize("mode", ["", "chunk:0", "chunk:x", "anchor:-1", "ring"])
-def test_bad_mode_is_rejected(mode: str) -> None:
-    with pytest.raises(ValueError, match="placement"):
-        ChainPlacement(mode)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_mid_chain_slices_are_found_by_a_fresh_client(tmp_path: Path,
+                                                      placement: str) -> None:
+    """Repro 2: a slice ``chain[4:8]`` read or written without ``parent`` by a process that
+    never saw the whole prompt (the vLLM worker's loads and saves) finds and places its
+    blocks as every other client does (under anchor:1, 12-20 of 32 were missed)."""
+    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
+        members = [p.member for p in procs]
+        chains = [_chain(c, 8) for c in range(8)]
+        with BlockingStore([_url(members, placement, home=members[0])]) as writer:
+            for chain in chains:
+                writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain)])
+        with BlockingStore([_url(members, placement, home=members[1])]) as fresh:
+            for chain in chains:
+                got = fresh.get_many(chain[4:8])
+                assert all(_same(b, i + 4) for i, b in enumerate(got))
+        slices = [_chain(c, 8) for c in range(10, 18)]
+        with BlockingStore([_url(members, placement, home=members[2])]) as head:
+            for chain in slices:
+                head.put_many([(k, sample_block(i)) for i, k in enumerate(chain[:4])])
+        with BlockingStore([_url(members, placement, home=members[3])]) as tail:
+            for chain in slices:
+                tail.put_many([(k, sample_block(i + 4)) for i, k in enumerate(chain[4:])])
+        with BlockingStore([_url(members, placement, home=members[1])]) as reader:
+            assert [reader.lookup_prefix(c) for c in slices] == [8] * 8
 
 
-def test_bad_memo_size_is_rejected() -> None:
-    with pytest.raises(ValueError, match="memo_keys"):
-        ChainPlacement("anchor:1", memo_keys=-1)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_explain_get_and_contains_agree_with_lookup_prefix_from_a_fresh_client(
+        tmp_path: Path, placement: str) -> None:
+    """Repro 4: a client that never saw the chain finds every block by ``get``, ``contains``
+    and ``explain`` alike (under anchor:1, explain called 4 of 8 held blocks "never stored"
+    while lookup_prefix found 8 of 8)."""
+    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
+        members = [p.member for p in procs]
+        chain = _chain(3, 8)
+        with BlockingStore([_url(members, placement, home=members[0])]) as writer:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain)])
+        with BlockingStore([_url(members, placement, home=members[1])]) as fresh:
+            assert [fresh.explain([k])[0].hit_tier for k in chain] == [0] * 8
+            assert [fresh.contains(k) for k in chain] == [True] * 8
+            assert all(_same(fresh.get(k), i) for i, k in enumerate(chain))
+            assert fresh.lookup_prefix(chain) == 8
 
 
-def test_root_places_the_head_by_own_keys_and_the_rest_by_block_r() -> None:
-    k = _chain(5)
-    assert ChainPlacement("root:2").placement_keys(k) == [k[0], k[1], k[2], k[2], k[2]]
-    assert ChainPlacement("root:9").placement_keys(k) == k
+def _held_by_none(members: list[str], keys: list[bytes], placement: str) -> int:
+    """How many ``keys`` a fresh client cannot read from the pool."""
+    with BlockingStore([_url(members, placement, home=members[0], read_walk=len(members))]
+                       ) as fresh:
+        got = fresh.get_many(keys)
+    return sum(1 for b in got if b is None)
 
 
-def test_a_put_after_a_parent_continues_its_chain() -> None:
-    k = _chain(6)
-    p = ChainPlacement("anchor:1")
-    p.learn(k[:3])  # a lookup of the prompt from block 0
-    assert p.learn(k[3:], parent=k[2]) == [k[1]] * 3
-    assert p.placement_key(k[5]) == k[1]
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_warm_restart_keeps_every_acked_copy(tmp_path: Path, placement: str) -> None:
+    """Repro 3: 4 x ``[dram, lmdb]`` servers with ``--pool`` and replicas 2; one is stopped
+    and restarted on its LMDB directory, then, once its anti-entropy ran, its co-owners are
+    stopped one at a time: no acked block is held by no server (under anchor:1 the restart
+    pruned its own copies as stand-ins and 4-9 acked blocks were lost)."""
+    tokens = token_file(tmp_path)
+    procs: list[ServeProcess] = []
+    members = free_members(4)
+    pool = _url(members, placement, replicas=2, health_interval=0.1, timeout=2)
 
+    def launch(i: int) -> ServeProcess:
+        proc = ServeProcess(["--tier", "dram://?capacity=64MiB",
+                             "--tier", f"lmdb://{tmp_path / f'db{i}'}?capacity=256MiB",
+                             "--pool", pool, "--repair-interval", "0.2"], tokens)
+        proc.launch(members[i])
+        return proc
 
-def test_a_parent_before_block_r_lets_the_new_keys_pick_the_anchor() -> None:
-    k = _chain(4)
-    p = ChainPlacement("anchor:1")
-    p.learn(k[:1])  # a one-block chain is placed by its only block
-    assert p.placement_key(k[0]) == k[0]
-    assert p.learn(k[1:], parent=k[0]) == [k[1]] * 3
-
-
-def test_a_batch_starting_at_a_known_key_keeps_its_position() -> None:
-    k = _chain(8)
-    p = ChainPlacement("chunk:3")
-    p.learn(k)
-    assert p.learn(k[4:7]) == [k[3], k[3], k[6]]  # not re-placed as if k4 were block 0
-    q = ChainPlacement("anchor:1")
-    q.learn(k)
-    assert q.learn(k[5:]) == [k[1]] * 3
-
-
-def test_an_unknown_parent_leaves_keys_placed_by_their_own_keys() -> None:
-    k = _chain(4)
-    p = ChainPlacement("anchor:1")
-    assert p.learn(k[2:], parent=k[1]) == k[2:]
-    assert len(p) == 0
-    assert p.learn(k[:2]) == [k[1], k[1]]  # an unknown first key starts a chain
-
-
-def test_anchor_with_a_depth_splits_long_chains_into_runs() -> None:
-    k = _chain(9)
-    p = ChainPlacement("anchor:1:4")
-    assert p.placement_keys(k) == [k[1]] * 4 + [k[4]] * 4 + [k[8]]
-    p.learn(k[:6])
-    assert p.learn(k[6:], parent=k[5]) == [k[4], k[4], k[8]]
-    assert p.learn(k[5:7]) == [k[4], k[4]]
-
-
-@pytest.mark.parametrize("mode", ["anchor:1:1", "anchor:2:x", "chunk:2:4", "root:1:4"])
-def test_bad_depth_is_rejected(mode: str) -> None:
-    with pytest.raises(ValueError, match="placement"):
-        ChainPlacement(mode)
+    try:
+        procs = [launch(i) for i in range(4)]
+        for p in procs:
+            p.wait_ready()
+        keys = [key_of(5000 + i) for i in range(300)]
+        with BlockingStore([_url(members, placement, replicas=2, home=members[0])]) as w:
+            w.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        procs[1].stop()
+        procs[1] = launch(1)
+        procs[1].wait_ready()
+        time.sleep(3)  # the members see it back; anti-entropy passes run
+        for i in (2, 3):
+            procs[i].stop()
+            assert _held_by_none([m for j, m in enumerate(members) if j != i], keys,
+                                 placement) == 0
+            procs[i] = launch(i)
+            procs[i].wait_ready()
+            time.sleep(3)
+    finally:
+        for p in procs:
+            p.stop()

@@ -47,6 +47,7 @@ def _row(scheme: str) -> str:
 
 def _tier_urls(tmp: Path) -> dict[str, str]:
     urls = {"dram": "dram://?capacity=1MiB", "peers": "peers://127.0.0.1:9",
+            "local": "local://kv0",
             "lmdb": f"lmdb://{tmp}/lmdb", "file": f"file://{tmp}/files"}
     try:
         import redis  # noqa: F401

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from kvtier.events import (
+    RESYNC_KEYS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -22,7 +23,7 @@ K = [bytes([i]) * 16 for i in range(8)]
 
 async def test_subscriber_receives_events_in_order_as_batches() -> None:
     hub = EventHub("node0")
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     hub.stored(K[:2], tier="dram", medium="cpu", parent=None, block_tokens=256)
     hub.removed(K[:1], tier="dram", medium="cpu")
     hub.stored(K[2:3], tier="lmdb", medium="disk", parent=K[1])
@@ -42,8 +43,8 @@ async def test_subscriber_receives_events_in_order_as_batches() -> None:
 
 async def test_slow_consumer_loses_oldest_events_and_counts_them() -> None:
     hub = EventHub("n", buffer=4)
-    slow = hub.subscribe()
-    fast = hub.subscribe(buffer=100)
+    slow = hub.subscribe(resync=False)
+    fast = hub.subscribe(buffer=100, resync=False)
     for i in range(10):  # the producer never waits, whatever the consumers do
         hub.stored([bytes([i + 1])], tier="dram", medium="cpu")
     assert slow.dropped == 6 and fast.dropped == 0 and hub.dropped == 6
@@ -59,7 +60,7 @@ async def test_async_iteration_and_context_manager_end_on_close() -> None:
     got = []
 
     async def consume() -> None:
-        async with hub.subscribe() as sub:
+        async with hub.subscribe(resync=False) as sub:
             async for event in sub:
                 got.append(event)
 
@@ -75,7 +76,7 @@ async def test_async_iteration_and_context_manager_end_on_close() -> None:
 
 async def test_producer_on_another_thread_wakes_the_consumer() -> None:
     hub = EventHub("n")
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     waiter = asyncio.create_task(sub.next_batch())
     await asyncio.sleep(0)
     thread = threading.Thread(target=hub.stored, args=(K[:1],),
@@ -90,13 +91,13 @@ async def test_no_subscriber_costs_nothing_and_bad_input_is_refused() -> None:
     hub = EventHub("n")
     hub.stored(K[:1], tier="dram", medium="cpu")
     assert hub.emitted == 0
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     with pytest.raises(TypeError, match="keys"):
         hub.stored(["not bytes"], tier="dram", medium="cpu")  # type: ignore[list-item]
     with pytest.raises(ValueError, match="node"):
         EventHub("")
     with pytest.raises(ValueError, match="buffer"):
-        hub.subscribe(buffer=0)
+        hub.subscribe(buffer=0, resync=False)
     assert hub.emitted == 0
     sub.close()
 
@@ -117,7 +118,7 @@ def test_medium_follows_the_tier() -> None:
 
 async def test_drain_nowait_takes_what_is_buffered() -> None:
     hub = EventHub("n")
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     assert sub.drain_nowait() == []
     hub.stored(K[:1], tier="dram", medium="cpu")
     hub.removed(K[:1], tier="dram", medium="cpu")
@@ -140,7 +141,8 @@ def test_close_from_a_thread_after_the_store_closed() -> None:
     sub = store.events()
     store.put(K[0], b"block")
     store.close()  # ends the subscription on the store's loop, then closes that loop
-    assert [type(e) for e in sub.drain_nowait()] == [BlockStored, AllBlocksCleared]
+    assert [type(e) for e in sub.drain_nowait()] == [
+        AllBlocksCleared, BlockStored, BlockRemoved, AllBlocksCleared]  # resync, put, close
     sub.close()
     sub.close()
 
@@ -151,7 +153,7 @@ def test_close_from_a_thread_after_the_store_closed() -> None:
 
 
 async def _subscribe(hub: EventHub) -> Subscription:
-    return hub.subscribe()
+    return hub.subscribe(resync=False)
 
 
 def test_counts_are_exact_with_producers_on_many_threads() -> None:
@@ -172,9 +174,44 @@ def test_counts_are_exact_with_producers_on_many_threads() -> None:
         sys.setswitchinterval(switch)
     assert hub.emitted == threads * per_thread
     assert hub.dropped == sub.dropped == threads * per_thread - 8
-    assert len(sub.drain_nowait()) == 8
+    kept = sub.drain_nowait()
+    # The last 8 events, in seq order: producers' events leave in the order they were
+    # numbered, whichever thread made them.
+    assert [e.seq for e in kept] == list(range(threads * per_thread - 7,
+                                               threads * per_thread + 1))
 
 
 def _emit_many(hub: EventHub, n: int) -> None:
     for _ in range(n):
         hub.removed(K[:1], tier="dram", medium="cpu")
+
+
+async def test_every_subscription_starts_with_a_resync_of_what_the_node_holds() -> None:
+    many = [i.to_bytes(4, "big") * 4 for i in range(RESYNC_KEYS + 3)]
+    held: dict[str, list[bytes]] = {"dram": K[:2], "lmdb": many}
+    hub = EventHub("n", resident=lambda: [(t, "cpu" if t == "dram" else "disk", keys)
+                                          for t, keys in held.items()])
+    hub.stored(K[2:3], tier="dram", medium="cpu")  # nobody listens: not numbered
+    first = hub.subscribe()
+    hub.stored(K[3:4], tier="dram", medium="cpu")
+    cleared, ram, disk, disk_rest, live = first.drain_nowait()
+    assert isinstance(cleared, AllBlocksCleared) and cleared.tier is None
+    assert isinstance(ram, BlockStored) and ram.keys == tuple(K[:2]) and ram.medium == "cpu"
+    assert isinstance(disk, BlockStored) and isinstance(disk_rest, BlockStored)
+    assert disk.keys + disk_rest.keys == tuple(many) and len(disk.keys) == RESYNC_KEYS
+    assert {e.seq for e in (cleared, ram, disk, disk_rest)} == {0} and live.seq == 1
+    assert {e.incarnation for e in (cleared, ram, live)} == {hub.incarnation}
+
+    # A later subscriber's resync is stamped with the seq of the last event before it.
+    held["dram"] = K[:4]
+    second = hub.subscribe(buffer=2)
+    hub.removed(K[:1], tier="dram", medium="cpu")
+    events = second.drain_nowait()
+    assert [e.seq for e in events] == [1, 1, 1, 1, 2]
+    assert second.dropped == 0  # the resync does not count against buffer=2
+    assert [e.seq for e in first.drain_nowait()] == [2]
+
+    # Another hub (a restarted process) has another incarnation.
+    assert EventHub("n").incarnation != hub.incarnation
+    first.close()
+    second.close()

@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier.events import EventHub
-from kvtier.events_zmq import ZmqEventPublisher
+from kvtier.events_zmq import VllmKVEventBatch, ZmqEventPublisher
 from kvtier.integrations.vllm_events import event_media
 from kvtier.store import TieredStore
 from kvtier.tiers.dram import DRAMTier
@@ -110,7 +110,9 @@ async def test_subscriber_decodes_vllm_batches() -> None:
                 topic, seq, payload = await _recv(sub)
                 assert topic == b"kv@node0@llama" and len(seq) == 8
                 seqs.append(int.from_bytes(seq, "big"))
-                events += DECODER.decode(payload).events
+                events += DECODER.decode(payload).events  # vLLM's struct: no incarnation
+                assert msgspec.msgpack.decode(payload, type=VllmKVEventBatch).incarnation \
+                    == hub.incarnation
             assert seqs == list(range(start + 1, start + 1 + len(seqs)))
             stored, removed, lower = events
             assert isinstance(stored, BlockStored) and stored.block_hashes == K[:3]
@@ -133,22 +135,30 @@ async def test_replay_socket_resends_missed_batches() -> None:
             hub.stored([key], tier="dram", medium="cpu", block_tokens=16)
             await asyncio.sleep(0.02)  # one batch each
         for _ in range(200):
-            if pub.seq == 3:
+            if pub.sent_events + pub.dropped_batches >= 4:
                 break
             await asyncio.sleep(0.01)
-        assert pub.seq == 3
         assert pub.replay_endpoint is not None
-        req = zmq.asyncio.Context.instance().socket(zmq.REQ)
+        req = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
         req.connect(pub.replay_endpoint)
         try:
-            # As vLLM's subscriber does: a REQ socket sends the first sequence it missed.
-            await req.send((1).to_bytes(8, "big"))
-            seq, payload = await asyncio.wait_for(req.recv_multipart(), 10)
-            assert int.from_bytes(seq, "big") == 1
-            (event,) = DECODER.decode(payload).events
-            assert isinstance(event, BlockStored) and event.block_hashes == [K[1]]
-            assert (event.medium, event.locality) == ("CPU", "LOCAL")
+            # As llm-d's subscriber does: a DEALER asks from the first sequence it missed
+            # (REQ would take only the first of the answers).
+            await req.send_multipart((b"", (0).to_bytes(8, "big")))
+            events: list[Any] = []
+            seqs: list[int] = []
+            while True:
+                _, seq, payload = await asyncio.wait_for(req.recv_multipart(), 10)
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    break
+                seqs.append(int.from_bytes(seq, "big"))
+                events += DECODER.decode(payload).events
+            assert seqs == list(range(pub.seq))
+            # Batch 0 is the publisher's resync (the hub holds nothing: AllBlocksCleared).
+            assert [type(e) for e in events] == [AllBlocksCleared] + [BlockStored] * 3
+            assert [e.block_hashes for e in events[1:]] == [[k] for k in K[:3]]
+            assert {(e.medium, e.locality) for e in events[1:]} == {("CPU", "LOCAL")}
         finally:
             req.close(linger=0)
 
@@ -161,7 +171,7 @@ async def test_vllm_names_agree_with_the_vllm_connector(scheme: str, kv_medium: 
     hub = EventHub("n")
     pub = ZmqEventPublisher(hub, "tcp://127.0.0.1:0", vllm_medium_names=True)
     (expected,) = event_media([f"{scheme}://x"])  # the connector's (medium, locality)
-    sub = hub.subscribe()
+    sub = hub.subscribe(resync=False)
     hub.stored([K[0]], tier="t", medium=kv_medium)
     hub.removed([K[0]], tier="t", medium=kv_medium)
     events: list[Any] = []
@@ -211,7 +221,7 @@ async def test_store_events_reach_a_real_subscriber(tmp_path: Path) -> None:
                 events += DECODER.decode((await _recv(sub))[2]).events
         finally:
             sub.close(linger=0)
-    first, demoted, removed, third, flushed, *cleared = events
+    first, demoted, removed, third, flushed, *closing = events
     assert isinstance(first, BlockStored) and first.block_hashes == K[:2]
     assert first.parent_block_hash == parent and first.block_size == 16
     assert (first.medium, first.locality) == ("CPU", "LOCAL") and first.lora_name is None
@@ -221,7 +231,11 @@ async def test_store_events_reach_a_real_subscriber(tmp_path: Path) -> None:
     assert (removed.medium, removed.locality) == ("CPU", "LOCAL")
     assert removed.block_hashes == demoted.block_hashes and demoted.block_hashes[0] in K[:2]
     assert isinstance(third, BlockStored) and third.block_hashes == K[2:3]
-    # The close flush copies what RAM held into the disk tier, then both tiers are cleared.
+    # The close flush copies what RAM held into the disk tier; then each tier's blocks are
+    # removed by name and the tier cleared.
     assert isinstance(flushed, BlockStored) and flushed.medium == "STORAGE"
     assert K[2] in flushed.block_hashes
-    assert len(cleared) == 2 and all(isinstance(e, AllBlocksCleared) for e in cleared)
+    assert [type(e) for e in closing] == [BlockRemoved, AllBlocksCleared,
+                                          BlockRemoved, AllBlocksCleared]
+    assert closing[0].medium == "CPU" and closing[2].medium == "STORAGE"
+    assert set(closing[2].block_hashes) == set(K[:3])

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.codec import encode_frame
 from kvtier.peer.repair import AntiEntropy
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
@@ -243,21 +242,6 @@ async def test_anti_entropy_never_overwrites_a_newer_value_on_the_owner(pool: Po
         await repair.close()
         await holder.stop()
         await holder.segment.aclose()
-
-
-async def test_an_anchored_repair_push_never_overwrites_a_newer_value(pool: Pool) -> None:
-    """A batch put with ``fill=1`` beside ``anchor=`` (an anti-entropy push of a chain's
-    block) fills holes only, like one without an anchor."""
-    member = await pool.start()
-    owner = pool.servers[member]
-    await owner.segment.put(key_of(1), sample_block(2))  # the newer value
-    async with PeerTier.from_url(pool_url([member], replicas=1)) as tier:
-        frames = [(key_of(i), encode_frame(sample_block(1), key=key_of(i))) for i in (1, 2)]
-        await tier.members.client(member).put_many(frames, fill=True, anchor=key_of(0))
-    now = await owner.segment.get(key_of(1))
-    assert now is not None and np.array_equal(now, sample_block(2))
-    filled = await owner.segment.get(key_of(2))
-    assert filled is not None and np.array_equal(filled, sample_block(1))
 
 
 class _RecordingDRAM(DRAMTier):

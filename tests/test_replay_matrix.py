@@ -1,5 +1,5 @@
-"""Issue-15 matrix: candidate specs, chain placements, the no-tail admission, the hybrid layout
-and the goal column (hand-computed expectations on tiny traces)."""
+"""Issue-15 matrix: candidate specs, the no-tail admission, the hybrid layout and the goal
+column (hand-computed expectations on tiny traces)."""
 
 from __future__ import annotations
 
@@ -17,33 +17,15 @@ def _row(ids: list[int], tokens: int | None = None) -> Request:
 
 
 def test_parse_candidate() -> None:
-    assert parse_candidate("arc+cascade+notail@anchor:1") == {
-        "policy": "arc", "cascade": True, "notail": True, "placement": "anchor:1"}
+    assert parse_candidate("arc+cascade+notail@hybrid:25:session") == {
+        "policy": "arc", "cascade": True, "notail": True, "placement": "hybrid:25:session"}
     assert parse_candidate("lru")["placement"] == "block"
     with pytest.raises(ValueError, match="candidate"):
         parse_candidate("lru+spill")
-
-
-@pytest.mark.parametrize(("placement", "shards"), [("anchor:1", 1), ("root:1", 2)])
-def test_chain_placements_keep_a_chain_on_few_shards(placement: str, shards: int) -> None:
-    sim = Simulation("pooled", "rr", "lru", 4, [100], placement=placement)
-    run_dry([_row(list(range(1, 41)))], [sim], block_bytes=1)
-    used = [len(chain.tiers[0]) for chain in sim.chains]  # type: ignore[arg-type]
-    # anchor:1: all 40 blocks with block 1's owner; root:1: block 0 may sit elsewhere.
-    assert sum(used) == 40
-    assert sum(1 for u in used if u) <= shards
-    assert max(used) >= 39
-
-
-def test_anchor_copies_a_shared_head_per_chain() -> None:
-    sim = Simulation("pooled", "rr", "lru", 8, [100], placement="anchor:1")
-    # Two conversations share block 0 (a system prompt); each chain lives on its own anchor.
-    reqs = [_row([0, 10, 11]), _row([0, 20, 21]), _row([0, 10, 11, 12]), _row([0, 20, 21, 22])]
-    run_dry(reqs, [sim], block_bytes=1)
-    owners = {sim.owner(k) for k in (b"\x0a" + bytes(7), b"\x14" + bytes(7))}
-    holders = sum(1 for chain in sim.chains if (0).to_bytes(8, "little") in chain.tiers[0])
-    assert holders == len(owners)  # block 0 stored once per anchor shard
-    assert sim.hit_blocks == 3 + 3  # the second turns hit their whole first turn
+    # Chain placements are retired: the pool places every block by its own key.
+    for spec in ("lru@anchor:1", "lru@chunk:16", "lru@root:1"):
+        with pytest.raises(ValueError, match="candidate"):
+            parse_candidate(spec)
 
 
 def test_notail_never_admits_a_partial_last_block_but_counts_it() -> None:
@@ -82,9 +64,9 @@ def test_goal_column_uses_session_best_and_ideal_lru_minus_slack() -> None:
     assert "| -0.60 | no |" in cell_table(rows, "y")
 
 
-def test_anchor_and_notail_handle_a_request_of_one_partial_block() -> None:
-    # notail feeds such a request with no keys at all; anchor placement must not index it
-    sim = Simulation("pooled", "rr", "arc", 4, [10], placement="anchor:1")
+def test_notail_handles_a_request_of_one_partial_block() -> None:
+    # notail feeds such a request with no keys at all
+    sim = Simulation("pooled", "rr", "arc", 4, [10])
     wrapped = _NoTail(sim)
     run_dry([_row([7], tokens=100), _row([7, 8], tokens=600)], [wrapped], block_bytes=1)
     assert wrapped.result(1)["block_refs"] == 3

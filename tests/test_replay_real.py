@@ -12,7 +12,6 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.replay.real import RealConfig, replay_real
 from kvtier.replay.report import make_report, write_plot
-from kvtier.replay.trace import Request
 from kvtier.workload import WorkloadConfig, generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,30 +83,6 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path: Path,
     assert not (tmp_path / "x.png").exists()
 
 
-async def test_owner_routing_over_an_anchored_pool_keeps_hits_local(tmp_path: Path) -> None:
-    # 240 chains of growing prompts, every turn of every chain once per round: on an
-    # anchored pool of real servers, round-robin reads most hits from another member's
-    # segment; store.route sends each chain to its owner, so its hits are local (the load
-    # bound only bites if the ring gives one member well over its share of chains).
-    reqs = [Request(0.0, (turn + 2) * 512, 1, [100 * c + j for j in range(turn + 2)])
-            for turn in range(3) for c in range(240)]
-    rows = {}
-    for routing in ("rr", "owner"):
-        cfg = RealConfig(mode="pooled", routing=routing, nodes=3, block_bytes=1024,
-                         dram_blocks=2000, placement="anchor:1", time_limit=60)
-        workdir = tmp_path / routing
-        workdir.mkdir()
-        rows[routing] = await replay_real(reqs, cfg, workdir=workdir)
-    rr, owner = rows["rr"], rows["owner"]
-    assert rr["requests"] == owner["requests"] == len(reqs)  # every payload verified
-    assert owner["placement"] == "anchor:1"
-    # Room for everything: where a chain lives changes which hits are remote, not how many.
-    assert owner["prefix_hit_rate_blocks"] == rr["prefix_hit_rate_blocks"] > 0.5
-    assert rr["remote_share"] > 0.5 and owner["remote_share"] < 0.1
-    assert owner["network_bytes"] < 0.5 * rr["network_bytes"]
-    assert owner["load_imbalance"] <= 1.25 + 3 / len(reqs)
-
-
 async def test_per_node_locate_routes_to_the_node_holding_the_prefix(tmp_path: Path) -> None:
     reqs = list(generate(WorkloadConfig(sessions=10, concurrency=5)))
     rows = {}
@@ -123,16 +98,12 @@ async def test_per_node_locate_routes_to_the_node_holding_the_prefix(tmp_path: P
     assert rows["locate"]["network_bytes"] == 0 and rows["locate"]["load_imbalance"] <= 1.3
 
 
-def test_real_config_owner_and_placement_need_the_pool() -> None:
+def test_real_config_owner_needs_the_pool() -> None:
     with pytest.raises(ConfigError, match="owner"):
         RealConfig(mode="per-node", routing="owner")
-    with pytest.raises(ConfigError, match="placement"):
-        RealConfig(mode="per-node", placement="anchor:1")
-    with pytest.raises(ConfigError, match="placement"):
-        RealConfig(mode="pooled", placement="anchor:x")
     with pytest.raises(ConfigError, match="locate"):
         RealConfig(mode="ideal", routing="locate")
-    assert RealConfig(mode="pooled", routing="owner", placement="anchor:1").routing == "owner"
+    assert RealConfig(mode="pooled", routing="owner").routing == "owner"
 
 
 def test_cli_real_runs_owner_and_locate_bounded_routing(tmp_path: Path) -> None:
@@ -140,14 +111,15 @@ def test_cli_real_runs_owner_and_locate_bounded_routing(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "kvtier.cli", "replay", "builtin:agentic", "--real",
             "--limit", "40", "--nodes", "2", "--capacity-blocks", "50", "--block-bytes", "2048"]
     proc = subprocess.run([*base, "--mode", "pooled", "--routing", "rr,owner,locate-bounded",
-                           "--placement", "anchor:1", "--json", str(out)],
+                           "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     assert [(r["routing"], r["placement"]) for r in rows] == [
-        ("rr", "anchor:1"), ("owner", "anchor:1"), ("locate", "anchor:1")]
+        ("rr", "block"), ("owner", "block"), ("locate", "block")]
     assert all(r["requests"] == 40 for r in rows)
-    # A chain placement places a pool's blocks: per-node rows cannot take it.
-    proc = subprocess.run([*base, "--mode", "per-node,pooled", "--placement", "anchor:1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--placement" in proc.stderr
+    # The local pool and locate-live are dry models: --real refuses them.
+    for extra in (["--mode", "local"], ["--routing", "locate-live"]):
+        proc = subprocess.run([*base, *extra], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and "--dry only" in proc.stderr

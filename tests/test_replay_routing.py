@@ -41,21 +41,19 @@ def test_shared_first_block_pulls_everything_unless_bounded() -> None:
     assert routing_metrics(bounded, 1)["load_imbalance"] <= LOAD_BOUND + 0.01
 
 
-def test_pooled_locate_with_chunks_reads_the_first_chunk_locally() -> None:
-    # One long shared prefix re-read many times: with chunk placement its first 8 blocks
-    # live on one owner, and locate routing sends the request there.
+def test_pooled_locate_finds_the_first_blocks_owner_run() -> None:
+    # One long shared prefix re-read many times: per-block placement scatters it, so the
+    # local run of the first block's owner ends where the next block lives elsewhere.
     prefix = list(range(8))
     requests = [_row([*prefix, 100 + i]) for i in range(200)]
-    chunked = LocateSimulation("pooled", "locate", "lru", 4, [10_000], placement="chunk:8")
-    run_dry(requests, [chunked], block_bytes=1)
-    owner = chunked.owner(block_key(0))
-    # The first request finds nothing anywhere (a tie, by load); every later one is local.
-    assert chunked.node_requests[owner] >= 199
-    assert chunked.remote_hits == 0 and chunked.hit_blocks == 199 * 8
     per_block = LocateSimulation("pooled", "locate", "lru", 4, [10_000])
     run_dry(requests, [per_block], block_bytes=1)
-    assert per_block.hit_blocks == chunked.hit_blocks
-    assert per_block.remote_hits > 0  # per-block placement scatters the prefix
+    keys = [block_key(i) for i in prefix]
+    runs = per_block.local_prefix(keys)
+    first = per_block.owner(keys[0])
+    expected = next((i for i, k in enumerate(keys) if per_block.owner(k) != first), 8)
+    assert runs[first] == expected and sum(runs) == expected
+    assert per_block.hit_blocks == 199 * 8 and per_block.remote_hits > 0
 
 
 def test_locate_rejects_bad_arguments() -> None:
@@ -68,12 +66,13 @@ def test_locate_rejects_bad_arguments() -> None:
 def test_cli_prints_routing_columns_and_refuses_real(tmp_path: Path) -> None:
     base = [sys.executable, "-m", "kvtier.cli", "replay", "builtin:agentic", "--limit", "60",
             "--no-progress"]
-    proc = subprocess.run([*base, "--routing", "rr,locate-bounded,owner", "--mode",
-                           "per-node,pooled", "--placement", "anchor:1:64"],
+    proc = subprocess.run([*base, "--routing", "rr,locate-bounded,locate-live,owner", "--mode",
+                           "per-node,pooled,local"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "load max/mean" in proc.stdout and "locate-bounded" in proc.stdout
-    assert "owner" in proc.stdout and "anchor:1:64" in proc.stdout
+    assert "owner" in proc.stdout and "locate-live" in proc.stdout
+    assert "local     owner" in proc.stdout
     proc = subprocess.run([*base, "--real", "--routing", "locate"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--dry only" in proc.stderr
@@ -89,20 +88,24 @@ def test_real_engine_locate_routing_needs_nodes_to_route_between() -> None:
     assert RealConfig(mode="per-node", routing="locate").routing == "locate"
 
 
-def test_owner_routing_with_anchor_placement_makes_pooled_hits_local() -> None:
-    # Conversations that share a system-prompt block 0 and grow turn by turn: anchored on
-    # block 1, each conversation lives on one owner and owner routing sends it there.
+def test_owner_routing_on_the_local_pool_follows_the_holders() -> None:
+    # Conversations that share a system-prompt block 0 and grow turn by turn: on the local
+    # pool a conversation's blocks stay on the node that computed them, and owner routing
+    # (the holder directory's longest run) sends each later turn there.
     requests = [_row([0, *range(1000 * c, 1000 * c + turn + 1)])
                 for turn in range(6) for c in range(1, 41)]
-    owner = LocateSimulation("pooled", "owner", "lru", 4, [10_000], placement="anchor:1")
-    rr = LocateSimulation("pooled", "locate-bounded", "lru", 4, [10_000])
-    run_dry(requests, [owner, rr], block_bytes=1)
-    # Block 0 is stored once per anchor owner: its first read on each of the 3 other
-    # owners is a miss block placement does not pay.
-    assert owner.hit_blocks == rr.hit_blocks - 3
-    # Remote only where the load bound spilled a turn off its owner (10 vs 608 blocks).
-    assert owner.remote_hits * 20 < rr.remote_hits
+    owner = LocateSimulation("local", "owner", "lru", 4, [10_000])
+    fixed = LocateSimulation("local", "owner", "lru", 4, [10_000], hot_reads=0)
+    pooled = LocateSimulation("pooled", "locate-bounded", "lru", 4, [10_000])
+    run_dry(requests, [owner, fixed, pooled], block_bytes=1)
+    # Room for everything: every block but the first sight of each is a hit in all three.
+    assert owner.hit_blocks == fixed.hit_blocks == pooled.hit_blocks
+    # With blocks fixed where computed, block 0 lives on one node: its run pulls every
+    # request there and the load bound sends most elsewhere, to read remotely. Hot blocks
+    # fix that: block 0, read by every node, is copied; a conversation whose turns run
+    # elsewhere takes its blocks along.
+    assert owner.local is not None and owner.local.hot_copies > 0
+    assert owner.local.hot_moves > 0
+    assert owner.remote_hits * 3 < pooled.remote_hits < fixed.remote_hits
     assert routing_metrics(owner, 1)["load_imbalance"] <= LOAD_BOUND + 0.01
-    keys = [block_key(i) for i in (0, 1000, 1001)]
-    runs = owner.owned_prefix(keys)
-    assert sorted(runs) == [0, 0, 0, 3] and runs.index(3) == owner.owner(block_key(1000))
+    assert routing_metrics(owner, 1)["remote_write_bytes_per_request"] == 0  # nothing forwarded

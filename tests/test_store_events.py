@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import InvalidKeyError
-from kvtier.events import BlockRemoved, BlockStored, KVEvent
+from kvtier.events import BlockRemoved, BlockStored, KVEvent, Subscription
 from kvtier.peer.server import PeerServer
 from kvtier.store import TieredStore, open_store
 from kvtier.tiers.dram import DRAMTier
@@ -35,6 +35,14 @@ def view(events: list[KVEvent]) -> list[tuple[object, ...]]:
     return out
 
 
+def subscribe(store: TieredStore, **options: object) -> Subscription:
+    """``store.events()`` with its resync taken: the node starts empty, so only the
+    ``AllBlocksCleared`` of every tier."""
+    sub = store.events(**options)  # type: ignore[arg-type]
+    assert view(sub.drain_nowait()) == [("cleared", None, None, store.node)]
+    return sub
+
+
 def two_tier(tmp: Path, ram_blocks: int = 3, **options: object) -> TieredStore:
     return TieredStore([DRAMTier(ram_blocks * N, name="ram"),
                         LMDBTier(tmp / "db", capacity=1 << 22, name="disk")],
@@ -43,7 +51,7 @@ def two_tier(tmp: Path, ram_blocks: int = 3, **options: object) -> TieredStore:
 
 async def test_put_demote_promote_delete_and_close(tmp_path: Path) -> None:
     store = two_tier(tmp_path)
-    sub = store.events()
+    sub = subscribe(store)
     await store.put_many([(k, BLOCK) for k in K[:3]], parent=PARENT)
     assert view(sub.drain_nowait()) == [
         ("stored", "ram", "cpu", tuple(K[:3]), PARENT, 16, "n1")]
@@ -73,13 +81,20 @@ async def test_put_demote_promote_delete_and_close(tmp_path: Path) -> None:
     assert not await store.delete(victim)
     assert sub.drain_nowait() == []
 
-    # Closing flushes RAM into the disk tier, clears both, and ends the subscription.
+    # Closing flushes RAM into the disk tier, removes what each tier held by name, clears
+    # both, and ends the subscription.
     in_ram = set(store.tiers[0].resident_keys() or ())
     await store.aclose()
     rest = view([e async for e in sub])
     flushed = {k for e in rest if e[0] == "stored" for k in e[3]}  # type: ignore[union-attr]
     assert flushed == in_ram and all(e[1] == "disk" for e in rest if e[0] == "stored")
-    assert rest[-2:] == [("cleared", "ram", "cpu", "n1"), ("cleared", "disk", "disk", "n1")]
+    ram_gone = [e for e in rest if e[0] == "removed" and e[1] == "ram"]
+    assert {k for e in ram_gone for k in e[3]} == in_ram  # type: ignore[union-attr]
+    disk_gone = {k for e in rest if e[0] == "removed" and e[1] == "disk" for k in e[3]}  # type: ignore[union-attr]
+    assert disk_gone == in_ram | {k for k in K[:4] if k != victim}
+    assert [e for e in rest if e[0] == "cleared"] == [("cleared", "ram", "cpu", "n1"),
+                                                      ("cleared", "disk", "disk", "n1")]
+    assert rest[-1] == ("cleared", "disk", "disk", "n1")
     assert sub.dropped == 0
 
 
@@ -89,7 +104,7 @@ async def test_put_many_runs_name_their_parent(tmp_path: Path) -> None:
     store = two_tier(tmp_path, ram_blocks=2)
     big = np.zeros(3 * N // 2, np.uint16)
     async with store:
-        sub = store.events()
+        sub = subscribe(store)
         await store.put_many([(K[0], BLOCK), (K[1], big), (K[2], BLOCK)], parent=PARENT)
         assert view(sub.drain_nowait()) == [
             ("stored", "ram", "cpu", (K[0],), PARENT, 16, "n1"),
@@ -103,7 +118,7 @@ async def test_evictions_of_the_last_tier_are_reported(tmp_path: Path) -> None:
                          LMDBTier(tmp_path / "db", capacity=5 * N // 2, name="disk")],
                         node="n1")  # two framed blocks fit
     async with store:
-        sub = store.events()
+        sub = subscribe(store)
         for key in K[:4]:
             await store.put(key, BLOCK)
         events = view(sub.drain_nowait())
@@ -113,7 +128,7 @@ async def test_evictions_of_the_last_tier_are_reported(tmp_path: Path) -> None:
 
     single = TieredStore([DRAMTier(2 * N, name="only")], node="n1")
     async with single:
-        sub = single.events()
+        sub = subscribe(single)
         for key in K[:3]:
             await single.put(key, BLOCK)
         assert [e for e in view(sub.drain_nowait()) if e[0] == "removed"] == [
@@ -123,7 +138,7 @@ async def test_evictions_of_the_last_tier_are_reported(tmp_path: Path) -> None:
 async def test_a_slow_consumer_loses_the_oldest_events_and_they_are_counted() -> None:
     store = TieredStore([DRAMTier(name="ram")], node="n1")
     async with store:
-        sub = store.events(buffer=4)
+        sub = store.events(buffer=4, resync=False)
         for key in K[:10]:
             await store.put(key, BLOCK)  # nobody reads: the store does not wait
         assert sub.dropped == 6
@@ -139,7 +154,10 @@ async def test_nothing_is_emitted_without_a_subscriber() -> None:
         await store.put_many([(k, BLOCK) for k in K[:4]])  # the chain's head K0, K1 stay
         await store.delete(K[1])
         assert store.stats()["events_emitted"] == 0
-        sub = store.events()
+        sub = store.events()  # its resync (what RAM holds) is not counted as emitted
+        assert view(sub.drain_nowait()) == [("cleared", None, None, store.node),
+                                            ("stored", "ram", "cpu", (K[0],), None, None,
+                                             store.node)]
         await store.put(K[5], BLOCK)  # fits: one event
         sub.close()
         await store.put(K[6], BLOCK)  # a put and an eviction, unobserved
@@ -150,7 +168,7 @@ async def test_nothing_is_emitted_without_a_subscriber() -> None:
 async def test_write_through_copies_are_stored_events(tmp_path: Path) -> None:
     store = two_tier(tmp_path, write_policy="write_through")
     async with store:
-        sub = store.events()
+        sub = subscribe(store)
         await store.put(K[0], BLOCK)
         await store.flush()
         assert view(sub.drain_nowait()) == [
@@ -169,7 +187,7 @@ async def peer() -> AsyncIterator[PeerServer]:
 async def test_pool_write_through_is_a_shared_storage_event(peer: PeerServer) -> None:
     urls = ["dram://", f"peers://{peer.member_id}?token={TOKEN}&timeout=2"]
     async with open_store(urls, block_tokens=32) as store:
-        sub = store.events()
+        sub = subscribe(store)
         await store.put_many([(k, BLOCK) for k in K[:2]], parent=PARENT)
         node = store.node
         assert view(sub.drain_nowait()) == [

@@ -160,7 +160,9 @@ def test_a_waiting_request_reuses_its_lookup_for_a_while(shared: dict[str, objec
         assert b.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
         now[0] += 0.1
         assert b.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-        assert planner.misses.lookups == 3
+        # Asked again, but one request is one lookup in the figures (LMCache#4508 counted
+        # each retry of a waiting request).
+        assert planner.misses.lookups == 1
         # Scheduled (or finished), the request's answer is gone.
         b.scheduler.update_state_after_alloc(req, Blocks(list(range(6))), 0)
         assert req.request_id not in planner._lookups

@@ -1,122 +1,62 @@
-"""``kvtier demo``: what pooling buys, measured honestly, with nothing to set up.
+"""``kvtier demo``: what pooling buys, at equal total memory, under the timed load model.
 
-Four nodes in this process on loopback (real ``PeerServer``s for the pool), every node with
-the same ``dram://`` + ``lmdb://`` tiers in a temp dir, the built-in synthetic agentic
-workload (or ``--trace``) with real bytes. Five rows at equal tiers and total capacity, which
-differ only in what the row is about: per-node caches routed round-robin, with session
-affinity, and by where a prefix lives (each node's ``locate_prefix``, load bounded); the pool
-with per-block placement routed round-robin; the pool with chain placement
-(``placement=anchor:R``, R past the shared system prompt) routed to each chain's owner by
-``store.route``.
+N nodes (default 4), every row with the same memory (C blocks per node), the built-in
+synthetic agentic workload (or ``--trace``), replayed once through every row by the timed dry
+replay (:mod:`kvtier.replay.timed`): each node serves its requests in arrival order with a
+service time from the cost model, so routers see in-flight work and hit rates turn into
+modelled TTFT. Rows: per-node caches routed round-robin, by session and by ``locate-live``;
+the block pool (every block on its ring owner); the local pool (blocks kept where they were
+computed, read from any holder, last copies forwarded by global age); one ideal global LRU.
+Hit rates are counts from the project's policy classes; no bytes move and no model runs
+(``kvtier replay --real`` moves real bytes through real tiers and peer servers).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
+import itertools
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.replay.real import RealConfig
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
 NAME = "demo"
-HELP = ("show what pooling buys on an embedded default: 4 nodes on loopback replaying a "
-        "synthetic agentic workload, per-node caches (round-robin, session, locate) vs the pool "
-        "(block placement, chain placement + owner routing) at equal capacity (under a minute)")
+HELP = ("show what pooling buys at equal memory, in under a minute: per-node caches "
+        "(rr, session, locate-live) vs the block pool vs the local pool vs one ideal LRU, "
+        "hit rate, bytes moved and modelled TTFT under a timed load model")
 
-# (label, mode, routing, placement): what each row is about; everything else is the same in
-# every row. "anchor": a whole chain on the owner of its first block after the shared system
-# prompt (see chain_placement).
-ROWS = (("per-node rr", "per-node", "rr", "block"),
-        ("per-node session", "per-node", "session", "block"),
-        ("per-node locate-b", "per-node", "locate", "block"),
-        ("pooled rr", "pooled", "rr", "block"),
-        ("pooled chain+owner", "pooled", "owner", "anchor"))
-# The row that runs first, bounded by the time limit: the slowest (HTTP on most blocks).
-SLOWEST = "pooled rr"
+# (label, mode, routing, policy): every row has the same nodes, memory and cost model.
+ROWS = (("per-node rr", "per-node", "rr", "lru"),
+        ("per-node session", "per-node", "session", "lru"),
+        ("per-node locate-live", "per-node", "locate-live", "lru"),
+        ("block pool", "pooled", "rr", "lru"),
+        ("local pool", "local", "locate-live", "lru"),
+        ("ideal global LRU", "ideal", "none", "lru"))
 LABEL_WIDTH = max(len(label) for label, *_ in ROWS)
-
-# Prefill estimate defaults (flags change them): a Llama-3.1-8B-class model in bf16 has
-# 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes = 128 KiB of KV per token.
-PREFILL_TOKENS_PER_S = 10_000
+# A Llama-3.1-8B-class model in bf16: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x
+# 2 bytes = 128 KiB of KV per token (docs/performance.md, "Fetch vs recompute").
 KV_BYTES_PER_TOKEN = 128 << 10
-LINK_GBIT_PER_S = 100.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvtier demo``."""
     parser.add_argument("--quick", action="store_true",
-                        help="a smaller run (under 20 s), what the test suite runs")
+                        help="a smaller workload (a few seconds), what the test suite runs")
     parser.add_argument("--trace", metavar="FILE", help="replay a Mooncake-format trace instead")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="--trace: replay only its first N requests (default 3000)")
     parser.add_argument("--nodes", type=int, default=4, help="nodes (default 4)")
-    parser.add_argument("--block-bytes", type=int, default=None,
-                        help="bytes per KV block moved for real (default 32 KiB; 16 KiB "
-                             "with --quick)")
-    parser.add_argument("--dram-blocks", type=int, default=None,
-                        help="DRAM blocks per node (default sized to the workload)")
-    parser.add_argument("--lmdb-blocks", type=int, default=None, help="LMDB blocks per node")
-    parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds for the first (slowest) row; the others replay the same "
-                             "requests (default 15; 5 with --quick)")
-    parser.add_argument("--prefill-rate", type=float, default=PREFILL_TOKENS_PER_S,
-                        metavar="TOKENS/S",
-                        help=f"prefill rate for the estimate (default {PREFILL_TOKENS_PER_S})")
+    parser.add_argument("--capacity-blocks", type=int, default=None, metavar="C",
+                        help="blocks per node, every row (default 100; 1000 with --trace)")
+    parser.add_argument("--engine", choices=("gpu", "cpu"), default="gpu",
+                        help="cost model: a GPU-class engine (default) or bench_engine's "
+                             "measured CPU engine (see docs/replay.md)")
     parser.add_argument("--kv-bytes-per-token", type=int, default=KV_BYTES_PER_TOKEN,
-                        help="KV bytes per token of the modelled engine (default 131072, "
+                        help="KV bytes per token for the bytes-moved column (default 131072, "
                              "Llama-3.1-8B bf16)")
-    parser.add_argument("--link-gbps", type=float, default=LINK_GBIT_PER_S,
-                        help=f"network between nodes, Gbit/s (default {LINK_GBIT_PER_S:g})")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def row_configs(args: argparse.Namespace) -> list[tuple[str, RealConfig]]:
-    """The rows' configurations: one base config, with only mode, routing and placement
-    changed.
-
-    Raises
-    ------
-    ConfigError
-        If a size or the time limit is not positive.
-    """
-    quick = args.quick
-    default_dram = 200 if args.trace else (30 if quick else 50)
-    block_bytes = args.block_bytes if args.block_bytes is not None else (
-        16 << 10 if quick else 32 << 10)
-    dram = args.dram_blocks if args.dram_blocks is not None else default_dram
-    lmdb = args.lmdb_blocks if args.lmdb_blocks is not None else dram
-    limit = args.time_limit if args.time_limit is not None else (5.0 if quick else 15.0)
-    for name, value in (("--nodes", args.nodes), ("--block-bytes", block_bytes),
-                        ("--dram-blocks", dram), ("--time-limit", limit),
-                        ("--prefill-rate", args.prefill_rate),
-                        ("--kv-bytes-per-token", args.kv_bytes_per_token),
-                        ("--link-gbps", args.link_gbps)):
-        if value <= 0:
-            raise ConfigError(f"{name}: expected > 0, got {value}")
-    if lmdb < 0:
-        raise ConfigError(f"--lmdb-blocks: expected >= 0, got {lmdb}")
-    base = RealConfig(mode="per-node", routing="rr", nodes=args.nodes, block_bytes=block_bytes,
-                      dram_blocks=dram, lmdb_blocks=lmdb, shared_file=False, time_limit=limit)
-    anchored = chain_placement(args)
-    return [(label, dataclasses.replace(base, mode=mode, routing=routing,
-                                        placement=anchored if placement == "anchor" else placement))
-            for label, mode, routing, placement in ROWS]
-
-
-def chain_placement(args: argparse.Namespace) -> str:
-    """The chain row's ``placement=anchor:R``: R is the first block past the system prompt
-    every session shares (block 1 in the shared traces; the built-in workload's prompt spans
-    several blocks). Anchored on a shared block, all the chains behind one system prompt
-    would land on one owner."""
-    from kvtier.workload import WorkloadConfig
-
-    if args.trace:
-        return "anchor:1"
-    return f"anchor:{-(-WorkloadConfig().system_prompt_tokens // BLOCK_TOKENS)}"
+    parser.add_argument("--no-progress", action="store_true",
+                        help="accepted for compatibility; the demo prints no progress bar")
 
 
 def _load(args: argparse.Namespace) -> list[Request]:
@@ -124,139 +64,141 @@ def _load(args: argparse.Namespace) -> list[Request]:
     from kvtier.workload import WorkloadConfig, generate
 
     if args.trace:
-        return list(iter_trace(args.trace, limit=300 if args.quick else 3000))
+        limit = args.limit if args.limit is not None else (300 if args.quick else 3000)
+        return list(iter_trace(args.trace, limit=limit))
     cfg = WorkloadConfig(sessions=16 if args.quick else 48, concurrency=6 if args.quick else 16)
-    return list(generate(cfg))
+    requests = generate(cfg)
+    return list(requests if args.limit is None else itertools.islice(requests, args.limit))
 
 
-def _estimate(row: dict[str, Any], args: argparse.Namespace) -> tuple[float, float]:
-    """Per request: prefill ms saved by hit tokens, and ms spent fetching remote hits, for
-    the modelled engine (``--prefill-rate``, ``--kv-bytes-per-token``, ``--link-gbps``)."""
-    n = max(1, int(row["requests"]))
-    saved = row["hit_tokens"] / args.prefill_rate
-    remote_tokens = row["remote_hit_blocks"] * BLOCK_TOKENS
-    fetch = remote_tokens * args.kv_bytes_per_token / (args.link_gbps * 1e9 / 8)
-    return saved / n * 1e3, fetch / n * 1e3
+def replay_rows(requests: list[Request], args: argparse.Namespace
+                ) -> list[tuple[str, dict[str, Any]]]:
+    """One timed pass of ``requests`` through every row; ``(label, result row)`` each.
 
+    Raises
+    ------
+    ConfigError
+        If ``--nodes``, ``--capacity-blocks``, ``--limit`` or ``--kv-bytes-per-token`` is not
+        positive.
+    """
+    from kvtier.replay.dry import run_dry
+    from kvtier.replay.routing import make_simulation, routing_metrics
+    from kvtier.replay.timed import CPU_ENGINE, GPU_ENGINE, NodeClock
 
-def _net_ms(row: dict[str, Any], args: argparse.Namespace) -> float:
-    saved_ms, fetch_ms = _estimate(row, args)
-    return saved_ms - fetch_ms
-
-
-def _net_bytes_per_request(row: dict[str, Any]) -> float:
-    return float(row["network_bytes"]) / max(1, int(row["requests"]))
+    capacity = args.capacity_blocks if args.capacity_blocks is not None else (
+        1000 if args.trace else 100)
+    for name, value in (("--nodes", args.nodes), ("--capacity-blocks", capacity),
+                        ("--kv-bytes-per-token", args.kv_bytes_per_token),
+                        ("--limit", 1 if args.limit is None else args.limit)):
+        if value < 1:
+            raise ConfigError(f"{name}: expected >= 1, got {value}")
+    cost = CPU_ENGINE if args.engine == "cpu" else GPU_ENGINE
+    block_bytes = BLOCK_TOKENS * args.kv_bytes_per_token
+    sims = [make_simulation(mode, routing, policy, args.nodes, [capacity],
+                            clock=NodeClock(args.nodes, cost))
+            for _, mode, routing, policy in ROWS]
+    out = run_dry(requests, sims, block_bytes=block_bytes)
+    results = []
+    for (label, *_), sim, row in zip(ROWS, sims, out["results"], strict=True):
+        if sim.mode != "ideal":
+            row.update(routing_metrics(sim, block_bytes))
+        row.setdefault("remote_bytes_per_request", 0.0)
+        results.append((label, row))
+    return results
 
 
 def format_table(results: list[tuple[str, dict[str, Any]]], args: argparse.Namespace) -> str:
-    """The table, its legend and the summary line."""
+    """The table, its legend and the summary lines."""
     w = LABEL_WIDTH
     header = (f"{'configuration':<{w}} {'hit(blk)':>8} {'hit(tok)':>8} {'remote':>7} "
-              f"{'MB/req':>7} {'load':>5} {'prefill saved':>21} {'fetch':>8} {'net':>8}")
-    sub = (f"{'':<{w}} {'':>8} {'':>8} {'':>7} {'':>7} {'':>5} "
-           f"{'tokens/req':>10} {'ms/req':>10} {'ms/req':>8} {'ms/req':>8}")
-    lines = [header, sub, "-" * len(header)]
+              f"{'MB moved/req':>12} {'busiest/mean':>12} {'TTFT p50 s':>10} {'p90 s':>7}")
+    lines = [header, "-" * len(header)]
     for label, row in results:
-        saved_ms, fetch_ms = _estimate(row, args)
         remote = "-" if row["remote_share"] is None else f"{row['remote_share'] * 100:.0f}%"
-        tokens = row["hit_tokens"] / max(1, int(row["requests"]))
         lines.append(
             f"{label:<{w}} {row['prefix_hit_rate_blocks'] * 100:>7.1f}% "
             f"{row['prefix_hit_rate_tokens'] * 100:>7.1f}% {remote:>7} "
-            f"{_net_bytes_per_request(row) / 1e6:>7.2f} {row['load_imbalance']:>5.2f} "
-            f"{tokens:>10.0f} {saved_ms:>10.1f} {fetch_ms:>8.1f} {saved_ms - fetch_ms:>8.1f}")
+            f"{row['remote_bytes_per_request'] / 1e6:>12.1f} {row['load_imbalance']:>12.2f} "
+            f"{row['ttft_p50_s']:>10.2f} {row['ttft_p90_s']:>7.2f}")
+    cost = results[0][1]["cost_model"]
     kv_kib = args.kv_bytes_per_token / 1024
     lines += [
         "",
         "legend:",
-        "  hit(blk)  share of requested blocks found as a cached prefix (any tier, any node)",
-        "  hit(tok)  the same weighted by prompt tokens (a request's last block may be partial)",
-        "  remote    share of hit blocks read from another node's segment over HTTP",
-        "  MB/req    bytes that crossed the network per request (pool reads of remote blocks",
-        "            and writes of new blocks to their owners), at this demo's block size",
-        "  load      busiest node's requests / mean (1.00 = even)",
-        f"  chain+owner  the pool with placement={chain_placement(args)} (a whole chain on the "
-        "owner of its first",
-        "            block past the shared system prompt), each request routed to its chain's "
-        "owner",
-        "            by store.route (load bounded at 1.25x the mean)",
-        f"  prefill saved  hit tokens per request, and the prefill time they save at "
-        f"{args.prefill_rate:,.0f} tokens/s",
-        f"  fetch     time to pull the remote hits over a {args.link_gbps:g} Gbit/s link, "
-        f"with {kv_kib:,.0f} KiB of KV per token",
-        "            (a Llama-3.1-8B-class model in bf16; local DRAM/LMDB loads not counted)",
-        "  net       prefill saved - fetch: positive means the fetches pay",
-        "  Prefill compute is not simulated: these are estimates from the stated rates, not",
-        "  measured GPU time. Every row has the same tiers and total capacity.",
+        "  hit(blk)      share of requested blocks found as a cached prefix (on any node the",
+        "                row can read)",
+        "  hit(tok)      the same weighted by prompt tokens (a request's last block may be "
+        "partial)",
+        "  remote        share of hit blocks read from another node",
+        "  MB moved/req  bytes crossing the network per request (remote reads, writes to "
+        "another node)",
+        f"                at {BLOCK_TOKENS} tokens x {kv_kib:,.0f} KiB of KV per token per "
+        "block",
+        "  busiest/mean  busiest node's busy time (sum of its requests' service times) over "
+        "the mean",
+        "  TTFT          modelled: queue wait + step + prefill of uncached tokens + fetch of "
+        "remote blocks",
+        "routing (what decides which node serves a request):",
+        "  rr              round-robin",
+        "  session         every request of a session on the node its first one went to",
+        "  locate-bounded  the node holding the longest prefix of the prompt itself, among "
+        "nodes whose",
+        "                  load is within 1.25x the mean (not a row here: see kvtier replay)",
+        "  locate-live     the node with the best prefix share minus 0.5 x its relative queue "
+        "depth",
+        "                  (llm-d's precise prefix scorer plus its queue scorer)",
+        "  owner           the node owning (block pool) or holding (local pool) the longest "
+        "prefix by",
+        "                  the ring or the holder directory, without asking (not a row here)",
+        "rows:",
+        "  per-node      each node caches only what it computed and reads only its own cache",
+        "  block pool    every block on its ring owner, any node reads any block (rr routing)",
+        "  local pool    blocks stay on the node that computed them, a directory knows the "
+        "holders, any",
+        "                node reads any block; an evicted last copy moves to a node with older "
+        "blocks",
+        "  ideal         one LRU of all nodes' memory, no bytes moved (an upper bound)",
+        f"cost model ({args.engine}): prefill {cost['prefill_s_per_token'] * 1e3:.3f} ms per "
+        f"uncached token, decode {cost['decode_s_per_token'] * 1e3:.3f} ms per output "
+        f"token, step {cost['step_s'] * 1e3:.0f} ms,",
+        f"  fetch {cost['fetch_s_per_block'] * 1e3:.2f} ms per remote block. Modelled, not "
+        "measured: no bytes move, no model runs;",
+        "  every row has the same nodes, memory per node and cost model.",
     ]
-    by_label = dict(results)
-    pooled, session = by_label["pooled rr"], by_label["per-node session"]
-    gain = (pooled["prefix_hit_rate_blocks"] - session["prefix_hit_rate_blocks"]) * 100
-    chained, located = by_label["pooled chain+owner"], by_label["per-node locate-b"]
-    chain_gain = (chained["prefix_hit_rate_blocks"] - located["prefix_hit_rate_blocks"]) * 100
-    # The demo moves small blocks; the modelled engine's block of BLOCK_TOKENS tokens is larger.
-    scale = args.kv_bytes_per_token * BLOCK_TOKENS / pooled["block_bytes"]
+    by = dict(results)
+    local, pool = by["local pool"], by["block pool"]
+    best_label, best = max(((label, row) for label, row in results
+                            if label.startswith("per-node")),
+                           key=lambda item: item[1]["prefix_hit_rate_blocks"])
+    share = (local["remote_bytes_per_request"] / pool["remote_bytes_per_request"]
+             if pool["remote_bytes_per_request"] else 0.0)
     lines += [
         "",
-        f"pooled vs per-node session affinity at equal capacity: {gain:+.1f} points, "
-        f"{_net_bytes_per_request(pooled) / 1e6:.2f} MB moved per request "
-        f"({_net_bytes_per_request(pooled) * scale / 1e6:,.0f} MB at {kv_kib:,.0f} KiB of KV "
-        "per token).",
-        f"pooled chain+owner vs per-node locate-b (the strongest per-node setup): "
-        f"{chain_gain:+.1f} points, {_net_bytes_per_request(chained) / 1e6:.2f} MB moved per "
-        f"request ({_net_bytes_per_request(chained) * scale / 1e6:,.0f} MB at "
-        f"{kv_kib:,.0f} KiB of KV per token).",
-        "prefill saved net of fetches (estimate at the stated rates): "
-        + ", ".join(f"{label} {_net_ms(row, args):.1f}" for label, row in results)
-        + " ms per request.",
+        f"local pool vs {best_label} (the best per-node row): "
+        f"{(local['prefix_hit_rate_blocks'] - best['prefix_hit_rate_blocks']) * 100:+.1f} "
+        f"points, TTFT p90 {local['ttft_p90_s']:.2f} s vs {best['ttft_p90_s']:.2f} s.",
+        f"local pool vs block pool: "
+        f"{(local['prefix_hit_rate_blocks'] - pool['prefix_hit_rate_blocks']) * 100:+.1f} "
+        f"points, moving {share * 100:.0f}% of its bytes per request.",
     ]
     return "\n".join(lines)
-
-
-async def _run(args: argparse.Namespace) -> int:
-    from kvtier.progress import Progress
-    from kvtier.replay.real import replay_real
-
-    configs = row_configs(args)
-    requests = _load(args)
-    base = configs[0][1]
-    refs = sum(len(r.hash_ids) for r in requests)
-    source = args.trace or "built-in synthetic agentic workload"
-    print(f"kvtier demo: {base.nodes} nodes on loopback; every row: each node dram "
-          f"{base.dram_blocks} + lmdb {base.lmdb_blocks} blocks of {base.block_bytes >> 10} KiB "
-          f"({BLOCK_TOKENS} tokens per block)")
-    print(f"workload: {source}: {len(requests)} requests, {refs:,} block refs "
-          f"(sessions, shared system prompts, sub-agents)\n")
-    # The slowest row runs first, bounded by the time limit; the others replay exactly the
-    # requests it got through.
-    order = sorted(configs, key=lambda item: item[0] != SLOWEST)
-    done: dict[str, dict[str, Any]] = {}
-    count: int | None = None
-    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
-        for i, (label, config) in enumerate(order):
-            todo = requests if count is None else requests[:count]
-            if count is not None:  # same requests as the first row: no time bound
-                config = dataclasses.replace(config, time_limit=1e9)
-            progress = Progress(len(todo), f"{label:<{LABEL_WIDTH}}",
-                                enabled=False if args.no_progress else None)
-            with progress:
-                workdir = Path(tmp) / f"run{i}"
-                workdir.mkdir()
-                row = await replay_real(todo, config, workdir=workdir, progress=progress)
-            done[label] = row
-            count = int(row["requests"]) if count is None else count
-    results = [(label, done[label]) for label, _ in configs]
-    print(format_table(results, args))
-    if count is not None and count < len(requests):
-        print(f"(every row replayed the first {count} of {len(requests)} requests: the time "
-              f"limit stopped the first row; --time-limit raises it)")
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo."""
     try:
-        return asyncio.run(_run(args))
+        requests = _load(args)
+        results = replay_rows(requests, args)
     except ConfigError as exc:
         print(f"kvtier demo: {exc}", file=sys.stderr)
         return 2
+    refs = sum(len(r.hash_ids) for r in requests)
+    source = args.trace or "built-in synthetic agentic workload"
+    capacity = results[0][1]["capacity_blocks"]
+    print(f"kvtier demo: {args.nodes} nodes, every row {capacity} blocks per node "
+          f"({BLOCK_TOKENS} tokens per block), timed load model")
+    print(f"workload: {source}: {len(requests)} requests, {refs:,} block refs\n")
+    print(format_table(results, args))
+    print("\nregenerate the full tables: python -m kvtier.replay.pool_matrix "
+          "(docs/pooling-results.md)")
+    return 0

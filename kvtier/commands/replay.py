@@ -14,7 +14,7 @@ from kvtier.errors import ConfigError
 
 NAME = "replay"
 HELP = ("replay a Mooncake-format trace (or builtin:agentic) through N simulated nodes: "
-        "per-node vs pooled vs ideal prefix hit rates")
+        "per-node vs block pool vs local pool vs ideal prefix hit rates, optionally timed")
 
 BUILTIN = "builtin:agentic"
 
@@ -62,10 +62,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cascade", action="store_true",
                         help="--dry: when a block leaves a node or the pool, drop the blocks "
                              "chained after it too (tail-first eviction across shards)")
-    parser.add_argument("--placement", default="block", metavar="block|chunk:N|root:R|anchor:R[:D]",
-                        help="pooled: place each block by its own key (default), runs "
-                             "of N blocks by their first block's key, blocks from R on by "
-                             "block R's key, or a whole chain by block R's key")
+    parser.add_argument("--load", choices=("count", "inflight"), default="count",
+                        help="--dry: what routers see as load: requests routed so far "
+                             "(count, the default) or requests in flight at arrival, with "
+                             "every request timed by the cost model (inflight)")
+    parser.add_argument("--engine", choices=("gpu", "cpu"), default="gpu",
+                        help="--load inflight: cost model preset: a GPU-class engine "
+                             "(default) or bench_engine's measured CPU engine "
+                             "(docs/replay.md says where each figure comes from)")
+    for flag, what in (("--prefill-s-per-token", "prefill seconds per uncached token"),
+                       ("--decode-s-per-token", "node seconds per output token"),
+                       ("--step-s", "fixed seconds per request"),
+                       ("--fetch-s-per-block", "seconds to read one block from another "
+                                               "node (TTFT only)")):
+        parser.add_argument(flag, type=float, default=None, metavar="S",
+                            help=f"--load inflight: {what} (default: the --engine preset's)")
+    parser.add_argument("--live-weight", type=float, default=None, metavar="W",
+                        help="locate-live: load penalty weight (default 0.5, see "
+                             "docs/replay.md)")
+    parser.add_argument("--hot-reads", type=int, default=None, metavar="K",
+                        help="--mode local: remote reads of a block after which it is copied "
+                             "or moved to the reader (0: never; default 2)")
+    parser.add_argument("--max-copies", type=int, default=None, metavar="M",
+                        help="--mode local: copies a hot block may have; at M it moves to "
+                             "its reader instead (default 1)")
+    parser.add_argument("--forward-margin", type=float, default=None, metavar="F",
+                        help="--mode local: forward an evicted last copy of age a only to a "
+                             "node whose oldest block is older than (1 + F) a (0: the Global "
+                             "Memory Service rule; default 0.5)")
     engine = parser.add_mutually_exclusive_group()
     engine.add_argument("--dry", action="store_true", help="metadata only (the default)")
     engine.add_argument("--real", action="store_true",
@@ -84,7 +108,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from kvtier.peer.chains import ChainPlacement
     from kvtier.replay.routing import LOCATE_ROUTINGS
     from kvtier.replay.sim import MODES, POLICIES, ROUTINGS
 
@@ -110,17 +133,30 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--block-bytes: expected >= 1, got {args.block_bytes}")
     if args.vnodes is not None and args.vnodes < 1:
         raise ConfigError(f"--vnodes: expected >= 1, got {args.vnodes}")
-    try:
-        ChainPlacement(args.placement, memo_keys=0)
-    except ValueError as exc:
-        raise ConfigError(f"--placement: {exc}") from None
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: expected >= 1, got {args.limit}")
-    if args.real and "locate" in args.routing:
-        raise ConfigError("--routing: unbounded locate runs in --dry only; --real runs "
-                          "locate-bounded and owner")
-    if args.real and args.placement != "block" and set(args.mode) - {"pooled"}:
-        raise ConfigError("--placement: with --real, a chain placement needs --mode pooled")
+    for flag in ("prefill_s_per_token", "decode_s_per_token", "step_s", "fetch_s_per_block"):
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: expected >= 0, got {value}")
+    for flag, value, low in (("--hot-reads", args.hot_reads, 0),
+                             ("--max-copies", args.max_copies, 1),
+                             ("--forward-margin", args.forward_margin, 0),
+                             ("--live-weight", args.live_weight, 0)):
+        if value is not None and not value >= low:
+            raise ConfigError(f"{flag}: expected >= {low}, got {value}")
+    if "local" in args.mode and (args.lower_blocks or args.cascade or args.policy != ["lru"]):
+        raise ConfigError("--mode local: one tier under LRU by global age (no --lower-blocks, "
+                          "--cascade or --policy other than lru)")
+    if args.real:
+        for flag, values, dry_only in (("--routing", args.routing, {"locate", "locate-live"}),
+                                       ("--mode", args.mode, {"local"})):
+            if dry_only & set(values):
+                raise ConfigError(f"{flag}: {', '.join(sorted(dry_only & set(values)))} runs "
+                                  "in --dry only; --real runs rr, session, locate-bounded, "
+                                  "owner over per-node, pooled and ideal")
+        if args.load != "count":
+            raise ConfigError("--load: the timed model is a --dry model; --real measures time")
     for flag, values, known in (("--mode", args.mode, MODES), ("--routing", args.routing,
                                 ROUTINGS + LOCATE_ROUTINGS), ("--policy", args.policy,
                                                               tuple(POLICIES))):
@@ -171,6 +207,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cost_model(args: argparse.Namespace) -> Any:
+    """The :class:`~kvtier.replay.timed.CostModel` of the ``--engine`` preset with the
+    flags that override it."""
+    import dataclasses
+
+    from kvtier.replay.timed import CPU_ENGINE, GPU_ENGINE
+
+    base = CPU_ENGINE if args.engine == "cpu" else GPU_ENGINE
+    changes = {name: getattr(args, name) for name in ("prefill_s_per_token",
+               "decode_s_per_token", "step_s", "fetch_s_per_block")
+               if getattr(args, name) is not None}
+    return dataclasses.replace(base, **changes)
+
+
 def _run_dry(args: argparse.Namespace) -> dict[str, object]:
     from kvtier.peer.ring import HashRing
     from kvtier.progress import Progress
@@ -178,8 +228,10 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
     from kvtier.replay.report import make_report
     from kvtier.replay.routing import make_simulation, routing_metrics
     from kvtier.replay.sim import DEFAULT_POOL_VNODES
+    from kvtier.replay.timed import NodeClock
     from kvtier.replay.trace import trace_size
 
+    cost = cost_model(args) if args.load == "inflight" else None
     members = [f"node{i}" for i in range(args.nodes)]
     ring = HashRing(members, vnodes=args.vnodes or DEFAULT_POOL_VNODES)
     sims = []
@@ -188,9 +240,15 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
         for mode, policy in itertools.product(args.mode, args.policy):
             routings = ["none"] if mode == "ideal" else args.routing
             for routing in routings:
-                sims.append(make_simulation(mode, routing, policy, args.nodes, caps, ring=ring,
-                                            seed=args.seed, cascade=args.cascade,
-                                            placement=args.placement))
+                options = {name: getattr(args, name) for name in (
+                    ("hot_reads", "max_copies", "forward_margin") if mode == "local" else ())
+                    if getattr(args, name) is not None}
+                if routing == "locate-live" and args.live_weight is not None:
+                    options["live_weight"] = args.live_weight
+                sims.append(make_simulation(
+                    mode, routing, policy, args.nodes, caps, ring=ring, seed=args.seed,
+                    cascade=args.cascade, **options,
+                    clock=None if cost is None else NodeClock(args.nodes, cost)))
     builtin = args.trace == BUILTIN
     total = 0 if builtin else trace_size(args.trace)
     progress = Progress(total, f"replay {len(sims)} configs", enabled=False
@@ -207,7 +265,8 @@ def _run_dry(args: argparse.Namespace) -> dict[str, object]:
                        args.capacity_blocks, out["results"], engine="dry",
                        unique_blocks=out["unique_blocks"], elapsed_s=round(out["elapsed_s"], 2),
                        vnodes=ring.vnodes, lower_blocks=args.lower_blocks,
-                       cascade=args.cascade, placement=args.placement)
+                       cascade=args.cascade, load=args.load,
+                       cost_model=None if cost is None else cost.describe())
 
 
 def _run_real(args: argparse.Namespace) -> dict[str, object]:
@@ -235,8 +294,7 @@ def _run_real(args: argparse.Namespace) -> dict[str, object]:
                                     nodes=args.nodes, block_bytes=args.block_bytes,
                                     dram_blocks=cap, lmdb_blocks=args.lower_blocks,
                                     vnodes=args.vnodes or DEFAULT_POOL_VNODES,
-                                    time_limit=args.time_limit if count is None else 1e9,
-                                    placement=args.placement if mode == "pooled" else "block")
+                                    time_limit=args.time_limit if count is None else 1e9)
                 todo = requests if count is None else requests[:count]
                 progress = Progress(len(todo), f"real {mode}/{routing}/C={cap}",
                                     enabled=False if args.no_progress else None)

@@ -7,7 +7,7 @@ import asyncio
 import importlib.util
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between retries of an anti-entropy pass that failed "
                              "(a pass starts as soon as a membership change is seen; "
                              "default 10)")
+    parser.add_argument("--shm", metavar="NAME",
+                        help="host daemon: keep the first tier (dram://?capacity=...) in a "
+                             "shared-memory arena under /dev/shm that engine processes of this "
+                             "host attach to with local://NAME (docs/host-daemon.md)")
+    parser.add_argument("--shm-lease-ttl", type=float, default=10.0, metavar="SECONDS",
+                        help="longest an engine may hold a slot of the shared arena (a dead "
+                             "engine's slots are freed at once; default 10)")
     parser.add_argument("--repair-rate", default="64MiB", metavar="SIZE",
                         help="anti-entropy push budget per second, so a refill cannot starve "
                              "clients (default 64MiB; 0: unpaced)")
@@ -173,7 +180,13 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     max_inflight = parse_size(args.max_inflight, "--max-inflight")
     repair_reserve = None if args.repair_reserve is None else \
         parse_size(args.repair_reserve, "--repair-reserve")
-    store = await open_store(args.tier, tier_options=segment_policy(args.tier, args.policy))
+    tier_options = segment_policy(args.tier, args.policy)
+    if args.shm is not None:
+        if not args.tier[0].lower().startswith("dram://"):
+            raise ConfigError("--shm: the first --tier must be dram://?capacity=SIZE (the "
+                              "arena engines share)")
+        tier_options.setdefault(0, {})["shm"] = args.shm
+    store = await open_store(args.tier, tier_options=tier_options)
     try:
         server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,
                             limits=limits, ssl_context=ctx,
@@ -193,9 +206,15 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     except BaseException:
         await store.aclose()
         raise
-    repair = None
-    if (args.pool or args.repair) and not args.no_repair:
-        repair = await _start_repair(args, server)
+    local = None
+    if args.shm is not None:
+        local = await _start_local(args, server)
+    try:
+        close_pool = await _start_pool(args, server) if args.pool or args.repair else None
+    except BaseException:
+        if local is not None:
+            await local.stop()
+        raise
     if token is None:
         log.warning("serving WITHOUT authentication (--insecure-no-auth)")
     # Handlers first: whoever reads "listening" may signal at once.
@@ -206,17 +225,43 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     print(f"kvtier serve listening on {server.member_id}"
           f" ({'https' if ctx else 'http'}, node {server.node_id}, loop {loop_name})", flush=True)
     await stop.wait()
-    if repair is not None:
-        await repair.close()
+    if local is not None:
+        await local.stop()
+    if close_pool is not None:
+        await close_pool()
     # In-flight requests finish, then the store flushes its write-back queues and closes.
     await server.stop()
     print(f"kvtier serve on {bound_host}:{bound_port} stopped", flush=True)
     return 0
 
 
-async def _start_repair(args: argparse.Namespace, server: Any) -> Any:
-    """The anti-entropy loop of ``--pool POOL_URL`` (see kvtier.peer.repair)."""
+async def _start_local(args: argparse.Namespace, server: Any) -> Any:
+    """The ``--shm NAME`` socket that engines of this host attach to (kvtier.shm.server)."""
     from kvtier.errors import ConfigError
+    from kvtier.shm.server import LocalServer
+    from kvtier.tiers.dram import DRAMTier
+
+    top = server.segment.tiers[0]
+    try:
+        if not isinstance(top, DRAMTier):
+            raise ConfigError("--shm: the first --tier must be dram://?capacity=SIZE")
+        local = LocalServer(server.segment, top, lease_ttl=args.shm_lease_ttl)
+        path = await local.start()
+    except BaseException:
+        await server.stop()
+        raise
+    print(f"kvtier serve shm {args.shm} at {path}", flush=True)
+    return local
+
+
+async def _start_pool(args: argparse.Namespace, server: Any
+                      ) -> Callable[[], Awaitable[None]] | None:
+    """This member's pool tier of ``--pool POOL_URL``: its anti-entropy loop (see
+    kvtier.peer.repair; off with ``--no-repair``), and under ``placement=local`` its holder
+    (kvtier.peer.holder: directory registration, forwarding of evicted last copies, kept
+    with ``--no-repair``). Returns what closes them at exit."""
+    from kvtier.errors import ConfigError
+    from kvtier.peer.holder import LocalHolder
     from kvtier.peer.repair import AntiEntropy
     from kvtier.peer.tier import PeerTier
     from kvtier.urls import parse_size
@@ -228,9 +273,16 @@ async def _start_repair(args: argparse.Namespace, server: Any) -> Any:
     own = {} if "self=" in url else {"self": server.member_id}
     try:
         pool = PeerTier.from_url(url, local=server.segment, **own)
+        if pool.placement == "local":
+            LocalHolder(server, pool).attach()
+        elif args.no_repair:
+            return None
+        if args.no_repair:
+            await pool.open()
+            return pool.aclose
         repair = AntiEntropy(server, pool, interval=args.repair_interval, rate=rate or None)
         await repair.start()
     except BaseException:
         await server.stop()
         raise
-    return repair
+    return repair.close

@@ -14,15 +14,26 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from kvtier.misses import MissReason
 
-if TYPE_CHECKING:
-    from kvtier.blocking import BlockingStore
+__all__ = ["DEFAULT_INTERVAL_S", "LookupStore", "MissLog"]
 
-__all__ = ["DEFAULT_INTERVAL_S", "MissLog"]
+
+class LookupStore(Protocol):
+    """What a connector's scheduler side asks: a :class:`~kvtier.BlockingStore`, or the host
+    daemon's socket (:class:`kvtier.integrations.vllm_local.LocalLookups`)."""
+
+    def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = ...) -> int:
+        """How many leading ``keys`` are stored."""
+
+    def stats(self, *, timeout: float | None = ...) -> dict[str, Any]:
+        """Figures, ``lookup_miss_reasons`` among them."""
+
+    def close(self) -> None:
+        """Release what it holds."""
 
 #: Seconds between two summary lines.
 DEFAULT_INTERVAL_S = 60.0
@@ -51,7 +62,7 @@ class MissLog:
     store's counters are read once per line.
     """
 
-    def __init__(self, store: BlockingStore | None, logger: logging.Logger, *,
+    def __init__(self, store: LookupStore | None, logger: logging.Logger, *,
                  interval_s: float = DEFAULT_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store

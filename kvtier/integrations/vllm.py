@@ -36,8 +36,10 @@ import numpy.typing as npt
 from kvtier.blocking import BlockingStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
+from kvtier.integrations.miss_log import LookupStore
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_events import ConnectorEvents, KVTierWorkerMetadata, event_media
+from kvtier.integrations.vllm_local import LocalLookups, LocalWorkerSide, is_local_only
 from kvtier.integrations.vllm_plan import (
     BlockPlan,
     ConnectorSettings,
@@ -503,8 +505,13 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         # shared tiers below, where other engines (and this engine's scheduler) can see it.
         options = {"write_policy": "write_through", **self._settings.store_options}
         self._planner: SchedulerPlanner | None = None
-        self._worker: WorkerSide | None = None
-        if self._is_worker:
+        self._worker: WorkerSide | LocalWorkerSide | None = None
+        if self._is_worker and is_local_only(self._settings.tiers):
+            # On the host daemon: one copy per hit and per save, no store in the worker.
+            self._worker = LocalWorkerSide(self._settings.tiers[0], keys, shard,
+                                           self._settings.io_timeout_s,
+                                           self._settings.thread_cpus)
+        elif self._is_worker:
             max_len = getattr(vllm_config.model_config, "max_model_len", None)
             max_blocks = -(-int(max_len) // block_size) if max_len else None
             # Known before the layers register only where vLLM's spec says it.
@@ -530,12 +537,15 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
                 # Saves write through to every tier, so a saved block is in each one's medium.
                 events = ConnectorEvents(event_media(self._settings.tiers), block_size,
                                          len(keys.shards), capacity=self._settings.event_buffer)
-            self._planner = SchedulerPlanner(
-                self._settings, keys, BlockingStore(sched, **options) if sched else None,
-                events)
+            lookups: LookupStore | None = None
+            if is_local_only(sched):  # the daemon's socket, from the scheduler's thread
+                lookups = LocalLookups(sched[0])
+            elif sched:
+                lookups = BlockingStore(sched, **options)
+            self._planner = SchedulerPlanner(self._settings, keys, lookups, events)
 
     # ---------------------------------------------------------------- worker side
-    def _worker_side(self) -> WorkerSide:
+    def _worker_side(self) -> WorkerSide | LocalWorkerSide:
         if self._worker is None:
             raise RuntimeError("worker-side method called on the scheduler-side connector")
         return self._worker

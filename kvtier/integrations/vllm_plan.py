@@ -20,9 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvtier.blocking import BlockingStore
 from kvtier.errors import ConfigError
-from kvtier.integrations.miss_log import MissLog
+from kvtier.integrations.miss_log import LookupStore, MissLog
 from kvtier.integrations.vllm_events import ConnectorEvents
 from kvtier.keys import KEY_DIGEST_BYTES, KeyNamespace, prefix_keys
 from kvtier.misses import MissReason
@@ -39,6 +38,9 @@ KeyScheme = Literal["prefix", "page-sha256"]
 _MM_TOKEN_BASE = 1 << 62  # substituted multimodal tokens sit above any vocabulary id
 #: Seconds a lookup's answer serves the same waiting request again (see _Lookup).
 LOOKUP_REUSE_S = 0.5
+#: Seconds a block whose load failed is not promised again, although a tier still lists it
+#: (a daemon that hung, a lease that expired): the next ask would fail the same way.
+LOAD_FAILED_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,7 @@ class SchedulerPlanner:
     """
 
     def __init__(self, settings: ConnectorSettings, keys: KeyMaker,
-                 store: BlockingStore | None, events: ConnectorEvents | None = None,
+                 store: LookupStore | None, events: ConnectorEvents | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.clock = clock
@@ -300,6 +302,10 @@ class SchedulerPlanner:
         self._inflight: dict[int, tuple[str, bytes, bytes | None]] = {}
         self._async_loading: set[str] = set()
         self._lookups: dict[str, _Lookup] = {}  # by request id, until it is scheduled
+        # Requests whose lookup was counted (in misses) since they last waited: asking again
+        # for one request is one lookup in the figures, however often vLLM asks.
+        self._counted: set[str] = set()
+        self._failed: OrderedDict[bytes, float] = OrderedDict()  # rank-0 key -> until
         self.misses = MissLog(store, log)  # one summary line per interval
 
     # ---------------------------------------------------------------- index
@@ -331,8 +337,20 @@ class SchedulerPlanner:
         hit = max(local, shared)
         while hit < len(keys) and keys[hit] in self._index:
             hit += 1
+        if self._failed:
+            hit = self._before_failed(keys, hit)
         slow = shared > local
         return hit, slow
+
+    def _before_failed(self, keys: list[bytes], hit: int) -> int:
+        """``hit`` cut at the first key whose load failed within :data:`LOAD_FAILED_S`."""
+        now = self.clock()
+        while self._failed and next(iter(self._failed.values())) <= now:
+            self._failed.popitem(last=False)
+        for i in range(hit):
+            if keys[i] in self._failed:
+                return i
+        return hit
 
     # ---------------------------------------------------------------- vLLM hooks
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -357,7 +375,9 @@ class SchedulerPlanner:
             tokens, salt = request_hash_tokens(request)
             keys = self.keys.keys(tokens, salt, n_blocks)
             hit, slow = self._lookup(keys, salt, tokens)
-            self.misses.lookup(len(keys), hit)
+            if request.request_id not in self._counted:
+                self._counted.add(request.request_id)
+                self.misses.lookup(len(keys), hit)
             last = self._lookups[request.request_id] = _Lookup(hit, slow, keys,
                                                                num_computed_tokens, now)
         hit = last.hit
@@ -373,6 +393,7 @@ class SchedulerPlanner:
                                  num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _Request(request))
         state.request = request
+        self._counted.discard(request.request_id)
         last = self._lookups.pop(request.request_id, None)
         if num_external_tokens <= 0 or last is None:
             return
@@ -453,13 +474,19 @@ class SchedulerPlanner:
         state.planned_saves = True
 
     def load_errors(self, block_ids: Sequence[int]) -> None:
-        """Forget blocks whose load failed (they vanished from the workers' tiers) and
-        announce them removed."""
+        """Forget blocks whose load failed (they vanished from the workers' tiers, or the
+        tier holding them did not serve them in time), promise none of them again for
+        :data:`LOAD_FAILED_S`, and announce them removed."""
         gone: list[bytes] = []
+        until = self.clock() + LOAD_FAILED_S
         for block_id in block_ids:
             entry = self._inflight.pop(block_id, None)
             if entry is not None:
                 self._index.pop(entry[1], None)
+                self._failed[entry[1]] = until
+                self._failed.move_to_end(entry[1])
+                while len(self._failed) > max(self.settings.index_blocks, 1):
+                    self._failed.popitem(last=False)
                 if entry[2] is not None:
                     gone.append(entry[2])
         if self.events is not None:
@@ -473,6 +500,7 @@ class SchedulerPlanner:
         """Forget the request; whether its workers have saves to report (see get_finished)."""
         state = self._requests.pop(request_id, None)
         self._lookups.pop(request_id, None)
+        self._counted.discard(request_id)
         self._pending_loads.pop(request_id, None)
         self._load_hashes.pop(request_id, None)
         self._load_keys.pop(request_id, None)

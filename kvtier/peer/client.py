@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,14 @@ from kvtier.codec import EncodedFrame
 from kvtier.errors import PeerError, PeerStatusError
 from kvtier.peer import protocol as proto
 from kvtier.peer.buffers import BodyBuffers
+from kvtier.peer.directory import (
+    AGE_QUERY,
+    DIR_LOOKUP_PATH,
+    DIR_UPDATE_PATH,
+    decode_holders,
+    encode_update,
+    holders_cap,
+)
 from kvtier.peer.fastread import RawPool
 from kvtier.redact import mask_secrets
 
@@ -262,6 +271,8 @@ class PeerClient:
     def _answer_cap(self, path: str) -> int:
         if path in (proto.BATCH_EXISTS_PATH, proto.BATCH_DELETE_PATH):
             return 4 + self.limits.max_batch  # a flag list
+        if path in (DIR_LOOKUP_PATH, DIR_UPDATE_PATH):
+            return holders_cap(self.limits.max_batch)
         return 16 * _SMALL_ANSWER_BYTES  # health document, metrics text, delete answers
 
     # ------------------------------------------------------------------ blocks
@@ -313,15 +324,11 @@ class PeerClient:
         return out
 
     async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]], *,
-                       fill: bool = False, anchor: bytes | None = None) -> None:
+                       fill: bool = False) -> None:
         """Store frames, split into requests that respect the batch and body limits
-        (``fill``: only those the peer does not hold; ``anchor``: the placement key of every
-        block here under chain placement, see :mod:`kvtier.peer.chains`, recorded by the
-        server for its anti-entropy pass)."""
+        (``fill``: only those the peer does not hold)."""
         start, size = 0, 4
-        query = "&".join(([proto.FILL_QUERY] if fill else [])
-                         + ([f"anchor={anchor.hex()}"] if anchor is not None else []))
-        path = f"{proto.BATCH_PUT_PATH}?{query}" if query else proto.BATCH_PUT_PATH
+        path = f"{proto.BATCH_PUT_PATH}?{proto.FILL_QUERY}" if fill else proto.BATCH_PUT_PATH
         for i, (key, frame) in enumerate(items):
             entry = 2 + len(key) + 8 + frame.nbytes
             if i > start and (i - start >= self.limits.max_batch
@@ -353,6 +360,37 @@ class PeerClient:
     async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Delete ``keys``; which were present."""
         return await self._flags(proto.BATCH_DELETE_PATH, keys)
+
+    async def forward(self, items: Sequence[tuple[bytes, EncodedFrame]], age: float) -> None:
+        """Hand the peer last copies evicted elsewhere (``placement=local``): a batch put
+        that fills holes only, with the blocks' ``age`` in seconds (``?fill=1&age=``)."""
+        if not (age >= 0 and math.isfinite(age)):
+            raise ValueError(f"age: expected a finite number >= 0, got {age!r}")
+        path = f"{proto.BATCH_PUT_PATH}?{proto.FILL_QUERY}&{AGE_QUERY}={age:.3f}"
+        await self._put_batch(list(items), path)
+
+    async def dir_lookup(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """The holders of each key in the peer's holder directory (``placement=local``)."""
+        out: list[list[str]] = []
+        for part in self._chunks(len(keys)):
+            chunk = keys[part]
+            body = await self._request("POST", DIR_LOOKUP_PATH, body=proto.encode_keys(chunk),
+                                       ok=(200,))
+            out += decode_holders(body or b"", len(chunk))
+        return out
+
+    async def dir_update(self, holder: str, add: Sequence[bytes], remove: Sequence[bytes]
+                         ) -> list[list[str]]:
+        """Tell the peer's holder directory that ``holder`` holds ``add`` and no longer holds
+        ``remove``; returns, per removed key, the holders left there."""
+        step = self.limits.max_batch
+        left: list[list[str]] = []
+        for start in range(0, max(len(add), len(remove), 1), step):
+            part = remove[start:start + step]
+            body = await self._request("POST", DIR_UPDATE_PATH, ok=(200,), body=encode_update(
+                holder, add[start:start + step], part))
+            left += decode_holders(body or b"", len(part))
+        return left
 
     async def health(self, limit_s: float | None = None) -> dict[str, Any]:
         """The peer's ``/v1/health`` document (``limit_s`` overrides the timeout)."""

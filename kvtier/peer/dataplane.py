@@ -369,6 +369,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             del body
             await server.segment.put(request.key, block)
         server.stored((request.key,))
+        if server.holder is not None:  # placement=local: registered before the answer
+            await server.holder.stored((request.key,))
         transport = self._transport
         if transport is None or transport.is_closing():
             server.puts_abandoned += 1
@@ -485,7 +487,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         """Check the body again when it would have stalled or fallen below the rate floor."""
         server = self._server
         when = min(self._body_progress + server.body_timeout,
-                   server.body_rate_deadline(self._body_started, self._body_seen))
+                   server.body_rate_deadline(self._body_started, self._body_seen,
+                                             0 if self._request is None
+                                             else self._request.reserved))
         self._body_timer = asyncio.get_running_loop().call_at(max(when, now), self._check_body)
 
     def _check_body(self) -> None:
@@ -501,7 +505,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if request.have != self._body_seen:
             self._body_seen, self._body_progress = request.have, now
         stalled = now >= self._body_progress + server.body_timeout
-        too_slow = now >= server.body_rate_deadline(self._body_started, request.have)
+        too_slow = now >= server.body_rate_deadline(self._body_started, request.have,
+                                                    request.reserved)
         if not stalled and not too_slow:
             self._arm_body_check(now)
             return

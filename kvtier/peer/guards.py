@@ -14,10 +14,15 @@ import resource
 import time
 from typing import cast
 
-__all__ = ["FD_RESERVE", "AcceptErrorFilter", "BodyBudget", "RefuseProtocol",
+__all__ = ["FD_RESERVE", "SHARE_SECONDS", "AcceptErrorFilter", "BodyBudget", "RefuseProtocol",
            "connection_limit", "raise_open_files_limit"]
 
 log = logging.getLogger("kvtier.peer.server")
+
+#: While the in-flight budget is more than half held, a body must arrive at its share of
+#: the budget's bandwidth: the whole budget turned over in this many seconds, so a body
+#: holding ``n`` bytes of it needs ``n / SHARE_SECONDS`` bytes/s (64 MiB: 6.4 MiB/s).
+SHARE_SECONDS = 10.0
 
 
 class BodyBudget:
@@ -74,6 +79,23 @@ class BodyBudget:
     def give(self, nbytes: int) -> None:
         """Return a reservation."""
         self.held = max(0, self.held - nbytes)
+
+    def required_rate(self, nbytes: int, floor: float) -> float:
+        """Bytes per second a body holding ``nbytes`` of the budget must arrive at now:
+        ``floor`` (the server's ``min_body_rate``) while at most half the budget is held;
+        past that, at least its share of the budget's bandwidth (:data:`SHARE_SECONDS`).
+
+        Why: a floor alone lets a few large bodies that arrive just above it hold most of
+        the budget for minutes (14 uploads of 64 MiB at 300 KiB/s held 896 of 1,024 MiB
+        while everyone else got ``503``). Measured against the share each holds, the slow
+        ones are cut off (``408``) once others need the room, and a body that keeps its
+        share, or any body while the budget has room, is never affected. ``floor`` 0
+        turns both off."""
+        if not floor:
+            return 0.0
+        if self.held * 2 <= self.limit:
+            return floor
+        return max(floor, nbytes / SHARE_SECONDS)
 
 
 class RefuseProtocol(asyncio.Protocol):

@@ -96,9 +96,6 @@ class Membership:
         self.health_interval = health_interval
         self.dns_interval = dns_interval
         self.ring = HashRing(self._static or [], vnodes=vnodes, replicas=replicas)
-        # The key a block's owners are hashed by: its own key, or its chain's under chain
-        # placement (set by the tier, see kvtier.peer.chains).
-        self.placement_key: Callable[[bytes], bytes] = _own_key
         self.clients: dict[str, PeerClient] = {}
         self.detector = FailureDetector(fail_after=fail_after, rejoin_after=rejoin_after)
         self.health: dict[str, dict[str, Any]] = {}
@@ -188,18 +185,16 @@ class Membership:
         return {m for m, at in self._changes.items() if at >= since}
 
     def order(self, key: bytes) -> list[str]:
-        """Every member in ring order for ``key``'s placement key (primary first)."""
-        return self.ring.owners(self.placement_key(key), len(self.ring))
+        """Every member in ring order for ``key`` (primary first)."""
+        return self.ring.owners(key, len(self.ring))
 
-    def owners_of(self, placement_key: bytes, n: int) -> list[str]:
-        """The first ``n`` live members in ring order of a placement key (a block's own key,
-        or its chain's: see :mod:`kvtier.peer.chains`)."""
-        return [m for m in self.ring.owners(placement_key, len(self.ring))
-                if self.alive(m)][:n]
+    def owners_of(self, key: bytes, n: int) -> list[str]:
+        """The first ``n`` live members in ring order of ``key`` (dead owners are skipped)."""
+        return [m for m in self.ring.owners(key, len(self.ring)) if self.alive(m)][:n]
 
     def live_owners(self, key: bytes, n: int) -> list[str]:
         """The first ``n`` live members in ring order (dead owners are skipped)."""
-        return self.owners_of(self.placement_key(key), n)
+        return self.owners_of(key, n)
 
     def write_owners(self, key: bytes, n: int) -> list[str]:
         """The first ``n`` live members in ring order, then, while fewer than ``n`` are live,
@@ -215,17 +210,17 @@ class Membership:
     def unsettled(self, key: bytes, replicas: int, window: float) -> bool:
         """Whether the ring moved ``key`` in the last ``window`` seconds (a member joined
         or left, and its owners differ from those of a ring before)."""
-        return self.moved(self.placement_key(key), replicas, window)
+        return self.moved(key, replicas, window)
 
-    def moved(self, placed: bytes, replicas: int, window: float) -> bool:
-        """Whether the ring moved the owners of the placement key ``placed`` in the last
-        ``window`` seconds (see :meth:`unsettled`)."""
+    def moved(self, key: bytes, replicas: int, window: float) -> bool:
+        """Whether the ring moved the owners of ``key`` in the last ``window`` seconds (see
+        :meth:`unsettled`)."""
         since = time.monotonic() - window
         owners = None
         for ring, until in self._previous:
             if until >= since:
-                owners = set(self.ring.owners(placed, replicas)) if owners is None else owners
-                if set(ring.owners(placed, replicas)) != owners:
+                owners = set(self.ring.owners(key, replicas)) if owners is None else owners
+                if set(ring.owners(key, replicas)) != owners:
                     return True
         return False
 
@@ -377,7 +372,3 @@ class Membership:
             client = self.clients.pop(member, None)
             if client is not None:
                 await client.close()
-
-
-def _own_key(key: bytes) -> bytes:
-    return key

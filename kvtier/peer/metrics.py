@@ -3,8 +3,9 @@
 The exposition is done by ``prometheus_client`` when it is installed (``pip install
 'kvtier[metrics]'``). Without it the same text is written here, byte for byte (the tests
 compare both and parse them with ``prometheus_client``'s parser): ``# HELP`` and ``# TYPE``
-once per family, counters typed ``counter`` with the ``_total`` suffix, label values and
-help text escaped as the text format requires.
+once per family, counters typed ``counter`` with the ``_total`` suffix (and only counters:
+a level is a gauge, see :func:`field_kind`), label values and help text escaped as the text
+format requires.
 """
 
 from __future__ import annotations
@@ -14,17 +15,63 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["CONTENT_TYPE", "Family", "miss_families", "render", "repair_families",
-           "store_families"]
+__all__ = [
+    "CONTENT_TYPE",
+    "COUNTER_FIELDS",
+    "GAUGE_FIELDS",
+    "Family",
+    "classified",
+    "field_kind",
+    "miss_families",
+    "render",
+    "repair_families",
+    "segment_families",
+    "store_families",
+    "store_wide_families",
+]
 
 #: Content type of the hand-written exposition (Prometheus text format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Store statistics that are levels, not running totals; every other numeric field counts up.
-_GAUGE_FIELDS = frozenset({"capacity", "used", "blocks", "pinned_bytes", "spare_bytes",
-                           "map_size", "disk_bytes", "compress_level", "hit_rate",
-                           "prefaulted_bytes"})
+# Per-tier statistics by kind. A level (what a tier holds or is configured with now) is a
+# gauge; a running total that only grows while the process lives is a counter (``_total``).
+# Kept explicit both ways: a level typed as a counter makes ``rate()`` read a shrink as a
+# reset (kvtier_store_arena_*_bytes were counters once). A field in neither set is a gauge,
+# the kind that cannot mislead ``rate()``; tests/test_metrics.py fails on such a field.
+GAUGE_FIELDS = frozenset({
+    "capacity", "used", "blocks", "pinned_bytes", "spare_bytes", "leaving", "map_size",
+    "disk_bytes", "compress_level", "hit_rate", "prefaulted_bytes", "arena_bytes",
+    "arena_free_bytes", "arena_unused_bytes", "hints", "replicas", "walk_limit",
+    "anchors_known", "answer_buffers_reserved", "slots", "free_slots", "reserved_slots",
+    "block_bytes", "fleet_capacity", "gc_remaining_bytes", "ttl"})
+COUNTER_FIELDS = frozenset({
+    "hits", "misses", "errors", "timeouts", "promotions", "demotions", "bytes_in",
+    "bytes_out", "evictions", "eviction_errors", "arena_reused", "arena_overflow",
+    "recycled", "io_errors", "corrupt", "map_full", "reads_inline", "reads_nowait",
+    "read_slots_reused", "tier_hits", "tier_misses", "tier_errors", "tier_timeouts",
+    "hints_dropped", "member_failures", "member_recoveries", "answer_buffers_reused",
+    "gc_runs", "gc_deleted", "gc_errors", "gc_freed_bytes", "gc_skipped", "use_log_lines",
+    "use_log_errors", "vanished", "copies_made", "hedge_wins", "hedged_reads",
+    "hints_handed_over", "owners_verified", "puts_under_replicated", "read_repairs",
+    "read_repairs_dropped", "walk_hits"})
 _GAUGE_SUFFIXES = ("_us", "_depth", "_s", "_seconds", "_in_flight")
+_COUNTER_SUFFIXES = ("_requests",)  # a peer tier's per-operation request counts
+
+
+def field_kind(name: str) -> Literal["counter", "gauge"]:
+    """``counter`` for a per-tier statistic that only grows, ``gauge`` for a level (and for
+    a field kvtier does not know, see :data:`GAUGE_FIELDS`)."""
+    if name in COUNTER_FIELDS:
+        return "counter"
+    if name in GAUGE_FIELDS or name.endswith(_GAUGE_SUFFIXES):
+        return "gauge"
+    return "counter" if name.endswith(_COUNTER_SUFFIXES) else "gauge"
+
+
+def classified(name: str) -> bool:
+    """Whether kvtier knows the kind of the per-tier statistic ``name``."""
+    return (name in COUNTER_FIELDS or name in GAUGE_FIELDS
+            or name.endswith(_GAUGE_SUFFIXES + _COUNTER_SUFFIXES))
 
 
 @dataclass
@@ -48,9 +95,9 @@ def store_families(tiers: Sequence[dict[str, Any]]) -> list[Family]:
     fields = sorted({k for t in tiers for k, v in t.items() if _numeric(v)})
     out = []
     for name in fields:
-        gauge = name in _GAUGE_FIELDS or name.endswith(_GAUGE_SUFFIXES)
-        what = "level" if gauge else "running total"
-        family = Family(f"kvtier_store_{name}", "gauge" if gauge else "counter",
+        kind = field_kind(name)
+        what = "level" if kind == "gauge" else "running total"
+        family = Family(f"kvtier_store_{name}", kind,
                         f"Segment tier statistic {name!r} ({what}).", ("tier", "scheme"))
         for i, tier in enumerate(tiers):
             if _numeric(tier.get(name)):
@@ -73,6 +120,49 @@ def miss_families(stats: dict[str, Any]) -> list[Family]:
     return [family] if family.samples else []
 
 
+#: Store-wide counters of ``TieredStore.stats()`` -> family name (``hits``/``misses`` are
+#: renamed: the per-tier families already have those names).
+_STORE_COUNTERS = {"gets": "kvtier_store_gets", "hits": "kvtier_store_get_hits",
+                   "misses": "kvtier_store_get_misses", "puts": "kvtier_store_puts",
+                   "deletes": "kvtier_store_deletes",
+                   "single_flight_joins": "kvtier_store_single_flight_joins",
+                   "evictions_refused": "kvtier_store_evictions_refused",
+                   "write_through_writes": "kvtier_store_write_through_writes",
+                   "write_through_superseded": "kvtier_store_write_through_superseded",
+                   "pool_writes": "kvtier_store_pool_writes",
+                   "close_flushed": "kvtier_store_close_flushed",
+                   "events_emitted": "kvtier_events_emitted",
+                   "events_dropped": "kvtier_events_dropped"}
+_STORE_GAUGES = {"write_queue_depth": "kvtier_store_write_queue_depth",
+                 "write_queue_bytes": "kvtier_store_write_queue_bytes",
+                 "event_subscribers": "kvtier_events_subscribers"}
+
+
+def store_wide_families(stats: dict[str, Any]) -> list[Family]:
+    """The store-wide figures of a ``TieredStore.stats()`` (none for a bare tier)."""
+    out = []
+    for table, kind in ((_STORE_COUNTERS, "counter"), (_STORE_GAUGES, "gauge")):
+        for field_name, name in table.items():
+            value: Any = stats.get(field_name)
+            if _numeric(value):
+                what = "running total" if kind == "counter" else "level"
+                family = Family(name, kind,  # type: ignore[arg-type]
+                                f"Store statistic {field_name!r} ({what}).")
+                family.add(float(value))
+                out.append(family)
+    return out
+
+
+def segment_families(segment_stats: dict[str, Any]) -> list[Family]:
+    """Every family of a store's (or a bare tier's) ``stats()``: per tier, store-wide and
+    misses by reason."""
+    tiers = segment_stats.get("tiers")
+    if not isinstance(tiers, list):
+        return store_families([segment_stats])
+    return (store_families(tiers) + store_wide_families(segment_stats)
+            + miss_families(segment_stats))
+
+
 def repair_families(stats: Callable[[], dict[str, Any]] | None) -> list[Family]:
     """``kvtier_peer_repair_<counter>``: the anti-entropy counters of the node (passes,
     checked, pushed, failed, under_replicated, ...; none when it runs no anti-entropy)."""
@@ -83,6 +173,25 @@ def repair_families(stats: Callable[[], dict[str, Any]] | None) -> list[Family]:
         if _numeric(value):
             family = Family(f"kvtier_peer_repair_{name}", "counter",
                             f"Anti-entropy {name!r} over every pass (running total).")
+            family.add(value)
+            out.append(family)
+    return out
+
+
+def local_families(stats: Callable[[], dict[str, Any]] | None) -> list[Family]:
+    """``kvtier_peer_local_<name>``: this member's ``placement=local`` figures
+    (:meth:`kvtier.peer.holder.LocalHolder.stats`; none under another placement):
+    counters of blocks registered, forwarded and dropped, gauges ``directory_keys`` and
+    ``evict_age`` (seconds, absent until the first eviction)."""
+    if stats is None:
+        return []
+    out = []
+    for name, value in sorted(stats().items()):
+        if _numeric(value):
+            gauge = name in ("directory_keys", "evict_age")
+            family = Family(f"kvtier_peer_local_{name}", "gauge" if gauge else "counter",
+                            f"placement=local {name!r}" + ("" if gauge else
+                                                           " (running total)") + ".")
             family.add(value)
             out.append(family)
     return out

@@ -256,6 +256,9 @@ class AntiEntropy:
         a pass), push the missing copies as they are found, fewest copies first of those
         found so far, and drop the spare stand-in copies; returns this pass's counters. The
         stand-ins it keeps for an owner's refill are :attr:`waiting`."""
+        holder = self.server.holder
+        if holder is not None:  # placement=local: blocks stay where they are
+            return await self._local_pass(keys)
         done: dict[str, int] = defaultdict(int)
         members = self.pool.members
         down = members.dead
@@ -288,6 +291,27 @@ class AntiEntropy:
             log.info("anti-entropy: %d blocks checked, %d copies pushed (%d blocks below "
                      "replicas)", done["checked"], done["pushed"], done["under_replicated"])
         return dict(done)
+
+    async def _local_pass(self, keys: list[bytes] | None) -> dict[str, int]:
+        """Under ``placement=local``: register every block held here with its current
+        directory owners and restore copies below ``replicas``
+        (:meth:`kvtier.peer.holder.LocalHolder.repair_pass`); no stand-in is pruned, since
+        a copy away from the key's ring owners is where the placement puts it."""
+        holder = self.server.holder
+        assert holder is not None
+        began = time.monotonic()
+        done: dict[str, int] = {}
+        try:
+            done = await holder.repair_pass(list(self.server.stored_keys) if keys is None
+                                            else keys)
+        finally:
+            done["passes" if keys is None else "rechecks"] = 1
+            for name, n in done.items():
+                self.counts[name] += n
+            self.passed.set()
+        if keys is None and not done.get("failed"):
+            self._clean_since = began
+        return done
 
     async def _push_queued(self, queue: _PushQueue, down: frozenset[str],
                            done: dict[str, int]) -> None:
@@ -358,13 +382,12 @@ class AntiEntropy:
                    if members.alive(m)}
         if not changed:
             return keys
-        held = self.server.stored_keys
         first: list[bytes] = []
         rest: list[bytes] = []
         for i, key in enumerate(keys):
             if i % 1024 == 1023:
                 await asyncio.sleep(0)  # tens of thousands of ring walks: let others run
-            owners = members.owners_of(held.get(key) or key, self.pool.replicas)
+            owners = members.owners_of(key, self.pool.replicas)
             (first if changed.intersection(owners) else rest).append(key)
         return first + rest
 
@@ -383,11 +406,7 @@ class AntiEntropy:
         that every owner holds (:meth:`_is_spare`)."""
         members = self.pool.members
         me = members.self_id
-        held = self.server.stored_keys
-        # Under chain placement a key's owners are its chain's placement key's, as its
-        # writer sent it; a push carries it on, so the new copy can be repaired in turn.
-        owners = {key: members.owners_of(held.get(key) or key, self.pool.replicas)
-                  for key in chunk}
+        owners = {key: members.owners_of(key, self.pool.replicas) for key in chunk}
         asked: dict[str, list[bytes]] = defaultdict(list)
         for key, found in owners.items():
             for owner in found:
@@ -403,8 +422,7 @@ class AntiEntropy:
         spare = []
         for key in chunk:
             found = owners[key]
-            if me not in found and self._is_spare(held.get(key) or key, found, holds, key,
-                                                  done):
+            if me not in found and self._is_spare(found, holds, key, done):
                 spare.append(key)
                 continue
             holders = [m for m in found if m == me or holds.get((m, key), False)]
@@ -421,8 +439,7 @@ class AntiEntropy:
             work.append((copies, key, missing))
         return work, spare
 
-    def _is_spare(self, placed: bytes, owners: list[str],
-                  holds: dict[tuple[str, bytes], bool], key: bytes,
+    def _is_spare(self, owners: list[str], holds: dict[tuple[str, bytes], bool], key: bytes,
                   done: dict[str, int]) -> bool:
         """Whether this node's copy of ``key`` (of which it is not a live owner) is a spare
         stand-in: every one of the key's ring owners is in the path and answered that it
@@ -432,9 +449,9 @@ class AntiEntropy:
         "not here" is kept."""
         members = self.pool.members
         replicas = self.pool.replicas
-        if owners != members.ring.owners(placed, replicas):
+        if owners != members.ring.owners(key, replicas):
             return False  # an owner is out of the path: this copy may be one of its stand-ins
-        if not members.moved(placed, replicas, self.pool.change_window) and all(
+        if not members.moved(key, replicas, self.pool.change_window) and all(
                 holds.get((m, key), False) for m in owners):
             return True
         # Its owners' refill is on its way, or the ring settles: checked again.
@@ -456,20 +473,17 @@ class AntiEntropy:
     async def _push_round(self, work: list[tuple[int, bytes, list[str]]],
                           done: dict[str, int]) -> None:
         blocks = await self.server.segment.get_many([key for _, key, _ in work])
-        anchors = self.server.stored_keys
-        plan: dict[tuple[str, bytes | None], list[tuple[bytes, EncodedFrame]]] = \
-            defaultdict(list)
+        plan: dict[str, list[tuple[bytes, EncodedFrame]]] = defaultdict(list)
         for (_, key, missing), block in zip(work, blocks, strict=True):
             if block is None:
                 continue  # evicted since the survey
             frame = encode_frame(block, key=key)
             for member in missing:
-                plan[member, anchors.get(key)].append((key, frame))
-        await asyncio.gather(*(self._push(m, anchor, items, done)
-                               for (m, anchor), items in plan.items()))
+                plan[member].append((key, frame))
+        await asyncio.gather(*(self._push(m, items, done) for m, items in plan.items()))
 
-    async def _push(self, member: str, anchor: bytes | None,
-                    items: list[tuple[bytes, EncodedFrame]], done: dict[str, int]) -> None:
+    async def _push(self, member: str, items: list[tuple[bytes, EncodedFrame]],
+                    done: dict[str, int]) -> None:
         client = self.pool.members.client(member)
         start = 0
         while start < len(items):
@@ -481,7 +495,7 @@ class AntiEntropy:
             await self.pacer.take(size)
             try:
                 # fill=True: a newer value that reached the owner meanwhile stays.
-                await client.put_many(items[start:end], fill=True, anchor=anchor)
+                await client.put_many(items[start:end], fill=True)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # this owner is skipped until the next pass

@@ -17,7 +17,7 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence, Set
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +30,16 @@ from kvtier.peer import protocol as proto
 from kvtier.peer.answers import BatchAnswer, batch_get_answer, failure_of
 from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.dataplane import RECV_SCRATCH, DataPlaneProtocol
+from kvtier.peer.directory import (
+    AGE_QUERY,
+    DIR_LOOKUP_PATH,
+    DIR_UPDATE_PATH,
+    MAX_MEMBER_BYTES,
+    Directory,
+    decode_update,
+    encode_holders,
+    parse_age,
+)
 from kvtier.peer.guards import (
     AcceptErrorFilter,
     BodyBudget,
@@ -39,8 +49,17 @@ from kvtier.peer.guards import (
 )
 from kvtier.peer.headercache import FrameHeaders
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
-from kvtier.peer.metrics import Family, miss_families, render, repair_families, store_families
+from kvtier.peer.metrics import (
+    Family,
+    local_families,
+    render,
+    repair_families,
+    segment_families,
+)
 from kvtier.peer.writeorder import WriteOrder
+
+if TYPE_CHECKING:
+    from kvtier.peer.holder import LocalHolder
 
 __all__ = ["PeerServer", "Segment"]
 
@@ -207,11 +226,14 @@ class PeerServer:
         self.connections_refused = 0
         self.batch_truncated = 0
         self.handoffs = 0  # data-plane connections handed to aiohttp
-        # key -> the placement key it was stored under (None: its own key); insertion-
-        # ordered; only when tracked
-        self.stored_keys: dict[bytes, bytes | None] = {}
+        # The keys stored through this server (an insertion-ordered set; only when tracked).
+        self.stored_keys: dict[bytes, None] = {}
         self._track_keys = False
         self._write_watches: list[set[bytes]] = []  # see watch_writes
+        #: The holder entries this member keeps as a directory owner (placement=local).
+        self.directory = Directory()
+        #: This member's side of placement=local (set by LocalHolder.attach), else None.
+        self.holder: LocalHolder | None = None
         #: The anti-entropy counters of this node (set by :class:`kvtier.peer.repair.AntiEntropy`),
         #: exposed in ``/metrics`` as ``kvtier_peer_repair_*``.
         self.repair_stats: Callable[[], dict[str, Any]] | None = None
@@ -231,6 +253,8 @@ class PeerServer:
         app.router.add_post(proto.BATCH_PUT_PATH, self._batch_put)
         app.router.add_post(proto.BATCH_EXISTS_PATH, self._batch_exists)
         app.router.add_post(proto.BATCH_DELETE_PATH, self._batch_delete)
+        app.router.add_post(DIR_LOOKUP_PATH, self._dir_lookup)
+        app.router.add_post(DIR_UPDATE_PATH, self._dir_update)
         app.router.add_get(proto.HEALTH_PATH, self._health)
         app.router.add_get(proto.METRICS_PATH, self._metrics)
         app.router.add_post(LOCATE_PATH, make_locate_handler(segment_answer(self.segment), node=lambda: self.node_id or "", limits=self.limits, read_body=self._read_body))  # noqa: E501
@@ -293,16 +317,15 @@ class PeerServer:
         anti-entropy pass, which prunes what the segment no longer holds)."""
         self._track_keys = True
 
-    def stored(self, keys: Iterable[bytes], anchor: bytes | None = None) -> None:
-        """Note keys stored through this server, under the placement key ``anchor`` (chain
-        placement) or their own (kept only after :meth:`track_keys`). Every write calls this
-        right after its write-order turn ends, before any other task runs."""
+    def stored(self, keys: Iterable[bytes]) -> None:
+        """Note keys stored through this server (kept only after :meth:`track_keys`). Every
+        write calls this right after its write-order turn ends, before any other task runs."""
         if not self._track_keys and not self._write_watches:
             return
         keys = tuple(keys)
         if self._track_keys:
             for key in keys:
-                self.stored_keys[key] = anchor
+                self.stored_keys[key] = None
         for watch in self._write_watches:
             watch.update(keys)
 
@@ -449,7 +472,7 @@ class PeerServer:
         try:
             while have < length:
                 gap_end = loop.time() + self.body_timeout
-                rate_end = self.body_rate_deadline(started, have)
+                rate_end = self.body_rate_deadline(started, have, length)
                 try:
                     async with asyncio.timeout_at(min(gap_end, rate_end)):
                         chunk, _ = await request.content.readchunk()
@@ -474,19 +497,23 @@ class PeerServer:
         self.bytes_in += length
         return body
 
-    def body_rate_deadline(self, started: float, have: int) -> float:
-        """The loop time by which a body that started arriving at ``started`` and holds
-        ``have`` bytes must hold more: it keeps ``min_body_rate`` on average from
-        ``BODY_RATE_GRACE`` seconds after its head."""
-        if not self.min_body_rate:
+    def body_rate_deadline(self, started: float, have: int, length: int) -> float:
+        """The loop time by which a body of ``length`` bytes that started arriving at
+        ``started`` and holds ``have`` bytes must hold more: it keeps, on average from
+        ``BODY_RATE_GRACE`` seconds after its head, ``min_body_rate`` or, while the
+        in-flight budget is more than half held, its share of the budget's bandwidth
+        (:meth:`~kvtier.peer.guards.BodyBudget.required_rate`)."""
+        rate = self.budget.required_rate(length, self.min_body_rate)
+        if not rate:
             return float("inf")
-        return started + BODY_RATE_GRACE + have / self.min_body_rate
+        return started + BODY_RATE_GRACE + have / rate
 
     def body_timeout_error(self, too_slow: bool) -> TimeoutError:
         """The error a stalled (``too_slow=False``) or too slow body is refused with."""
         if too_slow:
             return TimeoutError(f"body arrived at under min_body_rate "
-                                f"{self.min_body_rate:.0f} bytes/s")
+                                f"{self.min_body_rate:.0f} bytes/s, or under its share of "
+                                "the in-flight budget while that was more than half held")
         return TimeoutError(f"no body bytes for {self.body_timeout} s")
 
     async def decode(self, key: bytes, frame: bytes | memoryview) -> Block:
@@ -555,6 +582,8 @@ class PeerServer:
                 return web.Response(status=204)  # fills holes only: the value held here stays
             await self.segment.put(key, block)
         self.stored((key,))
+        if self.holder is not None:
+            await self.holder.stored((key,))
         self._note_abandoned(request)
         return web.Response(status=204)
 
@@ -570,6 +599,8 @@ class PeerServer:
         self.frames.forget(key)
         async with self.write_order.turn((key,)):
             found = await self.segment.delete(key)
+        if found and self.holder is not None:
+            await self.holder.deleted((key,))
         if found:
             return web.Response(status=204)
         raise web.HTTPNotFound(text="no such block")
@@ -600,9 +631,7 @@ class PeerServer:
         body = await self._read_body(request, self.limits.max_body_bytes,
                                      "max_body_bytes, kvtier serve --max-body")
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
-        # The chain's placement key (peers://?placement=anchor:R), for anti-entropy.
-        anchor = request.query.get("anchor")
-        placed = None if anchor is None else key_from_hex(anchor, "anchor")
+        age = parse_age(request.query.get(AGE_QUERY))  # a forwarded last copy's age
         async with self.write_order.turn(k for k, _ in entries):
             # Every frame is verified before anything is stored: a bad batch changes nothing.
             decoded: list[tuple[bytes, object]] = []
@@ -618,7 +647,9 @@ class PeerServer:
             if decoded:
                 await self.segment.put_many(decoded)
         if decoded:
-            self.stored((k for k, _ in decoded), placed)
+            self.stored(k for k, _ in decoded)
+            if self.holder is not None:
+                await self.holder.stored([k for k, _ in decoded], age)
             self._note_abandoned(request)
         return web.Response(status=204)
 
@@ -634,7 +665,19 @@ class PeerServer:
             self.frames.forget(key)
         async with self.write_order.turn(keys):
             flags = [await self.segment.delete(k) for k in keys]
+        if self.holder is not None and any(flags):
+            await self.holder.deleted([k for k, f in zip(keys, flags, strict=True) if f])
         return await self._send(request, [proto.encode_flags(flags)])
+
+    async def _dir_lookup(self, request: web.Request) -> web.StreamResponse:
+        keys = await self._read_keys(request)
+        return await self._send(request, [encode_holders(self.directory.lookup(keys))])
+
+    async def _dir_update(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_body(request, 2 + MAX_MEMBER_BYTES + 2 * self.key_list_limit())
+        holder, add, remove = decode_update(body, self.limits.max_batch)
+        return await self._send(request, [encode_holders(self.directory.update(holder, add,
+                                                                               remove))])
 
     def health(self) -> dict[str, Any]:
         """The ``/v1/health`` document."""
@@ -657,6 +700,7 @@ class PeerServer:
             "limits": {"max_block_bytes": self.limits.max_block_bytes,
                        "max_batch": self.limits.max_batch,
                        "max_body_bytes": self.limits.max_body_bytes},
+            **({} if self.holder is None else {"evict_age": self.holder.evict_age()}),
         }
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
@@ -713,8 +757,9 @@ class PeerServer:
             family = Family(name, kind, text)  # type: ignore[arg-type]
             family.add(value)
             out.append(family)
-        return out + repair_families(self.repair_stats) + \
-            store_families(_tier_stats(self.segment)) + miss_families(self.segment.stats())
+        return out + repair_families(self.repair_stats) + local_families(
+            None if self.holder is None else self.holder.stats) + \
+            segment_families(self.segment.stats())
 
     def _open_connections(self) -> int:
         server = self._runner.server if self._runner is not None else None
@@ -723,8 +768,8 @@ class PeerServer:
 
 
 def _fills(request: web.Request) -> bool:
-    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`, also
-    beside ``anchor=``): a repair write. The data plane hands any request with a query to
+    """Whether a PUT only fills holes (``?fill=1``, see :data:`protocol.FILL_QUERY`): a repair
+    write. The data plane hands any request with a query to
     aiohttp, so only these routes see it."""
     name, _, value = proto.FILL_QUERY.partition("=")
     writes = request.method == "PUT" or request.path == proto.BATCH_PUT_PATH

@@ -6,7 +6,9 @@ is a miss, never an exception or a hang, and counts toward taking it out of the 
 :mod:`kvtier.peer.health`). ``put`` writes every owner concurrently, falling to the next live
 member when one fails. Batch forms
 send one request per owner, in parallel. When an owner is this node (``self=``) its segment
-(``local=``) is used directly, without HTTP.
+(``local=``) is used directly, without HTTP. Under ``placement=local`` copies go to the
+client's home member first and reads go home, then to holders found in the holder directory
+(:mod:`kvtier.peer.localreads`).
 """
 
 from __future__ import annotations
@@ -26,16 +28,18 @@ from kvtier.errors import ConfigError, CorruptBlockError, KVTierError, PeerError
 from kvtier.misses import MissReason
 from kvtier.peer import protocol as proto
 from kvtier.peer.buffers import BodyBuffers
-from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.client import DEFAULT_MIN_RATE, PeerClient, PeerUnreachableError, TimeBudget
+from kvtier.peer.directory import Directory
 from kvtier.peer.frames import Accept, decode_batch_from_peer, decode_from_peer
 from kvtier.peer.handoff import Hints
 from kvtier.peer.health import silent_owners
+from kvtier.peer.localreads import LocalReads
 from kvtier.peer.locate import LocalPrefix, locate_prefix
 from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
 from kvtier.peer.tls import client_context
+from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Block, Tier
 from kvtier.urls import (
     merge_options,
@@ -49,13 +53,14 @@ from kvtier.urls import (
 __all__ = ["PeerTier"]
 
 log = logging.getLogger("kvtier.peer.tier")
+PLACEMENTS = ("block", "local")
 T = TypeVar("T")
 _OPTIONS = {"replicas", "token", "self", "local", "timeout", "ack", "tls_ca", "tls_cert",
             "tls_key", "tls_server_name", "compress", "health_interval", "dns_interval",
             "vnodes", "pool", "name", "max_batch", "max_body", "min_copies", "read_walk",
             "change_window", "repair_bytes", "block_bytes", "min_rate", "fail_after",
-            "rejoin_after", "hedge", "placement", "anchor_memo", "recv_reserve"}
-_FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
+            "rejoin_after", "hedge", "placement", "home", "recv_reserve"}
+FAILED = object()  # a peer that did not answer (distinct from a clean miss, ``None``)
 _VERIFIED_KEYS = 65536  # keys remembered as checked on every owner since the last change
 _HANDOFF_BATCH = 64  # hinted keys checked and copied at once when their owner is back
 _FULL = 507  # "Insufficient Storage": a member whose segment cannot make room; it is up
@@ -132,13 +137,18 @@ class PeerTier(Tier):
         block size do): a frame from a peer that declares another size is a miss, refused
         before it is decompressed (``None``: any size up to ``limits.max_block_bytes``).
     placement
-        Which key of a block's prefix chain picks its owners on the ring: ``"block"`` (its
-        own key), ``"anchor:R"`` (the chain's block R: a whole chain on one owner),
-        ``"chunk:N"`` or ``"root:R"`` (see :mod:`kvtier.peer.chains`). Every client and
-        server of a pool must use the same one.
-    anchor_memo
-        Keys whose chain position this client remembers (from :meth:`note_chain`) under a
-        chain placement; a key it does not know is placed by its own key.
+        ``"block"``: every block on its own key's ring owners. ``"local"``: a block is
+        stored on ``home`` (and ``replicas - 1`` more members of its ring order), every
+        member registers what it holds in the holder directory, and reads go to home, then
+        to a holder found there (:mod:`kvtier.peer.localreads`; the servers must run
+        ``kvtier serve --pool`` with ``placement=local``). Every client and server of a pool
+        must use the same one. Chain placement (``anchor:R``, ``chunk:N``, ``root:R``) was
+        removed: a block's owner depended on what the process had seen of its chain, and
+        it lost blocks; a URL naming it fails at open.
+    home
+        Under ``placement=local``, the member this client writes to and reads from first:
+        the ``kvtier serve`` on its own host (default: ``self`` when given, else the first
+        member listed).
     recv_reserve
         Bytes of answer buffers faulted in at :meth:`open` and kept for good, as two buffers
         of half the size each, shared by all members' connections (default 0: buffers are
@@ -169,8 +179,7 @@ class PeerTier(Tier):
                  change_window: float = 300.0, repair_bytes: int = 256 << 20,
                  block_bytes: int | None = None, min_rate: float = DEFAULT_MIN_RATE,
                  fail_after: int = 3, rejoin_after: int = 2, hedge: bool = False,
-                 placement: str = "block", anchor_memo: int = 1 << 18,
-                 recv_reserve: int = 0) -> None:
+                 placement: str = "block", home: str | None = None, recv_reserve: int = 0) -> None:
         super().__init__(name=name or ("peers+dns" if dns else "peers"))
         if ack not in ("one", "all"):
             raise ConfigError(f"ack: expected 'one' or 'all', got {ack!r}")
@@ -188,10 +197,19 @@ class PeerTier(Tier):
             raise ConfigError("local: requires self (this node's member id)")
         if members is not None and self_id is not None and self_id not in members:
             raise ConfigError(f"self: {self_id!r} is not one of the members {list(members)}")
-        try:
-            self.chains = ChainPlacement(placement, memo_keys=anchor_memo)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        self.placement = check_placement(placement)
+        if home is not None and placement != "local":
+            raise ConfigError(f"home: only with placement=local, got placement={placement}")
+        home = home or self_id or (members[0] if members else None)
+        if placement == "local" and home is None:
+            raise ConfigError("home: placement=local over peers+dns:// needs home= (the "
+                              "member on this host) or self=")
+        if home is not None and members is not None and home not in members:
+            raise ConfigError(f"home: {home!r} is not one of the members {list(members)}")
+        #: Home-first reads and the holder directory (placement=local), else None.
+        self.local_reads = LocalReads(self, home) if placement == "local" and home else None
+        #: This member's holder directory when it is a ``kvtier serve`` (set by LocalHolder).
+        self.directory: Directory | None = None
         self.replicas = replicas
         self.min_copies = min_copies
         self.read_walk = read_walk
@@ -225,10 +243,9 @@ class PeerTier(Tier):
                                                 tls_server_name=tls_server_name,
                                                 budget=self.budget,
                                                 buffers=self.answer_buffers))
-        self.members.placement_key = self.chains.placement_key
         self._start_lock = asyncio.Lock()
         self._started = False
-        self._background: set[asyncio.Task[bool]] = set()
+        self._background = TaskSet()
         self._repairs: set[asyncio.Task[None]] = set()
         self.counts: dict[str, int] = defaultdict(int)
         # Keys already checked on every current owner, with the change count then.
@@ -298,7 +315,7 @@ class PeerTier(Tier):
             rejoin_after=parse_number(opts.get("rejoin_after", 2), "rejoin_after", int, 1),
             hedge=parse_bool(opts.get("hedge", False), "hedge"),  # type: ignore[arg-type]
             placement=str(opts.get("placement", "block")),
-            anchor_memo=parse_number(opts.get("anchor_memo", 1 << 18), "anchor_memo", int, 0),
+            home=str(opts["home"]) if opts.get("home") else None,
             recv_reserve=parse_size(str(opts.get("recv_reserve", 0)), "recv_reserve"),
         )
 
@@ -354,14 +371,30 @@ class PeerTier(Tier):
                         "answer a health probe", self.name, len(down), len(members),
                         ", ".join(down))
 
-    def note_chain(self, keys: Sequence[bytes], parent: bytes | None = None) -> None:
-        """Learn the chain positions of ``keys`` (see :meth:`Tier.note_chain`): under a chain
-        placement their owners are then those of their chain's placement key."""
-        self.chains.learn(keys, parent)
-
     def owners(self, key: bytes) -> list[str]:
-        """The live members that own ``key`` under this pool's placement, primary first."""
+        """The live members that own ``key``, primary first: its ring owners, or under
+        ``placement=local`` the holders this client last saw (no request)."""
+        if self.local_reads is not None:
+            return self.local_reads.holders(key)
         return self.members.live_owners(key, self.replicas)
+
+    async def directory_holders(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Per key, its holders in the holder directory (``placement=local`` only)."""
+        if self.local_reads is None:
+            raise ConfigError(f"{self.name}: the holder directory needs placement=local")
+        await self._start()
+        return await self.local_reads.directory_holders(keys)
+
+    def _order(self, key: bytes) -> list[str]:
+        """Where copies of ``key`` go, first choice first."""
+        if self.local_reads is not None:
+            return self.local_reads.order(key)
+        return self.members.order(key)
+
+    def _write_targets(self, key: bytes, n: int) -> list[str]:
+        if self.local_reads is not None:
+            return self.local_reads.write_targets(key, n)
+        return self.members.write_owners(key, n)
 
     def _is_local(self, member: str) -> bool:
         return self.local is not None and member == self.members.self_id
@@ -369,7 +402,7 @@ class PeerTier(Tier):
     async def _call(self, member: str, op: str, fn: Callable[[], Awaitable[T]],
                     keys: int = 1) -> T | object:
         """Run one peer call of ``keys`` keys; a failure is a miss for that peer only and
-        returns ``_FAILED``.
+        returns ``FAILED``.
 
         Only transport errors, timeouts and 5xx answers count toward taking the member out of
         the path (a refused connection at once): a 4xx, or a ``507`` (its segment is full),
@@ -392,7 +425,7 @@ class PeerTier(Tier):
                     member, exc, started, time.monotonic() - started,
                     hard=isinstance(exc, PeerUnreachableError | ConnectionRefusedError))
             log.debug("peer %s: %s failed: %s", member, op, exc)
-            return _FAILED
+            return FAILED
         if not self._is_local(member):
             self.members.report_success(member, time.monotonic() - started, keys)
         return result
@@ -426,8 +459,7 @@ class PeerTier(Tier):
         for member in order:
             if member not in tried and self.members.alive(member):
                 return member
-        last_resort = order if key is None else self.members.ring.owners(
-            self.members.placement_key(key), self.replicas)
+        last_resort = order if key is None else self.members.ring.owners(key, self.replicas)
         for member in last_resort:
             if member not in tried and self.members.reachable(member):
                 return member
@@ -451,15 +483,14 @@ class PeerTier(Tier):
     def _track(self, task: asyncio.Task[Any]) -> None:
         # Referenced until done (a bare task can be garbage-collected mid-flight), and
         # awaited by flush()/aclose() even when the put that made it was cancelled.
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.track(task)
 
     async def _put(self, key: bytes, block: Block) -> None:
         await self._start()
         frame = await self._encode(key, block)
-        order = self.members.order(key)
+        order = self._order(key)
         want, need = self._copies()
-        targets = self.members.write_owners(key, want)
+        targets = self._write_targets(key, want)
         if not targets:
             self.counts["puts_under_replicated"] += 1
             raise PeerError(f"{self.name}: no live peer to store {key.hex()}")
@@ -500,7 +531,7 @@ class PeerTier(Tier):
         suspicion (it gets the block when it is back); returns how many owners hold a hint
         for ``key``."""
         hinted = 0
-        for owner in self.members.ring.owners(self.members.placement_key(key), want):
+        for owner in self._order(key)[:want]:
             if owner != self.members.self_id and (not self.members.alive(owner)
                                                   or self.members.detector[owner].suspicion):
                 self._hints.add(owner, key)
@@ -540,7 +571,7 @@ class PeerTier(Tier):
                     stored = await self._call(
                         member, "handoff", partial(self._put_frames, member, frames, fill=True),
                         len(items))
-            if not isinstance(held, list) or stored is _FAILED:
+            if not isinstance(held, list) or stored is FAILED:
                 # Gone again: the hints wait for its next return.
                 for key in keys[start:]:
                     self._hints.add(member, key)
@@ -555,15 +586,12 @@ class PeerTier(Tier):
                       frame: EncodedFrame, *, fill: bool = False,
                       refusals: list[str] | None = None) -> object:
         """One copy of ``key`` onto ``target`` (this node's own segment, or a member over
-        HTTP) through :meth:`_call`: ``_FAILED`` if it did not take it, the reason then
+        HTTP) through :meth:`_call`: ``FAILED`` if it did not take it, the reason then
         appended to ``refusals`` (the server's answer names the limit it hit). ``fill``:
         only if ``target`` does not hold ``key`` (a repair never overwrites a newer put)."""
         put: Callable[[], Awaitable[None]]
         if self._is_local(target):
             put = partial(self._put_local, key, block, fill)
-        elif not self.chains.per_block:  # a batch put carries the chain's placement key
-            put = partial(self.members.client(target).put_many, [(key, frame)], fill=fill,
-                          anchor=self.chains.placement_key(key))
         else:
             put = partial(self.members.client(target).put, key, frame, fill=fill)
         if refusals is None:
@@ -588,7 +616,7 @@ class PeerTier(Tier):
         current: str | None = member
         while current is not None:
             if await self._put_to(current, "put", key, block, frame,
-                                  refusals=refusals) is not _FAILED:
+                                  refusals=refusals) is not FAILED:
                 return True
             current = self._next(None, order, used)
             if current is not None:
@@ -656,7 +684,7 @@ class PeerTier(Tier):
             pending = []
             for member, reply in answers:
                 idx = groups.get(member, [0])  # a hedged request asked for key 0 only
-                if reply is _FAILED:
+                if reply is FAILED:
                     pending += idx
                     continue
                 for i, value in zip(idx, cast(list[Any], reply), strict=True):
@@ -702,7 +730,7 @@ class PeerTier(Tier):
                 for task in done:
                     reply = task.result()
                     answers.append((asked[task], reply))
-                    if reply is not _FAILED and found(cast(list[Any], reply)[0]) and waiting:
+                    if reply is not FAILED and found(cast(list[Any], reply)[0]) and waiting:
                         if task is second:
                             self.counts["hedge_wins"] += 1
                         for straggler in waiting:
@@ -753,6 +781,8 @@ class PeerTier(Tier):
         return [blocks[k] for k in keys]
 
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
+        if self.local_reads is not None:
+            return await self.local_reads.get_many(keys)
         blocks, missed, holders = await self._rounds(keys, "get", self._fetch_blocks,
                                                      lambda b: b is not None)
         self._report_unanswered(keys, blocks, missed)
@@ -842,7 +872,7 @@ class PeerTier(Tier):
         frame = await self._encode(key, block)
         for target in targets:
             if await self._put_to(target, "repair", key, block, frame, fill=True) \
-                    is not _FAILED:
+                    is not FAILED:
                 self.counts["read_repairs"] += 1
 
     async def _exists(self, member: str, keys: list[bytes]) -> list[bool]:
@@ -851,6 +881,8 @@ class PeerTier(Tier):
         return await self.members.client(member).exists_many(keys)
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        if self.local_reads is not None:
+            return await self.local_reads.contains_many(keys)
         got, missed, _ = await self._rounds(keys, "exists", self._exists, bool)
         self._report_unanswered(keys, got, missed)
         return [bool(g) for g in got]
@@ -863,8 +895,7 @@ class PeerTier(Tier):
         lost: dict[str, list[bytes]] = defaultdict(list)
         for key, result, answered in zip(keys, results, missed, strict=True):
             if result is None or result is False:
-                owners = self.members.ring.owners(self.members.placement_key(key),
-                                                  self.replicas)
+                owners = self.members.ring.owners(key, self.replicas)
                 why = silent_owners(owners, answered, self.members.detector.describe)
                 if why is not None:
                     lost[why].append(key)
@@ -875,9 +906,9 @@ class PeerTier(Tier):
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._start()
         frames = [await self._encode(key, block) for key, block in items]
-        orders = [self.members.order(k) for k, _ in items]
+        orders = [self._order(k) for k, _ in items]
         want, need = self._copies()
-        used = [set(self.members.write_owners(k, want)) for k, _ in items]
+        used = [set(self._write_targets(k, want)) for k, _ in items]
         stored = [0] * len(items)
         plan: dict[str, list[int]] = defaultdict(list)
         for i, owners in enumerate(used):
@@ -891,7 +922,7 @@ class PeerTier(Tier):
             plan = defaultdict(list)
             for (_member, idx), reply in zip(groups, replies, strict=True):
                 for i in idx:
-                    if reply is not _FAILED:
+                    if reply is not FAILED:
                         stored[i] += 1
                         continue
                     fallback = self._next(None, orders[i], used[i])
@@ -911,24 +942,15 @@ class PeerTier(Tier):
                           frames: list[EncodedFrame], idx: list[int]) -> None:
         if self._is_local(member):
             await self.local.put_many([items[i] for i in idx])  # type: ignore[union-attr]
-        elif len(idx) == 1 and self.chains.per_block:
+        elif len(idx) == 1:
             await self.members.client(member).put(items[idx[0]][0], frames[idx[0]])
         else:
             await self._put_frames(member, [(items[i][0], frames[i]) for i in idx])
 
     async def _put_frames(self, member: str, frames: list[tuple[bytes, EncodedFrame]], *,
                           fill: bool = False) -> None:
-        """Batch puts of ``frames`` onto ``member``: under a chain placement one request per
-        placement key, which the server records for its anti-entropy pass."""
-        client = self.members.client(member)
-        if self.chains.per_block:
-            await client.put_many(frames, fill=fill)
-            return
-        chains: dict[bytes, list[tuple[bytes, EncodedFrame]]] = defaultdict(list)
-        for key, frame in frames:
-            chains[self.chains.placement_key(key)].append((key, frame))
-        for anchor, part in chains.items():
-            await client.put_many(part, fill=fill, anchor=anchor)
+        """Batch puts of ``frames`` onto ``member`` (``fill``: only those it lacks)."""
+        await self.members.client(member).put_many(frames, fill=fill)
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         # Copies may sit on fallback owners written while an owner was down: ask every member.
@@ -986,8 +1008,23 @@ class PeerTier(Tier):
                 "hints": len(self._hints), "hints_dropped": self._hints.dropped,
                 "dead": sorted(self.members.dead), "replicas": self.replicas,
                 "walk_limit": self.walk_limit(), "repairs_in_flight": len(self._repairs),
-                "placement": self.chains.mode, "anchors_known": len(self.chains),
+                "placement": self.placement,
+                **({} if self.local_reads is None else self.local_reads.stats()),
                 "member_failures": self.members.failures,
                 "member_recoveries": self.members.recoveries,
                 "answer_buffers_reserved": self.answer_buffers.reserved_bytes,
                 "answer_buffers_reused": self.answer_buffers.reused}
+
+
+def check_placement(placement: str) -> str:
+    """``placement`` if this pool supports it, else a :class:`ConfigError` that says why."""
+    if placement in PLACEMENTS:
+        return placement
+    kind = placement.partition(":")[0]
+    if kind in ("anchor", "chunk", "root"):
+        raise ConfigError(
+            f"placement={placement}: chain placement was removed (a block's owner depended on "
+            "what each process had seen of its chain, and blocks were lost); use "
+            "placement=block (every block on its own key's owners) or placement=local (a "
+            "block stays on the member that computed it, found through the holder directory)")
+    raise ConfigError(f"placement: expected one of {', '.join(PLACEMENTS)}, got {placement!r}")

@@ -2,13 +2,13 @@
 one pass over the trace feeds the baselines (per-node caches with sticky session routing under
 each policy, the ideal global cache) and the pooled candidates, at every capacity.
 
-A pooled candidate is written ``POLICY[+cascade][+notail][@chunk:N]``: a shard policy name
-(see :data:`kvtier.replay.sim.POLICIES`), ``+cascade`` drops a leaving block's chained successors,
-``+notail`` never admits a request's trailing partial block (a real engine hashes full blocks
-only, so that block is never extended and never read again), ``@chunk:N`` places runs of N
-blocks by their first key, ``@root:R`` the blocks from index R on by block R's key, and
+A pooled candidate is written ``POLICY[+cascade][+notail][@hybrid:P:ROUTING]``: a shard policy
+name (see :data:`kvtier.replay.sim.POLICIES`), ``+cascade`` drops a leaving block's chained
+successors, ``+notail`` never admits a request's trailing partial block (a real engine hashes
+full blocks only, so that block is never extended and never read again), and
 ``@hybrid:P:ROUTING`` gives each node a private LRU tier of P % of C above the pool (requests
-routed ``rr`` or ``session``). Every row has the same total memory: N x C blocks.
+routed ``rr`` or ``session``). Every block of the pool is placed by its own key. Every row has
+the same total memory: N x C blocks.
 
 Run ``python -m kvtier.replay.matrix --out m.json TRACE...`` (``--jobs 2`` runs two (trace, N)
 passes at once); ``--table m.json`` prints the tables again.
@@ -39,13 +39,16 @@ SLACK = 0.5
 
 
 def parse_candidate(spec: str) -> dict[str, Any]:
-    """``POLICY[+cascade][+notail][@chunk:N]`` as keyword arguments for :class:`Simulation`
-    plus ``notail``."""
+    """``POLICY[+cascade][+notail][@hybrid:P:ROUTING]`` as keyword arguments for
+    :class:`Simulation` plus ``notail`` and ``placement`` (``block`` or the hybrid spec)."""
     body, _, placement = spec.partition("@")
     policy, *flags = body.split("+")
     unknown = set(flags) - {"cascade", "notail"}
-    if unknown or not policy:
-        raise ValueError(f"candidate: expected POLICY[+cascade][+notail][@chunk:N], got {spec!r}")
+    hybrid = placement.split(":")
+    if unknown or not policy or (placement and (len(hybrid) != 3 or hybrid[0] != "hybrid"
+                                                or not hybrid[1].isdigit())):
+        raise ValueError("candidate: expected POLICY[+cascade][+notail][@hybrid:P:ROUTING], "
+                         f"got {spec!r}")
     return {"policy": policy, "cascade": "cascade" in flags, "notail": "notail" in flags,
             "placement": placement or "block"}
 
@@ -87,8 +90,7 @@ def _pass(trace: str, nodes: int, capacities: Sequence[int], candidates: Sequenc
                 sims.append(HybridSimulation(routing, kw["policy"], nodes, private, cap - private))
                 names.append(f"pooled {spec}")
                 continue
-            sim = Simulation("pooled", "rr", kw["policy"], nodes, [cap], cascade=kw["cascade"],
-                             placement=kw["placement"])
+            sim = Simulation("pooled", "rr", kw["policy"], nodes, [cap], cascade=kw["cascade"])
             sims.append(_NoTail(sim) if kw["notail"] else sim)
             names.append(f"pooled {spec}")
     out = run_dry(_limited(iter_trace(trace), limit), sims, block_bytes=1)

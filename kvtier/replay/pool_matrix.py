@@ -1,16 +1,17 @@
-"""The matrix of issue 23 (``docs/pooling-results.md``, "One pool against per-node caches
-behind a router"): for each trace and node count, one pass feeds per-node caches with sticky
-session routing and with locate-bounded routing (each under every policy), one ideal global
-LRU of N x C blocks, the pool with block placement routed round-robin, and the pool with
-chain placement routed to each chain's owner (with and without bounded-load spill).
+"""The goal study of issue 29 (``docs/pooling-results.md``, "The local pool against a live
+router"): for each trace and node count, one timed pass (``--load inflight``, the GPU-class
+cost model of :mod:`kvtier.replay.timed`) feeds per-node caches under every router (rr,
+session, locate-bounded, locate-live) and policy, the block pool (every block on its ring
+owner) routed round-robin, one ideal global LRU of N x C blocks, and the local pool (blocks
+where they were computed, read from any holder, last copies forwarded by global age) routed
+by locate-live.
 
 Every row has the same total memory (N x C blocks). Per cell it reports the prefix hit rate,
-the remote blocks moved per request (pool reads of remote shards plus writes of new blocks to
-remote owners), the busiest node's requests over the mean and, for pooled rows, the largest
-shard's written blocks over the mean, and judges each pooled
-candidate against the goal: hit rate >= max(per-node session best, per-node locate-bounded
-best, ideal LRU) - :data:`SLACK` points, blocks moved <= :data:`MOVED_SHARE` of pooled
-round-robin's, busiest node <= :data:`LOAD_LIMIT` times the mean.
+the remote blocks moved per request (reads from another node plus writes to another node),
+the busiest node's busy time over the mean, and modelled TTFT p50/p90; each pooled candidate
+is judged against the goal: hit rate >= max(per-node best router and policy, block pool,
+ideal LRU) - :data:`SLACK` points, blocks moved <= :data:`MOVED_SHARE` of the block pool's,
+busiest node <= :data:`LOAD_LIMIT` times the mean.
 
 Run ``python -m kvtier.replay.pool_matrix --out m.json TRACE...``; ``--table m.json`` prints
 the tables again.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,21 @@ from kvtier.replay.dry import run_dry
 from kvtier.replay.routing import make_simulation, routing_metrics
 from kvtier.replay.sim import Simulation
 from kvtier.replay.study import collect_rows, read_rows
+from kvtier.replay.timed import GPU_ENGINE, CostModel, NodeClock
 from kvtier.replay.trace import Request, iter_trace
 
-__all__ = ["BASELINE_POLICIES", "CANDIDATES", "LOAD_LIMIT", "MOVED_SHARE", "SLACK", "Config",
-           "cell_rows", "configs", "main", "markdown", "run_pass"]
+__all__ = ["BASELINE_POLICIES", "BASELINE_ROUTINGS", "CANDIDATES", "LOAD_LIMIT", "LOCAL_DEFAULT",
+           "MOVED_SHARE", "SLACK", "Config", "cell_rows", "configs", "main", "markdown",
+           "run_pass"]
 
 BASELINE_POLICIES = ("lru", "s3fifo", "arc")
-# The pool's segment policy in every pooled row: what ``kvtier serve`` gives its segments.
+BASELINE_ROUTINGS = ("rr", "session", "locate-bounded", "locate-live")
+# The block pool's segment policy: what ``kvtier serve`` gives its segments.
 POOL_POLICY = "arc"
 SLACK = 0.5  # points under the best baseline a candidate may be
-MOVED_SHARE = 0.5  # of pooled round-robin's remote blocks per request
-LOAD_LIMIT = 1.25  # busiest node's requests over the mean
+MOVED_SHARE = 1 / 3  # of the block pool's remote blocks per request
+LOAD_LIMIT = 1.25  # busiest node's busy time over the mean
+BASELINES = ("per-node", "block pool", "ideal")
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,7 @@ class Config:
     mode: str
     routing: str
     policy: str
-    placement: str = "block"
-    spill: float | None = None
+    options: tuple[tuple[str, Any], ...] = field(default=())
 
     @property
     def label(self) -> str:
@@ -59,35 +63,35 @@ class Config:
         return f"{self.name} [{self.policy}]"
 
 
-# Pooled candidates judged against the goal: chain placement with owner routing, plain (also
-# under LRU, the policy of the first anchored measurements), with bounded-load spill at two
-# epsilons, and with long chains split every 128 or 256 blocks, each run spilled on its own.
+# The default pooled configuration (the local pool's defaults in kvtier.replay.local).
+LOCAL_DEFAULT = Config("local pool locate-live", "local", "locate-live", "lru")
+# Measured alternatives, to show what each part of the default buys.
 CANDIDATES: tuple[Config, ...] = (
-    Config("anchor:1 owner", "pooled", "owner", POOL_POLICY, "anchor:1"),
-    Config("anchor:1 owner", "pooled", "owner", "lru", "anchor:1"),
-    Config("anchor:1 owner spill 0.1", "pooled", "owner", POOL_POLICY, "anchor:1", 0.1),
-    Config("anchor:1 owner spill 0.25", "pooled", "owner", POOL_POLICY, "anchor:1", 0.25),
-    Config("anchor:1:128 owner spill 0.1", "pooled", "owner", POOL_POLICY, "anchor:1:128",
-           0.1),
-    Config("anchor:1:256 owner spill 0.1", "pooled", "owner", POOL_POLICY, "anchor:1:256",
-           0.1),
+    LOCAL_DEFAULT,
+    Config("local pool, GMS forwarding (margin 0)", "local", "locate-live", "lru",
+           (("forward_margin", 0.0),)),
+    Config("local pool, no hot moves", "local", "locate-live", "lru", (("hot_reads", 0),)),
 )
 
 
 def configs(baseline_policies: Sequence[str] = BASELINE_POLICIES,
             candidates: Sequence[Config] = CANDIDATES) -> list[Config]:
-    """Every row of one cell: the baselines, pooled round-robin, then ``candidates``."""
-    rows = [Config("per-node session", "per-node", "session", p) for p in baseline_policies]
-    rows += [Config("per-node locate-b", "per-node", "locate-bounded", p)
-             for p in baseline_policies]
+    """Every row of one cell: the baselines, then ``candidates``."""
+    rows = [Config(f"per-node {routing}", "per-node", routing, p)
+            for routing in BASELINE_ROUTINGS for p in baseline_policies]
+    rows.append(Config("block pool", "pooled", "rr", POOL_POLICY))
     rows.append(Config("ideal", "ideal", "rr", "lru"))
-    rows.append(Config("pooled rr", "pooled", "rr", POOL_POLICY))
     return rows + list(candidates)
 
 
-def _simulation(config: Config, nodes: int, capacity: int) -> Simulation:
+def _family(row: dict[str, Any]) -> str:
+    name: str = row["family"]
+    return "per-node" if name.startswith("per-node") else name
+
+
+def _simulation(config: Config, nodes: int, capacity: int, cost: CostModel) -> Simulation:
     return make_simulation(config.mode, config.routing, config.policy, nodes, [capacity],
-                           placement=config.placement, spill=config.spill)
+                           clock=NodeClock(nodes, cost), **dict(config.options))
 
 
 def _limited(requests: Iterable[Request], limit: int | None) -> Iterable[Request]:
@@ -98,10 +102,11 @@ def _limited(requests: Iterable[Request], limit: int | None) -> Iterable[Request
 
 
 def run_pass(trace: str, nodes: int, capacities: Sequence[int], rows: Sequence[Config],
-             limit: int | None = None) -> list[dict[str, Any]]:
-    """One dry pass of ``trace`` (its first ``limit`` requests) through every configuration at
-    every capacity; one result row each (block counts: remote "bytes" are blocks)."""
-    sims = [(config, _simulation(config, nodes, cap)) for cap in capacities for config in rows]
+             limit: int | None = None, cost: CostModel = GPU_ENGINE) -> list[dict[str, Any]]:
+    """One timed dry pass of ``trace`` (its first ``limit`` requests) through every
+    configuration at every capacity; one result row each (remote "bytes" are blocks)."""
+    sims = [(config, _simulation(config, nodes, cap, cost)) for cap in capacities
+            for config in rows]
     out = run_dry(_limited(iter_trace(trace), limit), [s for _, s in sims], block_bytes=1)
     results = []
     for (config, sim), row in zip(sims, out["results"], strict=True):
@@ -112,47 +117,58 @@ def run_pass(trace: str, nodes: int, capacities: Sequence[int], rows: Sequence[C
 
 
 def _best(cell: dict[str, dict[str, Any]], family: str) -> dict[str, Any] | None:
-    found = [r for r in cell.values() if r["family"] == family]
+    found = [r for r in cell.values() if _family(r) == family]
     return max(found, key=lambda r: r["prefix_hit_rate_blocks"]) if found else None
 
 
 def cell_rows(cell: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any], str]]:
-    """One cell's table lines: (row name, result row, goal verdict), baselines first (the
-    per-node families at their best policy), then every other pooled configuration.
+    """One cell's table lines: (row name, result row, goal verdict): the best per-node router
+    and policy, the block pool, ideal LRU, then every per-node router at its best policy, then
+    every candidate.
 
-    A pooled candidate's verdict is ``yes`` when it meets all three parts of the goal, else
-    the parts it misses (``hit``, ``moved``, ``load``); baselines get ``-``, and candidates
-    of a run without the baselines or ``pooled rr`` (``--only``) ``?``.
+    A candidate's verdict is ``yes`` when it meets all three parts of the goal, else the parts
+    it misses (``hit``, ``moved``, ``load``); baselines get ``-``, and candidates of a run
+    without the baselines (``--only``) ``?``.
     """
-    base = [_best(cell, f) for f in ("per-node session", "per-node locate-b", "ideal")]
-    target = max((100 * r["prefix_hit_rate_blocks"] for r in base if r is not None),
-                 default=None)
-    rr = _best(cell, "pooled rr")
+    base = [_best(cell, f) for f in BASELINES]
+    target = (max(100 * r["prefix_hit_rate_blocks"] for r in base if r is not None)
+              if all(r is not None for r in base) else None)
+    pool = base[1]
     lines: list[tuple[str, dict[str, Any], str]] = []
-    for row in [*base, rr]:
+    for row in base:
         if row is not None:
             lines.append((f"{row['family']} ({row['policy']})", row, "-"))
+    shown = {id(r) for r in base if r is not None}
+    routers: dict[str, dict[str, Any]] = {}
     for row in cell.values():
-        if row["family"] in ("per-node session", "per-node locate-b", "ideal", "pooled rr"):
+        if _family(row) == "per-node":
+            best = routers.get(row["family"])
+            if best is None or row["prefix_hit_rate_blocks"] > best["prefix_hit_rate_blocks"]:
+                routers[row["family"]] = row
+    for row in routers.values():
+        if id(row) not in shown:
+            lines.append((f"{row['family']} ({row['policy']})", row, "-"))
+    for row in cell.values():
+        if _family(row) in BASELINES:
             continue
-        if target is None or rr is None:  # a run without the baselines: nothing to judge
-            lines.append((f"{row['family']} ({row['policy']})", row, "?"))
+        name = f"{row['family']} ({row['policy']})"
+        if target is None or pool is None:
+            lines.append((name, row, "?"))
             continue
         misses = []
         if 100 * row["prefix_hit_rate_blocks"] < target - SLACK:
             misses.append("hit")
-        if row["remote_bytes_per_request"] > MOVED_SHARE * rr["remote_bytes_per_request"]:
+        if row["remote_bytes_per_request"] > MOVED_SHARE * pool["remote_bytes_per_request"]:
             misses.append("moved")
         if row["load_imbalance"] > LOAD_LIMIT:
             misses.append("load")
-        verdict = "yes" if not misses else "no (" + ", ".join(misses) + ")"
-        lines.append((f"{row['family']} ({row['policy']})", row, verdict))
+        lines.append((name, row, "yes" if not misses else "no (" + ", ".join(misses) + ")"))
     return lines
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """One Markdown table per trace (lines per N, C and configuration), then per pooled
-    candidate the number of cells meeting the goal."""
+    """One Markdown table per trace (lines per N, C and configuration), then per candidate
+    the number of cells meeting the goal."""
     cells: dict[tuple[str, int, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["trace"], r["nodes"], r["capacity_blocks"]), {})[r["config"]] = r
@@ -160,22 +176,21 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     met: dict[str, list[int]] = {}
     for trace in sorted({k[0] for k in cells}):
         out += [f"### `{trace}`", "",
-                "| N | C/node | configuration | hit % | target - hit | blocks moved / request "
-                "| busiest / mean | largest shard / mean | goal |",
-                "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+                "| N | C/node | configuration | hit % | hit - target | blocks moved / request "
+                "| busiest / mean | TTFT p50 s | TTFT p90 s | goal |",
+                "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
         for (t, n, c), cell in sorted(cells.items()):
             if t != trace:
                 continue
             lines = cell_rows(cell)
             target = max((100 * row["prefix_hit_rate_blocks"] for _, row, v in lines
-                          if v == "-" and row["mode"] != "pooled"), default=float("nan"))
+                          if v == "-"), default=float("nan"))
             for name, row, verdict in lines:
                 hit = 100 * row["prefix_hit_rate_blocks"]
-                shard = row.get("shard_write_imbalance")
-                out.append(f"| {n} | {c} | {name} | {hit:.2f} | {target - hit:+.2f} | "
+                out.append(f"| {n} | {c} | {name} | {hit:.2f} | {hit - target:+.2f} | "
                            f"{row['remote_bytes_per_request']:.1f} | "
-                           f"{row['load_imbalance']:.2f} | "
-                           f"{'-' if shard is None else f'{shard:.2f}'} | {verdict} |")
+                           f"{row['load_imbalance']:.2f} | {row.get('ttft_p50_s', 0.0):.2f} | "
+                           f"{row.get('ttft_p90_s', 0.0):.2f} | {verdict} |")
                 if verdict not in ("-", "?"):
                     tally = met.setdefault(name, [0, 0])
                     tally[0] += verdict == "yes"
@@ -185,7 +200,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     out += [f"| {name} | {ok} of {total} |" for name, (ok, total) in met.items()]
     limits = sorted({r["limit"] for r in rows if r.get("limit")})
     if limits:
-        out += ["", f"(first {', '.join(map(str, limits))} requests of each trace only)"]
+        out += ["", f"(first {', '.join(map(str, limits))} requests of a trace where a limit "
+                "applied; see each row's `limit` in the JSON)"]
     return "\n".join(out)
 
 
@@ -198,10 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None,
                         help="replay only the first N requests of each trace")
     parser.add_argument("--baseline-policies", default=",".join(BASELINE_POLICIES),
-                        help="policies the per-node rows try (each family shows its best)")
+                        help="policies the per-node rows try (each router shows its best)")
     parser.add_argument("--only", metavar="NAMES",
                         help="run only these configurations (comma-separated row names, "
-                        "e.g. 'pooled rr,anchor:1 owner'); the goal needs the baselines")
+                        "e.g. 'block pool,local pool locate-live'); the goal needs the "
+                        "baselines")
     parser.add_argument("--out", help="append rows to this JSON file (rewritten after each "
                         "trace and N, so an interrupted run keeps what it finished)")
     parser.add_argument("--table", nargs="+", metavar="JSON",

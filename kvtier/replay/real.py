@@ -9,8 +9,8 @@ of every node's chain. Routing ``locate`` sends a request to the node with the l
 prefix, within the load bound of :mod:`kvtier.routing`: pooled, it asks every member
 ``POST /v1/locate``; per-node, it asks every node's store :meth:`~kvtier.TieredStore.locate_prefix`
 in process (what each node's server would answer). Routing ``owner`` (pooled) asks a router's own
-store :meth:`~kvtier.TieredStore.route`, with no request to the pool; ``placement`` is the pool's
-``peers://...?placement=``. A request does what an inference server does: ``lookup_prefix``,
+store :meth:`~kvtier.TieredStore.route`, with no request to the pool. The pool places every
+block by its own key. A request does what an inference server does: ``lookup_prefix``,
 then ``get_many`` of the hit prefix (payloads are verified), then ``put_many`` of the rest.
 """
 
@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.ring import HashRing
 from kvtier.progress import Progress
 from kvtier.replay.trace import BLOCK_TOKENS, Request
@@ -71,7 +70,6 @@ class RealConfig:
     vnodes: int = 8192
     time_limit: float = 20.0
     concurrency: int = 1
-    placement: str = "block"
 
     def __post_init__(self) -> None:
         if self.mode not in ("per-node", "pooled", "ideal"):
@@ -83,13 +81,6 @@ class RealConfig:
             raise ConfigError("routing: locate needs mode per-node or pooled")
         if self.routing == "owner" and self.mode != "pooled":
             raise ConfigError("routing: owner (store.route over the pool) needs mode pooled")
-        try:
-            ChainPlacement(self.placement, memo_keys=0)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if self.placement != "block" and self.mode != "pooled":
-            raise ConfigError(f"placement: {self.placement!r} places a pool's blocks; it "
-                              "needs mode pooled")
         for name in ("nodes", "block_bytes", "dram_blocks", "vnodes", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: expected >= 1, got {getattr(self, name)}")
@@ -153,16 +144,16 @@ class Cluster:
         self.ring = HashRing(members, vnodes=cfg.vnodes)
         for server, segment in zip(self.servers, self.segments, strict=True):
             peers = PeerTier(members, token=token, self_id=server.member_id, local=segment,
-                             timeout=5.0, vnodes=cfg.vnodes, placement=cfg.placement)
+                             timeout=5.0, vnodes=cfg.vnodes)
             shared = self._shared()
             # The pool tier has no budget of its own (the segments evict), so nothing is ever
             # demoted out of it: a shared tier below must be written through.
             self.stores.append(TieredStore([peers, *shared], write_policy="write_through"
                                            if shared else "write_back"))
         if cfg.routing == "owner":
-            # A router holds no blocks: its pool tier only knows the members and placement.
+            # A router holds no blocks: its pool tier only knows the members.
             self.router = TieredStore([PeerTier(members, token=token, timeout=5.0,
-                                                vnodes=cfg.vnodes, placement=cfg.placement)])
+                                                vnodes=cfg.vnodes)])
 
     async def __aexit__(self, *exc: object) -> None:
         for store in [*self.stores, *([self.router] if self.router else [])]:
@@ -210,7 +201,6 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
     ring = cluster.ring
     stream = iter(requests)
     node_requests = [0] * config.nodes
-    placement = ChainPlacement(config.placement, memo_keys=0)
     members = [s.member_id for s in cluster.servers]
     http = None
     if config.routing == "locate" and config.mode == "pooled":
@@ -249,8 +239,7 @@ async def _drive(requests: Iterable[Request], config: RealConfig, cluster: Clust
             served += 1
         if ring is not None:
             me = members[node]
-            counts["remote_hits"] += sum(ring.primary(k) != me for k in
-                                         placement.placement_keys(keys)[:served])
+            counts["remote_hits"] += sum(ring.primary(k) != me for k in keys[:served])
         new = []
         for block_id, key in zip(req.hash_ids[served:], keys[served:], strict=True):
             payload = payloads.get(block_id)
@@ -359,7 +348,7 @@ def _row(config: RealConfig, cluster: Cluster, elapsed: float, latencies: list[f
     remote_bytes = sum(srv.bytes_out + srv.bytes_in for srv in cluster.servers)
     return {
         "mode": config.mode, "routing": "none" if config.mode == "ideal" else config.routing,
-        "placement": config.placement,
+        "placement": "block",
         "policy": "lru", "engine": "real", "nodes": config.nodes,
         "capacity_blocks": config.dram_blocks, "lmdb_blocks": config.lmdb_blocks,
         "requests": n_req, "block_refs": blocks,

@@ -6,6 +6,10 @@ simulations of a run are fed the same requests in one pass over the trace.
 Convention (``../shared/traces/README.md``): a request's prefix hit is the run of leading
 blocks found in some tier; then every block of the request is refreshed or inserted, last
 block first, so a chain's head is its most recent entry and eviction takes tails first.
+
+Load: by default a router's load signal is the number of requests each node was given so
+far (``count``); with a :class:`~kvtier.replay.timed.NodeClock` (``--load inflight``) it is
+the number each node has in flight at the request's arrival, and every request is timed.
 """
 
 from __future__ import annotations
@@ -14,15 +18,16 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvtier.peer.chains import ChainPlacement
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
 from kvtier.policy import ARCPolicy, RecencyPolicy, S3FIFOPolicy
+from kvtier.replay.local import FORWARD_MARGIN, HOT_READS, MAX_COPIES, LocalPool
+from kvtier.replay.timed import NodeClock
 from kvtier.replay.trace import BLOCK_TOKENS, Request
 
 __all__ = ["DEFAULT_POOL_VNODES", "MODES", "POLICIES", "ROUTINGS", "BlockPolicy", "Chain",
            "Simulation", "make_policy"]
 
-MODES = ("per-node", "pooled", "ideal")
+MODES = ("per-node", "pooled", "local", "ideal")
 ROUTINGS = ("rr", "random", "session", "prefix-affinity")
 # Ring points per member for the pool: the same as a real PeerTier's (see
 # docs/pooling-results.md for why 8192).
@@ -115,8 +120,11 @@ class Simulation:
     Parameters
     ----------
     mode
-        ``per-node`` (each node its own chain, requests routed), ``pooled`` (each block
-        lives on the chain of its ring owner) or ``ideal`` (one chain of the total capacity).
+        ``per-node`` (each node its own chain, requests routed), ``pooled`` (the block pool:
+        each block lives on the chain of its ring owner), ``local`` (the local pool: a block
+        lives where it was computed and is read from any holder, see
+        :class:`~kvtier.replay.local.LocalPool`; one tier, LRU by global age) or ``ideal``
+        (one chain of the total capacity).
     routing
         Which node serves a request (``rr``, ``random``, ``session``, ``prefix-affinity``).
     policy
@@ -127,17 +135,17 @@ class Simulation:
         Blocks per node in each tier, top first.
     ring
         Placement for ``pooled`` (default: a :class:`HashRing` over ``node0..``).
-    spill
-        ``pooled`` with a chain placement (``anchor:R``, ...) only: bounded-load placement.
-        A placement key seen for the first time goes to the first member in its ring order
-        whose shard has taken at most ``1 + spill`` times the mean of blocks written so far
-        (this one included), and stays there; ``None`` (default): always its ring owner.
+    clock
+        The timed load model (``None``: load is requests routed so far, nothing timed).
+    hot_reads, max_copies, forward_margin
+        ``local`` only: see :class:`~kvtier.replay.local.LocalPool`.
     """
 
     def __init__(self, mode: str, routing: str, policy: str, nodes: int,
                  capacities: Sequence[int], *, ring: HashRing | None = None,
-                 seed: int = 0, placement: str = "block", cascade: bool = False,
-                 spill: float | None = None) -> None:
+                 seed: int = 0, cascade: bool = False, clock: NodeClock | None = None,
+                 hot_reads: int = HOT_READS, max_copies: int = MAX_COPIES,
+                 forward_margin: float = FORWARD_MARGIN) -> None:
         if mode not in MODES:
             raise ValueError(f"mode: unknown {mode!r}; known: {', '.join(MODES)}")
         if routing not in ROUTINGS and mode != "ideal":
@@ -148,13 +156,16 @@ class Simulation:
             raise ValueError(f"capacity_blocks: expected ints >= 1, got {list(capacities)!r}")
         self.mode, self.routing, self.policy, self.nodes = mode, routing, policy, nodes
         self.capacities = list(capacities)
-        self.placement = placement
-        self._placement = ChainPlacement(placement, memo_keys=0)
-        if spill is not None and (mode != "pooled" or self._placement.per_block
-                                  or not spill >= 0):
-            raise ValueError(f"spill: needs mode pooled, a chain placement and a value >= 0, "
-                             f"got {spill!r} with {mode} {placement}")
-        self.spill = spill
+        self.placement = "local" if mode == "local" else "block"
+        self.local: LocalPool | None = None
+        if mode == "local":
+            if len(capacities) != 1 or policy != "lru" or cascade:
+                raise ValueError("mode local: one tier, policy lru (age is global), no cascade")
+            self.local = LocalPool(nodes, capacities[0], hot_reads=hot_reads,
+                                   max_copies=max_copies, forward_margin=forward_margin)
+        if clock is not None and clock.nodes != nodes:
+            raise ValueError(f"clock: has {clock.nodes} nodes, the simulation {nodes}")
+        self.clock = clock
         if mode == "ideal":
             self.chains = [Chain([make_policy(policy, c * nodes) for c in capacities])]
         else:
@@ -187,7 +198,6 @@ class Simulation:
         self.remote_writes = 0
         self.inserted = 0
         self.shard_writes = [0] * nodes  # pooled: blocks written to each owner's shard
-        self.spilled = 0  # placement keys placed past their ring owner (``spill``)
         self.node_requests = [0] * nodes
 
     @property
@@ -200,8 +210,32 @@ class Simulation:
         self._rr = (node + 1) % self.nodes
         return node
 
+    def loads(self) -> list[int]:
+        """Each node's load as routers see it now: requests routed so far (``count``), or
+        requests in flight (timed)."""
+        return self.clock.inflight if self.clock is not None else self.node_requests
+
+    def tie_order(self) -> list[int]:
+        """Nodes in the order routers break ties in: by index (``count``, as it always did),
+        or least busy time so far first (timed: among idle nodes the least used one wins,
+        not always the first)."""
+        clock = self.clock
+        if clock is None:
+            return list(range(self.nodes))
+        busy = clock.busy_s
+        return sorted(range(self.nodes), key=busy.__getitem__)
+
+    def _least_loaded(self) -> int:
+        clock = self.clock
+        assert clock is not None
+        return min(range(self.nodes), key=lambda n: (clock.inflight[n], clock.remaining_s(n),
+                                                     clock.busy_s[n]))
+
     def _route(self, req: Request, keys: Sequence[bytes]) -> int:
         routing = self.routing
+        if self.mode == "ideal" and self.clock is not None:
+            # One cache for all: where a request runs changes only its wait.
+            return self._least_loaded()
         if self.mode == "ideal" or routing == "rr":
             return self._next_rr()
         if routing == "random":
@@ -219,6 +253,10 @@ class Simulation:
         # "nobody") go round-robin so load stays balanced, as a KV-aware router does.
         if self.mode == "pooled":
             return self._next_rr()
+        if self.local is not None:
+            runs = [self.local.local_run(n, keys) for n in range(self.nodes)]
+            best_run = max(runs)
+            return runs.index(best_run) if best_run else self._next_rr()
         best, best_len = -1, 0
         for node, chain in enumerate(self.chains):
             n = 0
@@ -234,26 +272,7 @@ class Simulation:
         """Pool member index owning ``key`` (memoised ring lookup)."""
         node = self._owner.get(key)
         if node is None:
-            if self.spill is None:
-                node = self._member_index[self.ring.primary(key)]
-            else:
-                node = self._bounded_owner(key)
-            self._owner[key] = node
-        return node
-
-    def _bounded_owner(self, key: bytes) -> int:
-        # Consistent hashing with bounded loads: walk the ring from the key's owner and take
-        # the first member within the bound; the least written one when none is.
-        writes = self.shard_writes
-        limit = (1 + (self.spill or 0.0)) * (sum(writes) + 1) / self.nodes
-        order = [self._member_index[m] for m in self.ring.owners(key, self.nodes)]
-        for node in order:
-            if writes[node] + 1 <= limit:
-                break
-        else:
-            node = min(order, key=writes.__getitem__)
-        if node != order[0]:
-            self.spilled += 1
+            node = self._owner[key] = self._member_index[self.ring.primary(key)]
         return node
 
     @staticmethod
@@ -287,7 +306,11 @@ class Simulation:
     # -- one request -----------------------------------------------------------------
     def feed(self, req: Request, keys: Sequence[bytes]) -> None:
         """Replay one request whose block keys are ``keys``."""
+        clock = self.clock
+        if clock is not None:
+            clock.advance(req.timestamp / 1000)
         node = self._route(req, keys)
+        remote_before = self.remote_hits
         if self.cascade:
             children = self._children
             for i in range(len(keys) - 1):
@@ -300,15 +323,14 @@ class Simulation:
         self.node_requests[node] += 1
         nkeys = len(keys)
         hit = 0
-        if self.mode == "pooled":
+        if self.local is not None:
+            hit, remote = self.local.serve(node, keys)
+            self.tier_hits[0] += hit
+            self.remote_hits += remote
+        elif self.mode == "pooled":
             owner = self.owner
-            if self._placement.per_block:
-                memo = self._owner
-                owners = [memo[k] if k in memo else owner(k) for k in keys]
-            else:
-                # chunk/root/anchor: a block's owner is that of another key of its chain (a
-                # digest of the whole prefix up to there, so every client agrees).
-                owners = [owner(k) for k in self._placement.placement_keys(keys)]
+            memo = self._owner
+            owners = [memo[k] if k in memo else owner(k) for k in keys]
             chains = self.chains
             if len(self.capacities) == 1:  # hot path: one tier per owner
                 tops = self._tops
@@ -370,13 +392,21 @@ class Simulation:
         self.blocks += nkeys
         self.hit_blocks += hit
         tokens = req.input_length
+        hit_tokens = min(hit * BLOCK_TOKENS, tokens)
         self.tokens += tokens
-        self.hit_tokens += min(hit * BLOCK_TOKENS, tokens)
+        self.hit_tokens += hit_tokens
+        if clock is not None:
+            clock.serve(node, tokens, req.output_length, hit_tokens,
+                        self.remote_hits - remote_before)
 
     # -- results ---------------------------------------------------------------------
     def result(self, block_bytes: int) -> dict[str, Any]:
         """The result row (rates are fractions in [0, 1])."""
         hits = self.hit_blocks
+        local = self.local
+        if local is not None:  # the local pool writes remotely only when it forwards
+            self.remote_writes = local.forwarded
+        moves = self.mode in ("pooled", "local")
         pooled = self.mode == "pooled"
         written: int = sum(self.shard_writes)
         row: dict[str, Any] = {
@@ -388,7 +418,7 @@ class Simulation:
             "tier_capacity_blocks": self.capacities,
             "prefix_hit_rate_blocks": hits / self.blocks if self.blocks else 0.0,
             "prefix_hit_rate_tokens": self.hit_tokens / self.tokens if self.tokens else 0.0,
-            "remote_share": (self.remote_hits / hits if hits else 0.0) if pooled else None,
+            "remote_share": (self.remote_hits / hits if hits else 0.0) if moves else None,
             "tier_hit_share": [h / hits if hits else 0.0 for h in self.tier_hits],
             "hit_blocks": hits,
             "block_refs": self.blocks,
@@ -397,16 +427,18 @@ class Simulation:
             "demotions": sum(c.demotions for c in self.chains),
             "evictions": sum(c.drops for c in self.chains),
             "orphans_dropped": self.orphans_dropped,
-            "spill": self.spill,
-            "spilled_chains": self.spilled,
             "shard_write_imbalance": (max(self.shard_writes) * self.nodes / written
                                       if pooled and written else None),
-            "bytes_remote_read": self.remote_hits * block_bytes if pooled else 0,
-            "bytes_remote_written": self.remote_writes * block_bytes if pooled else 0,
-            "bytes_moved": ((self.remote_hits + self.remote_writes) * block_bytes if pooled
+            "bytes_remote_read": self.remote_hits * block_bytes if moves else 0,
+            "bytes_remote_written": self.remote_writes * block_bytes if moves else 0,
+            "bytes_moved": ((self.remote_hits + self.remote_writes) * block_bytes if moves
                             else 0) + sum(c.demotions + c.promotions for c in self.chains)
             * block_bytes,
         }
+        if local is not None:
+            row["local_pool"] = local.stats()
+        if self.clock is not None:
+            row.update(self.clock.metrics())
         if pooled and self._owner:
             per_node = [0] * self.nodes
             for o in self._owner.values():

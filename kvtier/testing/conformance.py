@@ -30,6 +30,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+from kvtier.deadline import Deadline, DeadlineExceeded
 from kvtier.errors import BlockTooLargeError, ClosedError, ShapeMismatchError, TierError
 from kvtier.testing.slow import SlowWorkerThreads, slow_worker_threads
 from kvtier.tiers.base import Block, Tier
@@ -95,6 +96,18 @@ class TierConformance(abc.ABC):
             yield
         finally:
             self.worker_threads.delay = 0.0
+
+    @contextlib.contextmanager
+    def slow_started_backend(self, tier: Tier) -> Iterator[None]:
+        """While open, ``tier``'s backend calls run at once but keep their worker thread
+        :data:`SLOW_SECONDS` longer (a call that has started and takes long). Default: the
+        event loop's worker threads; a tier whose calls run elsewhere overrides it (or
+        its deadline checks skip)."""
+        self.worker_threads.hold = SLOW_SECONDS
+        try:
+            yield
+        finally:
+            self.worker_threads.hold = 0.0
 
     async def backend_idle(self, tier: Tier) -> None:
         """Wait until every backend call slowed by :meth:`slow_backend` has ended."""
@@ -402,6 +415,44 @@ class TierConformance(abc.ABC):
             for i in range(8, 16):
                 await tier.put(key_of(i), sample_block(i))
             assert not any(await tier.contains_many(keys))
+
+    # --------------------------------------------------------------- deadline
+    async def _put_under_deadline(self, tier: Tier, key: bytes,
+                                  block: Block) -> DeadlineExceeded | None:
+        try:
+            async with Deadline.after(GIVE_UP_SECONDS, "put"):
+                await tier.put(key, block)
+        except DeadlineExceeded as exc:
+            return exc
+        return None
+
+    async def test_a_queued_call_is_cancelled_at_its_deadline(self) -> None:
+        tier = await self.tier(self.capacity_for(4) if self.bounded else None)
+        await tier.put(key_of(9), sample_block(9))  # set up (opened, connected)
+        with self.slow_backend(tier):
+            error = await self._put_under_deadline(tier, key_of(1), sample_block(1))
+        await self.backend_idle(tier)
+        if error is None or not error.cancelled:
+            pytest.skip("no worker-thread call of this tier was queued at the deadline")
+        assert "had not started" in str(error)
+        assert await tier.get(key_of(1)) is None, "a call cancelled at its deadline ran later"
+        await tier.put(key_of(1), sample_block(2))
+        got = await tier.get(key_of(1))
+        assert got is not None and got.tobytes() == sample_block(2).tobytes()
+
+    async def test_a_started_call_is_awaited_at_its_deadline(self) -> None:
+        tier = await self.tier(self.capacity_for(4) if self.bounded else None)
+        await tier.put(key_of(9), sample_block(9))
+        with self.slow_started_backend(tier):
+            error = await self._put_under_deadline(tier, key_of(1), sample_block(1))
+        if error is None or not error.awaited:
+            await self.worker_threads.idle()
+            pytest.skip("no worker-thread call of this tier had started at the deadline")
+        assert "had started" in str(error)
+        # Raised only once the started write had ended: what it wrote is there, counted.
+        got = await tier.get(key_of(1))
+        assert got is not None and got.tobytes() == sample_block(1).tobytes()
+        await self.worker_threads.idle()
 
     # ------------------------------------------------------------------ close
     async def test_close_is_idempotent_and_final(self) -> None:

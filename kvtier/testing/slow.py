@@ -31,7 +31,9 @@ class SlowWorkerThreads(ThreadPoolExecutor):
     """A thread pool whose calls start ``delay`` seconds late (``0``: on time).
 
     ``delay`` is read when a call is submitted, so calls made while it is set are slow and
-    later ones are not. :meth:`idle` waits until every submitted call has returned.
+    later ones are not. ``hold`` is the same after the call: its thread stays busy (and its
+    future undone) that long after the function returned, as a call that has started and
+    takes long would. :meth:`idle` waits until every submitted call has returned.
     :meth:`fail_next` makes the next calls die in their worker thread before they start, as
     a thread that runs out of memory does.
     """
@@ -39,6 +41,7 @@ class SlowWorkerThreads(ThreadPoolExecutor):
     def __init__(self, max_workers: int | None = None) -> None:
         super().__init__(max_workers, thread_name_prefix="kvtier-slow")
         self.delay = 0.0
+        self.hold = 0.0
         #: Calls that started late so far.
         self.delayed = 0
         self._submitted: set[Future[Any]] = set()
@@ -52,7 +55,7 @@ class SlowWorkerThreads(ThreadPoolExecutor):
             self._failures += [error] * count
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        delay = self.delay
+        delay, hold = self.delay, self.hold
         with self._count_lock:
             failure = self._failures.pop(0) if self._failures else None
 
@@ -63,7 +66,10 @@ class SlowWorkerThreads(ThreadPoolExecutor):
                 time.sleep(delay)
                 with self._count_lock:
                     self.delayed += 1
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if hold > 0:
+                time.sleep(hold)
+            return result
 
         future = super().submit(late)
         with self._count_lock:

@@ -134,8 +134,7 @@ class Tier(abc.ABC):
 
     Subclasses set :attr:`scheme`, implement the ``_get``/``_put``/``_delete``/``_contains``
     hooks, :attr:`capacity`, :attr:`used` and :meth:`from_url`, and may override the batch
-    hooks, ``_touch_chain``, ``_pin``/``_unpin``, ``_get_into``, ``note_chain`` and
-    ``_aclose``.
+    hooks, ``_touch_chain``, ``_pin``/``_unpin``, ``_get_into`` and ``_aclose``.
 
     A tier with a byte budget calls :meth:`_evict` for every block it drops by its budget,
     *before* the block stops being readable, so the store can demote it, and
@@ -209,13 +208,6 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     async def _contains(self, key: bytes) -> bool:
         """Whether ``key`` is present; never refreshes recency and never pins."""
-
-    def note_chain(self, keys: Sequence[bytes], parent: bytes | None = None) -> None:
-        """Hear that ``keys`` form a prefix chain continuing after ``parent`` (``None``:
-        after ``keys[0]``'s known position, else from block 0). The store calls it before
-        batch reads, lookups and puts of a chain; a tier that places blocks by their chain
-        (``peers://?placement=anchor:R``) learns from it, others ignore it. Must not block.
-        """
 
     # ---------------------------------------------------------- batch defaults
     async def _bounded(self, op: Callable[[_Item], Awaitable[_Result]],

@@ -7,6 +7,8 @@ buffers of large dropped blocks through a spare pool.
 
 from __future__ import annotations
 
+import asyncio
+import mmap
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +19,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ConfigError
 from kvtier.policy import Clock
+from kvtier.shm.files import SharedArenaFile
 from kvtier.tiers.base import Block
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.dram_arena import HostArena, Prefault
@@ -32,6 +35,11 @@ _SPARE_MAX_BYTES = 64 << 20
 _RECYCLE_MIN_BYTES = 256 << 10
 
 _ONE_LOCAL = 0
+_PAGE = mmap.PAGESIZE
+
+
+def _pages(nbytes: int) -> int:
+    return (nbytes + _PAGE - 1) // _PAGE * _PAGE
 
 
 def _extra_refs(obj: object) -> int:
@@ -121,7 +129,8 @@ class DRAMTier(BudgetedTier):
     prefault
         Fault the arena's pages in so no put pays a page fault. ``None`` (default) or
         ``"background"``: in a background thread from construction on (``open`` does not
-        wait; at most half the memory available then; progress in ``stats()``:
+        wait; at most half the memory available then, the memory cgroup's limit included;
+        progress in ``stats()``:
         ``prefaulted_bytes``, ``prefaulted``). ``True``: at construction, which takes about
         capacity / a few GB/s. ``False``: pages fault in on each block's first put (a fill
         then ran at 0.06-0.4x memcpy, ``docs/performance.md``).
@@ -133,6 +142,16 @@ class DRAMTier(BudgetedTier):
         Eviction policy: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
         Time source for the recency policy (tests inject a fake clock).
+    shm
+        Keep the arena in a shared-memory file under ``/dev/shm`` that engine processes on
+        this host map (the host daemon, ``kvtier serve --shm NAME``; see
+        ``docs/host-daemon.md``). Needs a capacity. The name is locked for the tier's life.
+        A put of a read-only block that already lies in this arena (a save an engine copied
+        into a slot the daemon handed out) keeps it where it is instead of copying it again.
+    shm_staging
+        Bytes of the shared arena beyond ``capacity`` for slots in flight: saves between
+        prepare and commit, and blocks engines still copy from after their eviction
+        (default: a quarter of the capacity, at least 16 MiB).
     name
         Label in stats.
 
@@ -148,7 +167,8 @@ class DRAMTier(BudgetedTier):
     def __init__(self, capacity: int | None = None, *, arena: bool | None = None,
                  prefault: bool | str | None = None, hugepages: bool | None = None,
                  policy: str = "lru",
-                 clock: Clock = time.monotonic, name: str | None = None) -> None:
+                 clock: Clock = time.monotonic, shm: str | None = None,
+                 shm_staging: int | None = None, name: str | None = None) -> None:
         super().__init__(name=name)
         self._policy = make_policy(policy, capacity, clock)
         if arena is None:
@@ -158,9 +178,22 @@ class DRAMTier(BudgetedTier):
             raise ConfigError("prefault/hugepages: need an arena (a capacity, arena=1)")
         if arena and capacity is None:
             raise ConfigError("arena: needs a capacity")
-        self._arena = (HostArena(capacity, prefault=mode,
-                                 hugepages=True if hugepages is None else hugepages)
-                       if arena and capacity else None)
+        if shm is not None and not (arena and capacity):
+            raise ConfigError("shm: a shared arena needs a capacity (and arena on)")
+        huge = True if hugepages is None else hugepages
+        self._shm: SharedArenaFile | None = None
+        if shm is not None and capacity:
+            staging = max(capacity // 4, 16 << 20) if shm_staging is None else shm_staging
+            self._shm = SharedArenaFile(shm, _pages(capacity + staging), flag="--shm")
+            try:
+                self._arena: HostArena | None = HostArena(
+                    self._shm.nbytes, prefault=mode, hugepages=huge, backing=self._shm.map)
+            except BaseException:
+                self._shm.close()
+                raise
+        else:
+            self._arena = (HostArena(capacity, prefault=mode, hugepages=huge)
+                           if arena and capacity else None)
         # A large stored block is a read-only view of its own uint8 buffer (``block.base``),
         # so a dropped block's buffer can go to the spare pool whatever its dtype and shape.
         self._blocks: dict[bytes, Block] = {}
@@ -175,7 +208,7 @@ class DRAMTier(BudgetedTier):
         if parsed.netloc or parsed.path not in ("", "/"):
             raise ConfigError(f"url: dram:// takes no host or path, got {url!r}")
         opts = merge_options(parsed, options, {"capacity", "name", "clock", "policy", "arena",
-                                               "prefault", "hugepages"})
+                                               "prefault", "hugepages", "shm", "shm_staging"})
         capacity = opts.get("capacity")
         flags: dict[str, bool] = {}
         for flag in ("arena", "hugepages"):
@@ -186,6 +219,9 @@ class DRAMTier(BudgetedTier):
             capacity=None if capacity in (None, "") else parse_size(capacity),  # type: ignore[arg-type]
             arena=flags.get("arena"), prefault=opts.get("prefault") or None,  # type: ignore[arg-type]
             hugepages=flags.get("hugepages"), policy=parse_policy(opts.get("policy")),
+            shm=str(opts["shm"]) if opts.get("shm") else None,
+            shm_staging=None if opts.get("shm_staging") in (None, "") else
+            parse_size(opts["shm_staging"], "shm_staging"),  # type: ignore[arg-type]
             name=str(opts["name"]) if "name" in opts else None,
             **({"clock": opts["clock"]} if "clock" in opts else {}),  # type: ignore[arg-type]
         )
@@ -241,6 +277,9 @@ class DRAMTier(BudgetedTier):
         """A read-only copy of ``block`` in an arena slot, else (no arena, or no slot) in
         a spare buffer of its size when it is large and there is one."""
         stored: Block
+        if self._shm is not None and not block.flags.writeable and \
+                self._arena is not None and self._arena.offset_of(block) is not None:
+            return block  # an engine's save, already copied into a slot of the shared arena
         raw = None if self._arena is None else self._arena.allocate(block.nbytes)
         if raw is not None:
             stored = np.ndarray(block.shape, block.dtype, raw)
@@ -287,6 +326,11 @@ class DRAMTier(BudgetedTier):
         return True
 
     @property
+    def shared_file(self) -> SharedArenaFile | None:
+        """The shared arena's file (``None`` unless built with ``shm``)."""
+        return self._shm
+
+    @property
     def arena(self) -> HostArena | None:
         """The arena holding this tier's blocks (``None``: heap memory)."""
         return self._arena
@@ -311,12 +355,17 @@ class DRAMTier(BudgetedTier):
     async def _aclose(self) -> None:
         if self._arena is not None:
             self._arena.stop_prefault()
-            self._arena.unregister()
         self._blocks.clear()
         self._eviction_state.forget_leaving()
         self._spare.clear()
         for key in list(self._policy.lru_order()):
             self._policy.remove(key)
+        if self._arena is not None:
+            # Unmapped now (its blocks are dropped above), not when the cycle collector
+            # frees the tier: a store and its tiers reference each other.
+            await asyncio.to_thread(self._arena.close)
+        if self._shm is not None:
+            self._shm.close()
 
     def stats(self) -> dict[str, Any]:
         """Tier figures plus ``blocks``, ``pinned_bytes``, ``spare_bytes`` (buffers and

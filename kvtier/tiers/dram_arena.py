@@ -10,8 +10,21 @@ DRAM copy, no staging buffer).
 Background prefault: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) over the arena in
 chunks, from a daemon thread (a ctypes call releases the GIL). It maps pages writable
 without touching their bytes, so it is safe while puts already copy into slots. It covers
-at most half the memory available at open, so a capacity larger than what is free does not
-push the host into swap; it stops at close.
+at most half the memory available at open (the host's ``MemAvailable`` or, in a container,
+what its memory cgroup still allows: :mod:`kvtier.tiers.host_memory`), so a capacity larger
+than what is free neither pushes the host into swap nor gets a container OOM-killed; it
+stops at close.
+
+Puts do not race it over the same pages: slots are carved upwards from the start of the
+arena while the thread faults chunks downwards from its end, and a put whose fresh slot
+lies below what the thread has done populates its own range in one ``madvise`` call before
+copying (rather than page-faulting through the copy while the thread faults those pages).
+Filled right after open, the puts and the thread fault disjoint halves on two cores, and
+the puts that reach the thread's part copy into ready pages.
+
+Close: :meth:`HostArena.close` unmaps the arena at once when no block of it is referenced
+any more (else when the last reference goes), so a closed tier's memory does not wait for
+the cycle collector.
 
 Slots: a block of ``n`` bytes takes a slot of its size class (``n`` rounded up to 64 bytes);
 freed slots go back to their class's free list (LIFO, so an overwrite copies into the slot
@@ -31,6 +44,7 @@ appends to a deque that the tier's loop drains.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -39,15 +53,15 @@ import mmap
 import threading
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import ConfigError
+from kvtier.tiers.host_memory import available_memory
 
-__all__ = ["HostArena", "fault_in", "slot_bytes"]
+__all__ = ["HostArena", "fault_in", "populate", "slot_bytes"]
 
 _ALIGN = 64  # a cache line: copies into a slot never share a line with a neighbour
 _PAGE = mmap.PAGESIZE
@@ -55,6 +69,10 @@ _HUGE_PAGE = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value (5.14+)
 #: Bytes faulted in per madvise call by the background prefault (one GIL-free call each).
 PREFAULT_CHUNK = 64 << 20
+#: The same for a shared arena (the host daemon's): each call holds the process's mmap lock,
+#: which its request handling then waits for (a malloc that maps memory), so a daemon serving
+#: engines while it prefaults takes small steps.
+SHARED_PREFAULT_CHUNK = 2 << 20
 #: Arenas up to this size are faulted in at construction even in background mode: it takes
 #: about a millisecond, less than starting a thread.
 PREFAULT_INLINE_MAX = 4 << 20
@@ -76,7 +94,7 @@ _MADVISE = _libc_madvise()
 
 
 def _populate(ref: weakref.ref[HostArena], limit: int) -> None:
-    """Fault ``[0, limit)`` of the arena in, chunk by chunk, until done, stopped, refused,
+    """Fault the arena in up to ``limit``, chunk by chunk, until done, stopped, refused,
     or the arena is gone."""
     while True:
         arena = ref()
@@ -109,15 +127,16 @@ def fault_in(buffer: npt.NDArray[np.uint8]) -> None:
     buffer[::_PAGE] = 0
 
 
-def available_memory() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` in bytes (``None`` where unknown)."""
-    try:
-        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+def populate(buffer: npt.NDArray[np.uint8]) -> bool:
+    """Map every page of ``buffer`` writable now without touching its bytes
+    (``madvise(MADV_POPULATE_WRITE)``); ``False`` where the kernel cannot (nothing is
+    written then, unlike :func:`fault_in`), so it is safe on memory other processes use (a
+    shared arena an engine maps). Blocks the calling thread (no GIL held)."""
+    base = int(buffer.__array_interface__["data"][0])
+    start = (base + _PAGE - 1) // _PAGE * _PAGE
+    end = (base + buffer.nbytes) // _PAGE * _PAGE
+    return _MADVISE is not None and (end <= start or
+                                     _MADVISE(start, end - start, _MADV_POPULATE_WRITE) == 0)
 
 
 def slot_bytes(nbytes: int) -> int:
@@ -147,13 +166,17 @@ class HostArena:
     hugepages
         ``madvise(MADV_HUGEPAGE)``: transparent huge pages (one fault and one TLB entry per
         2 MiB) where the kernel allows them (``/sys/kernel/mm/transparent_hugepage``).
+    backing
+        Carve slots from this mapping (at least ``nbytes`` long) instead of mapping
+        anonymous memory: the host daemon's shared arena file (:mod:`kvtier.shm.files`),
+        which engine processes map too. :meth:`offset_of` then locates a block in it.
 
     Concurrency: :meth:`allocate` may be called from any thread (a lock orders it); slots
     are released from any thread.
     """
 
     def __init__(self, nbytes: int, *, prefault: Prefault = False,
-                 hugepages: bool = False) -> None:
+                 hugepages: bool = False, backing: mmap.mmap | None = None) -> None:
         if nbytes <= 0:
             raise ConfigError(f"capacity: an arena needs a positive size, got {nbytes}")
         #: Bytes slots are carved from (``nbytes`` rounded up to a page).
@@ -166,20 +189,31 @@ class HostArena:
             flags |= mmap.MAP_POPULATE
         elif prefault is not True:
             flags |= getattr(mmap, "MAP_NORESERVE", 0)
-        try:
-            self._map = mmap.mmap(-1, mapped, flags=flags)
-        except OSError as exc:
-            raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: {exc}") from exc
+        # A backing mapping belongs to its file (the host daemon's): close leaves it alone.
+        self._owns_map = backing is None
+        if backing is not None:
+            if len(backing) < self.nbytes:
+                raise ConfigError(f"backing: {len(backing)} bytes, the arena needs "
+                                  f"{self.nbytes}")
+            mapping = backing
+        else:
+            try:
+                mapping = mmap.mmap(-1, mapped, flags=flags)
+            except OSError as exc:
+                raise ConfigError(f"capacity: cannot map a {self.nbytes}-byte arena: "
+                                  f"{exc}") from exc
+        self._map: mmap.mmap | None = mapping
         self.hugepages = False
         if hugepages and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
+                mapping.madvise(mmap.MADV_HUGEPAGE)
                 self.hugepages = True
             except OSError:  # THP disabled in this kernel: plain pages, still correct
                 pass
         #: The whole arena as one writable ``uint8`` array (what a backend pins).
-        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8, self.nbytes)
-        if prefault is True and hugepages:
+        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(mapping, np.uint8, self.nbytes)
+        self._address = int(self.buffer.__array_interface__["data"][0])
+        if prefault is True and (hugepages or backing is not None):
             self.buffer[::_PAGE] = 0  # first touch after madvise, so faults map huge pages
         self.prefault_mode = "open" if prefault is True else \
             "background" if prefault == "background" else "off"
@@ -188,6 +222,7 @@ class HostArena:
         self.prefault_error: str | None = None
         self._prefault_done = prefault != "background"
         self._stop_prefault = threading.Event()
+        self._prefault_chunk = PREFAULT_CHUNK if backing is None else SHARED_PREFAULT_CHUNK
         self._top = 0  # slots are carved from [_top, nbytes)
         self._free: dict[int, list[int]] = {}
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -197,47 +232,89 @@ class HostArena:
         self.overflow = 0
         self._unregister: Callable[[], None] | None = None
         self._lock = threading.Lock()
+        self._prefault_thread: threading.Thread | None = None
+        # The background prefault has faulted in [_low, _limit) (module notes).
+        self._low = self._limit = 0
+        self._closed = False
         if prefault == "background":
             self._start_prefault()
 
     def _start_prefault(self) -> None:
         memory = available_memory()
         limit = self.nbytes if memory is None else min(self.nbytes, memory // 2 // _PAGE * _PAGE)
+        self._low = self._limit = limit
         if limit <= PREFAULT_INLINE_MAX:
             _populate(weakref.ref(self), limit)
             return
         # The thread holds the arena only while one chunk is faulted in: an arena dropped
         # without a close (its tier garbage) is freed, and the prefault stops.
-        threading.Thread(target=_populate, args=(weakref.ref(self), limit),
-                         name="kvtier-arena-prefault", daemon=True).start()
+        self._prefault_thread = threading.Thread(
+            target=_populate, args=(weakref.ref(self), limit), name="kvtier-arena-prefault",
+            daemon=True)
+        self._prefault_thread.start()
 
     def _populate_chunk(self, limit: int) -> bool:
-        """Fault in the next chunk below ``limit``; whether to go on."""
-        if self.prefaulted_bytes >= limit or self._stop_prefault.is_set():
+        """Fault in the next chunk, walking down from ``limit`` towards the carve point
+        (puts carve upwards from 0, so the two never fault the same pages but where they
+        meet); whether to go on."""
+        if self._stop_prefault.is_set() or self._closed:
             return False
         if _MADVISE is None:
             self.prefault_error = "no libc madvise"
             return False
-        size = min(PREFAULT_CHUNK, limit - self.prefaulted_bytes)
+        with self._lock:
+            top = -(-self._top // _PAGE) * _PAGE
+            if self._low <= top:
+                return False
+            start = max(top, self._low - self._prefault_chunk)
+            size = self._low - start
         base = self.buffer.__array_interface__["data"][0]
-        if _MADVISE(base + self.prefaulted_bytes, size, _MADV_POPULATE_WRITE) != 0:
+        if _MADVISE(base + start, size, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             self.prefault_error = "MADV_POPULATE_WRITE unsupported (Linux < 5.14)" \
                 if err == errno.EINVAL else f"madvise: {errno.errorcode.get(err, err)}"
             return False
-        self.prefaulted_bytes += size
+        with self._lock:
+            self._low = start
+            self.prefaulted_bytes += size
         return True
 
     def stop_prefault(self) -> None:
         """Stop a background prefault after its current chunk (at the tier's close)."""
         self._stop_prefault.set()
 
+    def close(self) -> None:
+        """Stop the prefault (waiting for its chunk in flight), undo :meth:`register`, and
+        unmap the arena now if no slot of it is referenced any more; else the mapping goes
+        when the last reference to a slot does (readers' views stay valid). Blocks for at
+        most one prefault chunk: call it from a worker thread. Calling it again does
+        nothing."""
+        if self._closed:
+            return
+        self.stop_prefault()
+        thread = self._prefault_thread
+        if thread is not None:
+            thread.join()
+        self.unregister()
+        with self._lock:
+            self._closed = True
+            self._refs.clear()
+        self.buffer = np.empty(0, np.uint8)  # releases its export of the mapping
+        mapping, self._map = self._map, None
+        if mapping is not None and self._owns_map:
+            with contextlib.suppress(BufferError):  # a slot still referenced: unmapped
+                mapping.close()                       # when its last view goes
+
     def allocate(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
         """A writable ``uint8`` array of ``nbytes`` bytes in a slot of the arena, or ``None``
         when no slot of its class is free and the unused end is too short (the caller
         falls back to the heap). The slot is free again once the array is garbage."""
         size = slot_bytes(nbytes)
+        fresh = False  # a slot the background prefault has not reached
         with self._lock:
+            if self._closed or self._map is None:
+                return None
+            mapping = self._map
             self._drain()
             free = self._free.get(size)
             if free:
@@ -247,16 +324,37 @@ class HostArena:
             elif self._top + size <= self.nbytes:
                 offset = self._top
                 self._top += size
+                # A fresh slot the prefault has not reached: fault it in with one call
+                # here rather than page by page through the copy (module notes).
+                fresh = self.prefault_mode == "background" and \
+                    (offset < self._low or offset + size > self._limit)
             else:
                 self.overflow += 1
                 return None
         # Its own buffer export, not a slice of ``buffer``: numpy collapses a view's base to
         # the first array whose base is not an array, so every view of this slot (and of
         # the block typed over it) keeps exactly this array alive.
-        raw = np.frombuffer(self._map, np.uint8, nbytes, offset)
+        raw = np.frombuffer(mapping, np.uint8, nbytes, offset)
+        if fresh:
+            populate(raw)  # no write: a shared arena's pages may be an engine's too
         self._refs[offset] = weakref.ref(raw, functools.partial(_released, self._freed,
                                                                 size, offset))
         return raw
+
+    def offset_of(self, block: npt.NDArray[Any]) -> int | None:
+        """Where ``block``'s bytes start in the arena, or ``None`` if they are not all in
+        it (a heap block: an overflow, or one a lower tier returned)."""
+        start = int(block.__array_interface__["data"][0]) - self._address
+        if start >= 0 and start + block.nbytes <= self.nbytes:
+            return start
+        return None
+
+    def used_bytes(self) -> int:
+        """Bytes of slots handed out and not yet released (blocks, and whatever a reader
+        or a lease still holds of dropped ones)."""
+        with self._lock:
+            self._drain()
+            return self._top - self.free_bytes
 
     def _drain(self) -> None:
         freed = self._freed
@@ -268,7 +366,8 @@ class HostArena:
     def owns(self, raw: object) -> bool:
         """Whether ``raw`` (a block's base) is a slot of this arena."""
         base = getattr(raw, "base", None)
-        return isinstance(base, memoryview) and base.obj is self._map
+        return isinstance(base, memoryview) and self._map is not None and \
+            base.obj is self._map
 
     def stats(self) -> dict[str, Any]:
         """``arena_bytes``, ``arena_free_bytes`` (released slots), ``arena_unused_bytes``

@@ -48,6 +48,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from kvtier.tasks import TaskSet
 from kvtier.tiers.base import run_to_end
 from kvtier.warnsummary import WarningSummary
 
@@ -115,7 +116,7 @@ class UseRecorder:
         self._recent: OrderedDict[str, float] = OrderedDict()
         self._segment: tuple[str, float] | None = None  # path, start time
         self._last_start = -1  # segment names stay unique within one second
-        self._task: asyncio.Task[None] | None = None
+        self._runner = TaskSet()  # the one task that writes every interval
         self._wake: asyncio.Event | None = None
         self._writing = asyncio.Lock()  # one append at a time (the loop's and a gc's)
         self._warnings = WarningSummary(log, interval=60.0)  # a flaky mount: a line a minute
@@ -126,9 +127,9 @@ class UseRecorder:
         if not self.enabled or self._closed:
             return
         self._pending.add(name)
-        if self._task is None:
+        if not self._runner:
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._runner.start(self._run(), name="kvtier-use-log")
         elif len(self._pending) >= MAX_PENDING and self._wake is not None:
             self._wake.set()
 
@@ -207,11 +208,7 @@ class UseRecorder:
 
     async def aclose(self) -> None:
         """Write what is pending and stop; nothing is written after this returns."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._runner.cancel_all()
         await self.flush()
         self._closed = True
         self._warnings.flush()

@@ -45,6 +45,7 @@ from kvtier.codec import (
     frame_size_bound,
     parse_compress,
 )
+from kvtier.deadline import Deadline
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.misses import MissReason
 from kvtier.policy import Clock
@@ -74,6 +75,8 @@ _OWN_OPTIONS = {"capacity", "compress", "shuffle", "fanout", "fsync", "name", "t
 #: Prefix that asks for the fsspec tier explicitly (``fsspec+https://host/kv``).
 EXPLICIT_PREFIX = "fsspec+"
 _PROBE_BLOCK = np.zeros(16, np.uint8)
+#: At least this long to remove a probe object an interrupted probe left.
+_PROBE_CLEANUP_S = 5.0
 
 
 def _io_error_types() -> tuple[type[BaseException], ...]:
@@ -320,9 +323,16 @@ class FsspecTier(BudgetedTier):
             backend = await self._ready()
             path = f"{self._root.rstrip('/')}/.kvtier-probe-{uuid.uuid4().hex}"
             frame = encode_frame(_PROBE_BLOCK)
-            async with asyncio.timeout(self.timeout):
-                await backend.write(path, lambda: frame)
-                await backend.delete(path)
+            written = False
+            try:
+                async with Deadline.after(self.timeout, f"{self.name} write probe"):
+                    written = True  # from here on the probe object may exist
+                    await backend.write(path, lambda: frame)
+                    await backend.delete(path)
+                    written = False
+            finally:
+                if written:  # cancelled or timed out between the write and the delete
+                    await self._remove_probe(backend, path)
         except Exception as exc:  # whatever the back end raises, the tier cannot be used
             error = f"{type(exc).__name__}: {exc}"
             if self.probe is ProbeMode.AUTO and is_read_only_error(exc):
@@ -346,6 +356,18 @@ class FsspecTier(BudgetedTier):
         log.warning("%s tier: %s opened read-only: the write probe was refused (%s); reads "
                     "serve, writes and deletes are refused (probe=require makes this an "
                     "error)", self.name, self.url, why)
+
+    async def _remove_probe(self, backend: Backend, path: str) -> None:
+        """Delete a probe object an interrupted probe may have left, even when the open is
+        being cancelled (the cancellation is raised after it). Bounded by the tier's
+        timeout, but never less than a few seconds: the probe that needs it may have been
+        cut short by a tiny one."""
+        async def remove() -> None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(max(self.timeout, _PROBE_CLEANUP_S)):
+                    await backend.delete(path)
+
+        await run_to_end(asyncio.ensure_future(remove()))
 
     def _forget(self, keys: list[bytes], why: str) -> None:
         """Stop counting ``keys`` whose files were deleted behind this tier's back (by a

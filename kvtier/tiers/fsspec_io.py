@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvtier.codec import FLAG_ZSTD, EncodedFrame, parse_header
+from kvtier.deadline import in_thread
 from kvtier.errors import CorruptBlockError
 from kvtier.tiers.base import Block
 
@@ -99,7 +100,7 @@ class LocalBackend:
                 return self._read_nowait(path, decode)
             except BlockingIOError:
                 pass
-        return await asyncio.to_thread(self._read, path, decode)
+        return await in_thread(self._read, path, decode, what="file read", wait_started=False)
 
     def _read_nowait(self, path: str, decode: Decode) -> Block | None:
         """Read and decode ``path`` on the calling thread from the page cache only.
@@ -167,7 +168,7 @@ class LocalBackend:
         return decode(view[:got])
 
     async def write(self, path: str, encode: Encode) -> None:
-        await asyncio.to_thread(self._write, path, encode)
+        await in_thread(self._write, path, encode, what="file write")
 
     def _write(self, path: str, encode: Encode) -> None:
         frame = encode()
@@ -211,7 +212,7 @@ class LocalBackend:
                 os.close(dfd)
 
     async def delete(self, path: str) -> bool:
-        return await asyncio.to_thread(self._delete, path)
+        return await in_thread(self._delete, path, what="file delete")
 
     @staticmethod
     def _delete(path: str) -> bool:
@@ -249,7 +250,8 @@ class SyncFsBackend:
         self.fs = fs
 
     async def read(self, path: str, decode: Decode) -> Block | None:
-        return await asyncio.to_thread(self._read, path, decode)
+        return await in_thread(self._read, path, decode, what="fsspec read",
+                               wait_started=False)
 
     def _read(self, path: str, decode: Decode) -> Block | None:
         try:
@@ -259,10 +261,10 @@ class SyncFsBackend:
         return decode(data)
 
     async def write(self, path: str, encode: Encode) -> None:
-        await asyncio.to_thread(lambda: self.fs.pipe_file(path, encode().to_bytes()))
+        await in_thread(lambda: self.fs.pipe_file(path, encode().to_bytes()), what="fsspec write")
 
     async def delete(self, path: str) -> bool:
-        return await asyncio.to_thread(self._delete, path)
+        return await in_thread(self._delete, path, what="fsspec delete")
 
     def _delete(self, path: str) -> bool:
         try:

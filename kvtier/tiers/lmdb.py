@@ -28,7 +28,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
 from urllib.parse import unquote
@@ -36,6 +36,7 @@ from urllib.parse import unquote
 import lmdb
 
 from kvtier.codec import encode_frame, frame_size_bound, parse_compress
+from kvtier.deadline import acquire, in_thread
 from kvtier.errors import (
     ConfigError,
     CorruptBlockError,
@@ -45,6 +46,7 @@ from kvtier.errors import (
 )
 from kvtier.misses import MissReason
 from kvtier.policy import Clock, RecencyPolicy
+from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Block, copy_into, run_to_end
 from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
 from kvtier.tiers.lmdb_dir import (
@@ -173,7 +175,7 @@ class LMDBTier(BudgetedTier):
         # demotion (see kvtier.tiers.budget).
         self._lock = asyncio.Lock()
         self._touched: set[bytes] = set()
-        self._inflight: set[asyncio.Future[Any]] = set()
+        self._inflight = TaskSet()
         self.hits = self.misses = self.corrupt = self.io_errors = self.map_full = 0
         self.discarded_after_os_crash = False
 
@@ -239,7 +241,7 @@ class LMDBTier(BudgetedTier):
             # leaves it running, and the next caller awaits the same open. LMDB forbids
             # opening one environment twice in a process.
             self._opening = asyncio.ensure_future(self._open())
-            self._inflight.add(self._opening)
+            self._inflight.track(self._opening)
             self._opening.add_done_callback(self._opened)
         return await asyncio.shield(self._opening)
 
@@ -254,7 +256,6 @@ class LMDBTier(BudgetedTier):
         return env
 
     def _opened(self, task: asyncio.Future[BlockEnv]) -> None:
-        self._inflight.discard(task)
         if task.cancelled() or task.exception() is not None:
             self._opening = None  # nothing opened: the next call tries again
 
@@ -284,10 +285,8 @@ class LMDBTier(BudgetedTier):
         # asyncio.to_thread without its Task wrapper (one loop hop less per read). Shielded
         # and tracked: a cancelled caller does not drop the future while its thread is still
         # inside the environment, and aclose() waits for it.
-        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        self._inflight.add(fut)
-        fut.add_done_callback(self._inflight.discard)
-        return await asyncio.shield(fut)
+        return await in_thread(fn, *args, what="lmdb read", wait_started=False,
+                               track=self._inflight)
 
     def _frame_bytes(self, key: bytes) -> int:
         """Stored bytes of a held block: from the policy, or from its eviction while it is
@@ -326,17 +325,22 @@ class LMDBTier(BudgetedTier):
             out += await self._in_thread(env.read, keys[start:])
         return out
 
-    async def _locked(self, coro: Awaitable[T]) -> T:
+    async def _locked(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` under the writer lock as a tracked task that a cancelled caller
         waits for (a write transaction cannot be stopped, and one left running would act
         after the call returned)."""
         async def run() -> T:
-            async with self._lock:
+            try:
+                await acquire(self._lock, "lmdb writer lock")
+            except BaseException:
+                coro.close()  # never started
+                raise
+            try:
                 return await coro
+            finally:
+                self._lock.release()
 
-        task = asyncio.ensure_future(run())
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        task = self._inflight.start(run())
         return await run_to_end(task)
 
     # ---------------------------------------------------------------- contract
@@ -473,7 +477,8 @@ class LMDBTier(BudgetedTier):
         await self._ready()
         if self._busy():  # a deleted key is not demoted afterwards
             await self._settled(keys)
-        present = await self._locked(self._delete_locked(list(dict.fromkeys(keys))))
+        present = await self._locked(self._delete_locked(list(dict.fromkeys(keys)),
+                                                         cancellable=True))
         return [present.pop(k, False) for k in keys]
 
     async def _touch_chain(self, keys: Sequence[bytes]) -> None:
@@ -483,7 +488,7 @@ class LMDBTier(BudgetedTier):
 
     async def _aclose(self) -> None:
         while self._inflight or self._eviction_state.committing:
-            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+            await self._inflight.wait()
             await self._commits_done()
         try:
             if self._env is not None:
@@ -514,10 +519,15 @@ class LMDBTier(BudgetedTier):
         if records and self._env is not None:
             await asyncio.to_thread(self._env.write, [], [], records)
 
-    async def _delete_locked(self, keys: list[bytes]) -> dict[bytes, bool]:
+    async def _delete_locked(self, keys: list[bytes], *,
+                             cancellable: bool = False) -> dict[bytes, bool]:
+        """Delete ``keys`` in one write transaction. Only a caller's delete is
+        ``cancellable`` by its deadline while queued; the tier's own (demoted victims, a
+        corrupt block) runs whatever the deadline says, so storage and accounting agree."""
         env = self._live_env()
         try:
-            present = await asyncio.to_thread(env.write, [], keys, [])
+            present = await (in_thread(env.write, [], keys, [], what="lmdb delete")
+                             if cancellable else asyncio.to_thread(env.write, [], keys, []))
         except lmdb.Error as exc:
             self.io_errors += 1
             raise TierError(f"lmdb tier {self.name}: delete failed: {exc}") from exc
@@ -546,7 +556,8 @@ class LMDBTier(BudgetedTier):
     async def _commit(self, items: Sequence[tuple[bytes, Block]],
                       dropped: list[bytes]) -> list[int]:
         """Delete the demoted victims and write ``items`` in one write transaction."""
-        async with self._lock:
+        await acquire(self._lock, "lmdb writer lock")
+        try:
             env = self._live_env()
             batch = dict(items)
             deletes = list(dropped)
@@ -556,8 +567,9 @@ class LMDBTier(BudgetedTier):
                 for _ in range(_MAP_FULL_RETRIES + 1):
                     touches = self._touch_records()
                     try:
-                        pending = await asyncio.to_thread(
-                            self._encode_and_write, env, batch, pending, now, deletes, touches)
+                        pending = await in_thread(
+                            self._encode_and_write, env, batch, pending, now, deletes, touches,
+                            what="lmdb write")
                         break
                     except lmdb.MapFullError as exc:
                         self.map_full += 1
@@ -584,6 +596,8 @@ class LMDBTier(BudgetedTier):
             for key in dropped:
                 self._touched.discard(key)
             return [put.nbytes for put in pending or ()]
+        finally:
+            self._lock.release()
 
     def _encode_and_write(self, env: BlockEnv, batch: dict[bytes, Block],
                           pending: list[PendingPut] | None, now: float,

@@ -19,6 +19,7 @@ _BUILTIN: dict[str, str] = {
     "dram": "kvtier.tiers.dram:DRAMTier",
     "hbm": "kvtier.tiers.hbm:HBMTier",
     "lmdb": "kvtier.tiers.lmdb:LMDBTier",
+    "local": "kvtier.tiers.local:LocalTier",
     "peers": "kvtier.peer.tier:PeerTier",
     "peers+dns": "kvtier.peer.tier:PeerTier",
     "redis": "kvtier.tiers.redis_tier:RedisTier",

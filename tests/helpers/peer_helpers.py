@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -159,3 +160,37 @@ class Pool:
     async def close(self) -> None:
         for server in list(self.servers.values()):
             await server.stop()
+
+
+def free_members(count: int) -> list[str]:
+    """``count`` loopback member ids on ports free now (for a pool whose members must be
+    known before they start: ``kvtier serve --pool``)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextmanager
+def pool_processes(tmp: Path, count: int, args: Callable[[int], list[str]],
+                   pool_opts: dict[str, object]) -> Iterator[tuple[list[ServeProcess], str]]:
+    """``count`` ready `kvtier serve --pool POOL` processes (``args(i)``: member i's own
+    arguments; ``pool_opts``: the pool URL's options beyond :func:`pool_url`'s), as
+    ``(processes, pool URL)``; stopped on exit."""
+    members = free_members(count)
+    url = pool_url(members, **pool_opts)
+    tokens = token_file(tmp)
+    procs = [ServeProcess([*args(i), "--pool", url], tokens) for i in range(count)]
+    try:
+        for proc, member in zip(procs, members, strict=True):
+            proc.launch(member)
+        for proc in procs:
+            proc.wait_ready()
+        yield procs, url
+    finally:
+        for proc in procs:
+            proc.stop()

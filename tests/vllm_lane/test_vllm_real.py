@@ -129,3 +129,30 @@ def test_two_runs_share_a_peer_pool(model: Path, baseline: dict[str, Any],
         server.wait(30)
         if server.stdout is not None:
             server.stdout.close()
+
+
+def test_two_runs_share_a_host_daemon(model: Path, baseline: dict[str, Any],
+                                      tmp_path: Path) -> None:
+    """A writer and a new reader on one `kvtier serve --shm` daemon: the reader's prompts
+    are cached and its outputs are the baseline's (docs/host-daemon.md)."""
+    token = tmp_path / "token"
+    token.write_text("lane-secret-token-0123456789")
+    name = f"lane-{os.getpid()}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--listen", "127.0.0.1:0", "--shm", name,
+         "--tier", "dram://?capacity=256MiB", "--token-file", str(token)],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert server.stdout is not None
+        seen = []
+        for line in server.stdout:  # the shm line, then the listening line
+            seen.append(line)
+            if "listening on" in line:
+                break
+        assert any("listening on" in line for line in seen), f"daemon did not start: {seen}"
+        _check_pair(model, baseline, [f"local://{name}?timeout=5"], "kvtier serve --shm + local://")
+    finally:
+        server.terminate()
+        server.wait(30)
+        if server.stdout is not None:
+            server.stdout.close()

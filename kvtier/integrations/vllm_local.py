@@ -1,0 +1,362 @@
+"""The vLLM worker on the host daemon: ``tiers: ["local://NAME"]``.
+
+No store and no event loop in the worker: it calls the daemon's socket from its own thread
+(loads) and from one save thread (:class:`~kvtier.shm.sync_client.SyncLocalClient`), and
+moves bytes once between the daemon's shared arena and vLLM's pages:
+
+- a load leases the hit's slots, copies them into the request's pages, then releases the
+  leases; a block whose lease was no longer valid (or that the daemon did not lend) is a
+  load error, which vLLM recomputes;
+- a save asks for slots (prepare), copies the blocks out of the pages into them, and commits;
+  the next step's :meth:`LocalWorkerSide.start_loads` waits for the copies (vLLM may write
+  those pages in its forward pass), never for the commit.
+
+One copy per byte, through a bounce buffer of :data:`BOUNCE_BYTES` that stays in the CPU
+cache: a block of every layer is one slot in the arena but one piece per layer (per K/V
+plane) in vLLM's pages, and copying a chunk of blocks per plane in one indexed copy, rather
+than each block's pieces one call at a time, keeps the Python calls per load at
+``blocks / chunk x planes``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.errors import TierError
+from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
+from kvtier.integrations.paged import PagedLayers
+from kvtier.integrations.vllm_events import KVTierWorkerMetadata
+from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata
+from kvtier.shm.sync_client import SyncLocalClient
+from kvtier.tiers.dram_arena import slot_bytes
+from kvtier.tiers.local import local_key, parse_local_url
+
+__all__ = ["BOUNCE_BYTES", "LocalLookups", "LocalWorkerSide", "is_local_only"]
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+#: Bytes of blocks copied per indexed copy (a chunk that stays in the CPU cache).
+BOUNCE_BYTES = 4 << 20
+_ALIGN = slot_bytes(1)  # every slot of the arena starts at a multiple of this
+
+
+def is_local_only(tiers: Sequence[str]) -> bool:
+    """Whether a connector's ``tiers`` is one ``local://`` tier (the daemon path)."""
+    return len(tiers) == 1 and tiers[0].split("://", 1)[0].lower() == "local"
+
+
+class LocalLookups:
+    """The scheduler side's view of the daemon: a prefix lookup is one call on its socket from
+    the scheduler's thread (no loop thread, no hop), answered from the daemon's whole chain.
+
+    Parameters
+    ----------
+    url
+        The connector's ``local://NAME?...`` tier.
+    """
+
+    def __init__(self, url: str) -> None:
+        args = parse_local_url(url)
+        self.namespace: str | None = args["namespace"]
+        self.client = SyncLocalClient(args["daemon"], timeout=args["timeout"])
+
+    def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """How many leading ``keys`` the daemon holds (the daemon refreshes their recency).
+
+        Raises
+        ------
+        TierError
+            If the daemon does not answer within its URL's ``timeout`` (or ``timeout``,
+            when shorter).
+        """
+        hit = self.client.call("/v1/lookup", {
+            "keys": [local_key(self.namespace, k).hex() for k in keys]}, timeout=timeout).get("hit")
+        if not isinstance(hit, int) or not 0 <= hit <= len(keys):
+            raise TierError(f"local://{self.client.name}: malformed lookup answer")
+        return hit
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """The daemon's figures (``lookup_miss_reasons`` among them)."""
+        return self.client.call("/v1/stats", timeout=timeout)
+
+    def close(self) -> None:
+        """Close this thread's connection."""
+        self.client.close()
+
+
+class LocalWorkerSide:
+    """The worker side of :class:`~kvtier.integrations.vllm.KVTierConnector` on a daemon.
+
+    Same contract as :class:`~kvtier.integrations.vllm.WorkerSide` (the connector calls the
+    same methods); called from the worker thread only.
+    """
+
+    def __init__(self, url: str, keys: KeyMaker, shard: tuple[int, int], io_timeout_s: float,
+                 thread_cpus: Literal["spare", "inherit"] = "inherit") -> None:
+        args = parse_local_url(url)
+        self.namespace: str | None = args["namespace"]
+        self.client = SyncLocalClient(args["daemon"], timeout=args["timeout"])
+        self.keys = keys
+        self.shard = shard
+        self.io_timeout_s = io_timeout_s
+        self.thread_cpus = thread_cpus
+        self.cpus: set[int] = set()
+        self.layers: PagedLayers | None = None
+        self._saver = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-local-save", initializer=self._pin_save_thread)
+        self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
+        self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
+        self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
+        self._finishing: set[str] = set()
+        self._loaded: set[str] = set()  # asynchronous loads done, not yet reported
+        self._load_errors: set[int] = set()
+        self._report_lock = threading.Lock()
+        self._report = KVTierWorkerMetadata()
+        self._ended: set[concurrent.futures.Future[None]] = set()
+
+    def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        if self.thread_cpus == "spare":
+            self.cpus = worker_spare_cpus()
+        self.layers = PagedLayers(kv_caches, num_blocks)
+        try:
+            self.client.ensure()
+        except TierError as exc:  # a daemon that starts later is mapped at first use
+            log.warning("kvtier: %s; loads miss until it answers", exc)
+
+    def _pin_save_thread(self) -> None:
+        if self.cpus:
+            pin_current_thread(self.cpus)
+
+    def _layers(self) -> PagedLayers:
+        if self.layers is None:
+            raise RuntimeError("register_kv_caches was not called before the first transfer")
+        return self.layers
+
+    def _keys(self, plan: BlockPlan) -> list[bytes]:
+        n = plan.first + len(plan.block_ids)
+        keys = self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
+        return [local_key(self.namespace, k) for k in keys]
+
+    def _rows(self, writeable: bool) -> npt.NDArray[np.uint8]:
+        """The arena as overlapping rows of one block, row ``i`` starting at byte
+        ``i * _ALIGN`` (every slot starts on such a row)."""
+        buffer = self.client.buffer
+        block = self._layers().block_bytes
+        if buffer is None or buffer.nbytes < block:
+            raise TierError(f"local://{self.client.name}: no arena mapped")
+        return np.lib.stride_tricks.as_strided(
+            buffer, shape=((buffer.nbytes - block) // _ALIGN + 1, block),
+            strides=(_ALIGN, 1), writeable=writeable)
+
+    def _row_of(self, slot: dict[str, Any] | None, rows: int) -> int | None:
+        if not isinstance(slot, dict):
+            return None
+        offset, nbytes = slot.get("offset"), slot.get("nbytes")
+        if not isinstance(offset, int) or offset % _ALIGN or not 0 <= offset // _ALIGN < rows \
+                or nbytes != self._layers().block_bytes:
+            return None
+        return offset // _ALIGN
+
+    # ------------------------------------------------------------------ loads
+    def pages_settled(self) -> None:
+        """Wait until no save copies out of the engine's pages (vLLM may write them next)."""
+        if self._copies:
+            concurrent.futures.wait(self._copies)
+            self._copies.clear()
+
+    def start_loads(self, meta: KVTierMetadata) -> None:
+        self.pages_settled()
+        for plan in meta.loads:
+            keys = self._keys(plan)
+            for key in keys:  # a block saved moments ago must be readable first
+                saving = self._saving.get(key)
+                if saving is not None:
+                    concurrent.futures.wait([saving], timeout=self.io_timeout_s)
+            hits = self._load(keys, plan.block_ids)
+            self._load_errors.update(b for b, hit in zip(plan.block_ids, hits, strict=True)
+                                     if not hit)
+            if plan.load_async:  # done already: reported at the next get_finished
+                self._loaded.add(plan.req_id)
+
+    def _load(self, keys: list[bytes], block_ids: list[int]) -> list[bool]:
+        """Lease, copy into the pages, release; which blocks were loaded."""
+        layers = self._layers()
+        try:
+            if self.client.info is None:
+                self.client.ensure()
+            answer = self.client.call("/v1/lease", {"keys": [k.hex() for k in keys]})
+        except TierError as exc:
+            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
+                        len(keys), exc)
+            return [False] * len(keys)
+        slots = answer.get("slots")
+        if not isinstance(slots, list) or len(slots) != len(keys):
+            log.warning("kvtier load of %d blocks: malformed answer; vLLM recomputes them",
+                        len(keys))
+            return [False] * len(keys)
+        ids = [s["lease"] for s in slots if isinstance(s, dict) and "lease" in s]
+        picked: list[tuple[int, int]] = []
+        try:
+            if not self.client.ensure(answer.get("instance")):
+                raise TierError("the daemon restarted during the load")
+            rows = self._rows(writeable=False)
+            picked = [(i, r) for i, (s, key) in enumerate(zip(slots, keys, strict=True))
+                      if isinstance(s, dict) and s.get("key") == key.hex()
+                      and (r := self._row_of(s, len(rows))) is not None]
+            chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
+            bounce = layers.empty(min(chunk, len(picked))) if picked else layers.empty(0)
+            for start in range(0, len(picked), chunk):
+                part = picked[start:start + chunk]
+                out = bounce[:len(part)]
+                np.take(rows, [r for _, r in part], axis=0, out=out, mode="clip")
+                layers.scatter_many([block_ids[i] for i, _ in part], out)
+        except BaseException as exc:
+            with contextlib.suppress(TierError):  # else the leases end at their time bound
+                self.client.call("/v1/release", {"leases": ids})
+            if not isinstance(exc, TierError):
+                raise
+            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
+                        len(keys), exc)
+            return [False] * len(keys)
+        try:
+            valid = self.client.call("/v1/release", {"leases": ids}).get("valid", [])
+        except TierError as exc:  # unconfirmed copies are misses (the slots may be reused)
+            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
+                        len(keys), exc)
+            return [False] * len(keys)
+        good = iter(valid if isinstance(valid, list) else [])
+        leased = [isinstance(s, dict) and next(good, False) is True for s in slots]
+        copied = {i for i, _ in picked}
+        return [i in copied and leased[i] for i in range(len(keys))]
+
+    def finished_loads(self) -> set[str]:
+        done, self._loaded = self._loaded, set()
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ saves
+    def save(self, meta: KVTierMetadata) -> None:
+        if not meta.saves:
+            return
+        layers = self._layers()
+        for plan in meta.saves:
+            keys = self._keys(plan)
+            copied: concurrent.futures.Future[None] = concurrent.futures.Future()
+            written: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._saver.submit(self._save, layers, plan.block_ids, keys, copied, written)
+            self._copies.append(copied)
+            for key in keys:
+                self._saving[key] = written
+            self._req_saves.setdefault(plan.req_id, []).append(written)
+            written.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
+
+    def _save(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
+              copied: concurrent.futures.Future[None],
+              written: concurrent.futures.Future[None]) -> None:
+        """On the save thread: prepare, copy out of the pages into the slots, commit; in
+        rounds when the daemon lends slots for part of the blocks only (its arena's spare
+        room is smaller than the save: each commit lets it evict for the next round, and
+        ``copied`` then waits for the rounds' commits too)."""
+        try:
+            try:
+                todo = list(range(len(keys)))
+                while todo:
+                    left = self._save_round(layers, [block_ids[i] for i in todo],
+                                            [keys[i] for i in todo])
+                    if len(left) == len(todo):
+                        raise TierError("no free slot in the daemon's arena")
+                    todo = [todo[j] for j in left]
+            finally:
+                copied.set_result(None)  # the pages are free for vLLM either way
+        except BaseException as exc:
+            written.set_exception(exc)
+            return
+        written.set_result(None)
+
+    def _save_round(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes]
+                    ) -> list[int]:
+        """Save what the daemon lends slots for; the indices of the blocks it did not."""
+        spec = {"dtype": "|u1", "shape": [layers.block_bytes]}
+        answer = self.client.call("/v1/prepare", {
+            "blocks": [{"key": k.hex(), **spec} for k in keys]})
+        slots = answer.get("slots")
+        if not isinstance(slots, list) or len(slots) != len(keys):
+            raise TierError("malformed prepare answer")
+        granted = [j for j, slot in enumerate(slots) if isinstance(slot, dict)]
+        if not granted:
+            return list(range(len(keys)))
+        ids = [slots[j]["lease"] for j in granted]
+        try:
+            if not self.client.ensure(answer.get("instance")):
+                raise TierError("the daemon restarted during the save")
+            rows = self._rows(writeable=True)
+            found = [self._row_of(slots[j], len(rows)) for j in granted]
+            where = [r for r in found if r is not None]
+            if len(where) != len(found):
+                raise TierError("the daemon lent a slot outside its arena")
+            chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
+            bounce = layers.empty(min(chunk, len(granted)))
+            for start in range(0, len(granted), chunk):
+                part = granted[start:start + chunk]
+                out = bounce[:len(part)]
+                layers.gather_many([block_ids[j] for j in part], out=out)
+                rows[where[start:start + chunk]] = out  # the one copy of a save
+            answer = self.client.call("/v1/commit", {"leases": ids})
+            if answer.get("error") or not all(c is True for c in answer.get("committed", [])):
+                raise TierError(f"commit refused: {answer.get('error') or 'slots expired'}")
+        except BaseException:
+            with contextlib.suppress(TierError):  # else they end at their time bound
+                self.client.call("/v1/commit", {"leases": ids, "abort": True})
+            raise
+        return [j for j, slot in enumerate(slots) if not isinstance(slot, dict)]
+
+    def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
+               save_id: int) -> None:
+        for key in keys:
+            if self._saving.get(key) is future:
+                del self._saving[key]
+        failed = future.exception() is not None
+        if failed:
+            log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
+        with self._report_lock:
+            if save_id >= 0:
+                (self._report.failed if failed else self._report.saved)[save_id] = 1
+            self._ended.add(future)
+
+    def take_report(self) -> KVTierWorkerMetadata | None:
+        """Saves that ended since the last call (for the scheduler's KV events), if any."""
+        with self._report_lock:
+            report = self._report
+            if not report.saved and not report.failed:
+                return None
+            self._report = KVTierWorkerMetadata()
+        return report
+
+    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves all committed (readable by every engine on the
+        host); vLLM frees their blocks after this."""
+        self._finishing |= finished_req_ids & self._req_saves.keys()
+        with self._report_lock:
+            done = {r for r in self._finishing
+                    if all(f in self._ended for f in self._req_saves[r])}
+            for req_id in done:
+                self._finishing.discard(req_id)
+                self._ended.difference_update(self._req_saves.pop(req_id))
+        return done
+
+    def close(self) -> None:
+        self.pages_settled()
+        self._saver.shutdown()
+        self.client.close()

@@ -1,0 +1,291 @@
+"""A member's side of ``placement=local``: it registers what it holds in the holder
+directory, and forwards a block's last copy by global age when its segment evicts it.
+
+* **Register.** Every block stored on this member (a client's put, a forwarded last copy, a
+  read's local copy, a repair push) is registered with the key's directory owners (its
+  first ``replicas`` live ring members, see :mod:`kvtier.peer.directory`) before the store
+  is acknowledged, one request per directory owner for a batch; a delete deregisters.
+* **Forward by global age** (the Global Memory Service, Feeley et al., SOSP 1995; N-chance
+  forwarding, Dahlin et al., OSDI 1994). When the segment's last tier evicts a block for
+  good, this member first takes itself off the key's directory entry, which answers the
+  holders left. With at least ``replicas`` left the copy goes. Otherwise it is a last copy:
+  it is sent to the member whose oldest blocks are oldest, among those whose oldest blocks
+  are older than it (a member with free room counts as oldest of all), and dropped only
+  when it is the oldest anywhere. Members learn each other's age from ``/v1/health``
+  (``evict_age``: the age of the block it last evicted, plus the time since; ``null``
+  while it has evicted nothing) on every health probe. A forwarded block keeps its age
+  (``?age=`` on the forward), so the wave of victims it sets off only ever moves to older
+  members. When no older member takes it (all failed), the victim stays and the put that
+  needed the room fails (``507``), so a copy is never lost to a failed forward.
+* Two members dropping their copies of one block at once each take themselves off the
+  entry in one step of every directory owner, so one of them sees the other gone and
+  forwards; with several directory owners the smallest count answered decides (an owner
+  that did not answer within half the pool's ``timeout`` counts as none left).
+
+A block's age here is the time since it was stored on this member (a forwarded block
+arrives with its age); reads refresh the segment's own eviction order, not the age.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvtier.codec import encode_frame
+from kvtier.errors import TierFullError
+from kvtier.tiers.base import Block, Tier
+
+if TYPE_CHECKING:
+    from kvtier.peer.server import PeerServer
+    from kvtier.peer.tier import PeerTier
+
+__all__ = ["LocalHolder"]
+
+log = logging.getLogger("kvtier.peer.holder")
+_FORWARD_TRIES = 3  # older members a last copy is offered to before it stays here
+_REPAIR_BATCH = 512
+
+
+class LocalHolder:
+    """Directory registration and global-age forwarding of one ``kvtier serve`` member.
+
+    Parameters
+    ----------
+    server
+        This member's server (its segment holds the blocks; its directory answers for the
+        keys this member is a directory owner of).
+    pool
+        This member's ``peers://?placement=local`` tier (``self=`` this member, ``local=``
+        its segment): membership, ring, clients and the other members' health documents.
+    """
+
+    def __init__(self, server: PeerServer, pool: PeerTier) -> None:
+        if pool.members.self_id is None:
+            raise ValueError("pool: needs self= (this member's id)")
+        self.server = server
+        self.pool = pool
+        self.me: str = pool.members.self_id
+        self.born: dict[bytes, float] = {}  # key -> when its age began (monotonic)
+        self._victim: tuple[float, float] | None = None  # (age, when) of the last victim
+        self.counts: dict[str, int] = defaultdict(int)
+        self._updates: set[asyncio.Future[list[list[str]] | None]] = set()  # in background
+
+    def attach(self) -> None:
+        """Hook this holder into the server (registration on stores and deletes, the age in
+        ``/v1/health``) and into its segment's last tier (forwarding on eviction)."""
+        self.server.holder = self
+        self.pool.directory = self.server.directory
+        segment = self.server.segment
+        tiers = getattr(segment, "tiers", None)
+        last: Tier = tiers[-1] if isinstance(tiers, list) and tiers else segment  # type: ignore[assignment]
+        last.on_evict = self.evicted
+
+    # ------------------------------------------------------------------ ages
+    def evict_age(self) -> float | None:
+        """Seconds: how old the blocks this member evicts are now (``None``: it has
+        evicted nothing yet)."""
+        if self._victim is None:
+            return None
+        age, when = self._victim
+        return age + (time.monotonic() - when)
+
+    def _age_of(self, member: str, nbytes: int) -> float:
+        """``member``'s oldest blocks' age from its last health document (infinite when it
+        has room for ``nbytes`` more, or has evicted nothing; -1 when unknown)."""
+        doc = self.pool.members.health.get(member)
+        if not doc:
+            return -1.0
+        capacity, used = doc.get("capacity"), doc.get("used")
+        if isinstance(capacity, int) and isinstance(used, int) and used + nbytes <= capacity:
+            return math.inf
+        age = doc.get("evict_age")
+        return math.inf if age is None else float(age)
+
+    # ------------------------------------------------------------------ directory
+    def _directory_owners(self, key: bytes) -> list[str]:
+        return self.pool.members.live_owners(key, self.pool.replicas)
+
+    async def _update(self, member: str, add: Sequence[bytes], remove: Sequence[bytes]
+                      ) -> list[list[str]] | None:
+        """One directory update at ``member`` (this member's own directory directly);
+        ``None`` when it did not answer."""
+        if member == self.me:
+            return self.server.directory.update(self.me, add, remove)
+        try:
+            return await self.pool.members.client(member).dir_update(self.me, add, remove)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # that owner is refilled by the next anti-entropy pass
+            self.counts["directory_failed"] += 1
+            log.debug("directory update at %s failed: %s", member, exc)
+            return None
+
+    async def register(self, keys: Sequence[bytes]) -> None:
+        """Tell the directory owners of ``keys`` that this member holds them: returns once
+        each key's entry is recorded at one of its owners (a reader walks the owners), or
+        every owner failed; the other owners' updates finish in the background, so a frozen
+        owner does not stall puts until it is taken out of the path."""
+        plan: dict[str, list[bytes]] = defaultdict(list)
+        firsts: dict[bytes, list[str]] = {}
+        for key in keys:
+            owners = self._directory_owners(key)
+            firsts[key] = owners
+            for owner in owners:
+                plan[owner].append(key)
+        tasks = {asyncio.ensure_future(self._update(m, ks, ())): ks for m, ks in plan.items()}
+        for task in tasks:
+            self._updates.add(task)
+            task.add_done_callback(self._updates.discard)
+        pending = set(tasks)
+        unrecorded = {k for k, owners in firsts.items() if owners}
+        while pending and unrecorded:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.result() is not None:
+                    unrecorded.difference_update(tasks[task])
+        self.counts["registered"] += len(keys)
+
+    async def unregister(self, keys: Sequence[bytes]) -> list[tuple[int, set[str]]]:
+        """Take this member off the directory entries of ``keys``; per key, the fewest
+        holders left that a directory owner answered (0 when none answered) and every
+        holder left that any named."""
+        plan: dict[str, list[int]] = defaultdict(list)
+        for i, key in enumerate(keys):
+            for owner in self._directory_owners(key):
+                plan[owner].append(i)
+        tasks = [asyncio.ensure_future(self._update(m, (), [keys[i] for i in idx]))
+                 for m, idx in plan.items()]
+        for task in tasks:
+            self._updates.add(task)
+            task.add_done_callback(self._updates.discard)
+        # A slow owner (frozen, not yet out of the path) is not waited for past half the
+        # pool's timeout: it counts as none left (the copy is forwarded, never lost), and
+        # its update still lands in the background.
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.pool.timeout / 2)
+        answers = [t.result() if t.done() and not t.cancelled() else None for t in tasks]
+        fewest: list[int | None] = [None] * len(keys)
+        left: list[set[str]] = [set() for _ in keys]
+        for idx, answer in zip(plan.values(), answers, strict=True):
+            if answer is None:
+                continue
+            for i, holders in zip(idx, answer, strict=True):
+                others = set(holders) - {self.me}
+                left[i] |= others
+                fewest[i] = len(others) if fewest[i] is None else min(fewest[i] or 0,
+                                                                       len(others))
+        return [(n or 0, s) for n, s in zip(fewest, left, strict=True)]
+
+    # ------------------------------------------------------------------ server hooks
+    async def stored(self, keys: Sequence[bytes], age: float | None = None) -> None:
+        """Keys stored on this member (``age``: a forwarded block's age): registered
+        before the store is acknowledged."""
+        now = time.monotonic()
+        for key in keys:  # stored again: young again, and last in the insertion order
+            self.born.pop(key, None)
+            self.born[key] = now - (age or 0.0)
+        await self.register(keys)
+
+    async def deleted(self, keys: Sequence[bytes]) -> None:
+        """Keys deleted here: off the directory."""
+        for key in keys:
+            self.born.pop(key, None)
+        await self.unregister(keys)
+
+    async def evicted(self, key: bytes, block: Block) -> None:
+        """The segment's last tier evicts ``key``: drop a spare copy, forward a last copy
+        to an older member, or drop the oldest copy anywhere. Raises
+        :class:`TierFullError` (the victim stays) when every older member failed."""
+        now = time.monotonic()
+        born = self.born.pop(key, now)
+        age = now - born
+        self._victim = (age, now)
+        [(count, left)] = await self.unregister([key])
+        if count >= self.pool.replicas:
+            self.counts["dropped_spare"] += 1
+            return
+        members = self.pool.members
+        ages = {m: self._age_of(m, block.nbytes) for m in members.members
+                if m != self.me and m not in left and members.alive(m)}
+        older = sorted((m for m, a in ages.items() if a > age), key=lambda m: -ages[m])
+        if not older:
+            self.counts["dropped_oldest"] += 1
+            return
+        frame = encode_frame(block, key=key)
+        for member in older[:_FORWARD_TRIES]:
+            try:
+                await members.client(member).forward([(key, frame)], age)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.counts["forward_failed"] += 1
+                log.debug("forward of %s to %s failed: %s", key.hex(), member, exc)
+                continue
+            self.counts["forwarded"] += 1
+            return
+        self.born[key] = born
+        await self.register([key])
+        raise TierFullError(f"block {key.hex()} stays: no older member took its last copy")
+
+    # ------------------------------------------------------------------ repair
+    async def repair_pass(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """Register every key held here with its current directory owners (a restarted or
+        new owner is refilled) and copy a block with fewer than ``replicas`` holders to the
+        next members of its ring order (the first live holder of a key does); returns the
+        pass's counters."""
+        done: dict[str, int] = defaultdict(int)
+        segment = self.server.segment
+        for start in range(0, len(keys), _REPAIR_BATCH):
+            chunk = list(keys[start:start + _REPAIR_BATCH])
+            present = await segment.contains_many(chunk)
+            for key, here in zip(chunk, present, strict=True):
+                if not here:
+                    self.server.stored_keys.pop(key, None)
+                    self.born.pop(key, None)
+            chunk = [k for k, here in zip(chunk, present, strict=True) if here]
+            if not chunk:
+                continue
+            done["checked"] += len(chunk)
+            await self.register(chunk)
+            holders = await self.pool.directory_holders(chunk)
+            await self._restore_copies(chunk, holders, done)
+        return dict(done)
+
+    async def _restore_copies(self, keys: list[bytes], holders: list[list[str]],
+                              done: dict[str, int]) -> None:
+        members = self.pool.members
+        want = min(self.pool.replicas, len(members.members))
+        plan: dict[str, list[bytes]] = defaultdict(list)
+        for key, found in zip(keys, holders, strict=True):
+            live = [m for m in dict.fromkeys([*found, self.me]) if members.alive(m)
+                    or m == self.me]
+            if len(live) >= want or min(live) != self.me:
+                continue  # enough copies, or another holder restores this one
+            done["under_replicated"] += 1
+            targets = [m for m in members.order(key) if m not in live and members.alive(m)]
+            for member in targets[:want - len(live)]:
+                plan[member].append(key)
+        for member, ks in plan.items():
+            blocks = await self.server.segment.get_many(ks)
+            frames = [(k, encode_frame(b, key=k)) for k, b in zip(ks, blocks, strict=True)
+                      if b is not None]
+            try:
+                await members.client(member).put_many(frames, fill=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                done["failed"] += 1
+                log.debug("copy restore to %s failed: %s", member, exc)
+                continue
+            done["pushed"] += len(frames)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: ``registered``, ``forwarded``, ``dropped_spare``, ``dropped_oldest``,
+        ``forward_failed``, ``directory_failed``; ``directory_keys``; ``evict_age``."""
+        return {**self.counts, "directory_keys": len(self.server.directory),
+                "evict_age": self.evict_age()}

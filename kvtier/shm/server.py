@@ -1,0 +1,372 @@
+"""The host daemon's side of ``local://``: an aiohttp app on a Unix socket beside the peer
+server of ``kvtier serve --shm NAME``.
+
+It answers engine processes of this host from the daemon's store (its whole ``--tier``
+chain) and lends them slots of the shared arena (:mod:`kvtier.shm.leases`); bulk bytes move
+by the engines' own copies into and out of that arena. Requests are taken only from
+processes of the daemon's own user (``SO_PEERCRED`` on every request; the socket file is
+mode 0600 too). Each client process is watched through a pidfd, so the leases of an engine
+that dies end the moment it exits.
+
+Concurrency: everything runs on the daemon's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from aiohttp import web
+
+from kvtier.errors import ConfigError, KVTierError, ProtocolError
+from kvtier.shm import protocol as p
+from kvtier.shm.files import socket_path
+from kvtier.shm.leases import LeaseTable
+
+if TYPE_CHECKING:
+    from kvtier.store import TieredStore
+    from kvtier.tiers.dram import DRAMTier
+
+__all__ = ["LocalServer"]
+
+log = logging.getLogger("kvtier.shm")
+_CRED = struct.Struct("3i")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _peer(request: web.Request) -> tuple[int, int] | None:
+    """``(pid, uid)`` of the process at the other end of ``request``'s Unix socket."""
+    transport = request.transport
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    try:
+        pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      _CRED.size))
+    except OSError:
+        return None
+    return pid, uid
+
+
+class LocalServer:
+    """Serve ``store`` to engine processes of this host through ``tier``'s shared arena.
+
+    Parameters
+    ----------
+    store
+        The daemon's store; its top tier is ``tier``.
+    tier
+        A :class:`~kvtier.tiers.dram.DRAMTier` built with ``shm=NAME``.
+    lease_ttl
+        Seconds a lease lives at most (an engine that stops, not dies, loses its slots
+        after it; a dead one at once).
+    """
+
+    def __init__(self, store: TieredStore, tier: DRAMTier, *, lease_ttl: float = 10.0) -> None:
+        shared = tier.shared_file
+        if shared is None or tier.arena is None:
+            raise ConfigError("--shm: the top tier must be a dram:// tier with a capacity")
+        if not lease_ttl > 0:
+            raise ConfigError(f"--shm-lease-ttl: expected > 0, got {lease_ttl!r}")
+        self.store = store
+        self.tier = tier
+        self.arena = tier.arena
+        self.shared = shared
+        self.path = socket_path(shared.name)
+        self.leases = LeaseTable(lease_ttl)
+        self.counts: Counter[str] = Counter()
+        self._pins: dict[int, Counter[bytes]] = {}
+        self._watched: dict[int, int] = {}  # pid -> pidfd
+        self._expiry: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._runner: web.AppRunner | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> str:
+        """Listen on the name's socket; returns its path."""
+        self._loop = asyncio.get_running_loop()
+        app = web.Application(client_max_size=p.MAX_BODY, middlewares=[self._guard])
+        routes = {"/v1/contains": self._contains, "/v1/lookup": self._lookup,
+                  "/v1/lease": self._lease, "/v1/release": self._release,
+                  "/v1/prepare": self._prepare, "/v1/commit": self._commit,
+                  "/v1/delete": self._delete,
+                  "/v1/touch": self._touch, "/v1/pin": self._pin, "/v1/unpin": self._unpin}
+        for path, handler in routes.items():
+            app.router.add_post(path, handler)
+        app.router.add_get("/v1/info", self._info)
+        app.router.add_get("/v1/stats", self._stats_handler)
+        # We hold the name's lock (the arena's), so a socket file left here is a dead
+        # daemon's.
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.UnixSite(self._runner, str(self.path)).start()
+        os.chmod(self.path, 0o600)
+        return str(self.path)
+
+    async def stop(self) -> None:
+        """Stop serving; leases end (engines' copies in flight turn into misses)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        for pid in list(self._watched):
+            self._unwatch(pid)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        if self._tasks:
+            await asyncio.gather(*self._tasks)
+        for pid in list(self._pins):
+            await self._drop_pins(pid)
+
+    # --------------------------------------------------------------- bookkeeping
+    def _watch(self, pid: int) -> bool:
+        """Watch ``pid`` so its leases end when it exits; ``False`` if it is already gone."""
+        if pid in self._watched:
+            return True
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        except OSError:  # pid 0: a client in a PID namespace this daemon cannot see
+            return True  # its leases end at their time bound only
+        assert self._loop is not None
+        self._watched[pid] = fd
+        self._loop.add_reader(fd, self._exited, pid)
+        return True
+
+    def _unwatch(self, pid: int) -> None:
+        fd = self._watched.pop(pid, None)
+        if fd is not None and self._loop is not None:
+            self._loop.remove_reader(fd)
+            os.close(fd)
+
+    def _exited(self, pid: int) -> None:
+        self._unwatch(pid)
+        dropped = self.leases.drop_pid(pid)
+        if dropped:
+            log.info("client pid %d exited holding %d lease(s); released", pid, dropped)
+        if pid in self._pins:
+            task = asyncio.ensure_future(self._drop_pins(pid))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _drop_pins(self, pid: int) -> None:
+        pins = self._pins.pop(pid, Counter())
+        if pins:
+            await self.store.unpin(list(pins.elements()), tier=0)
+
+    def _schedule_expiry(self) -> None:
+        if self._expiry is not None or not len(self.leases) or self._loop is None:
+            return
+        self._expiry = self._loop.call_later(self.leases.ttl, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        following = self.leases.expire()
+        if following is not None and self._loop is not None:
+            self._expiry = self._loop.call_at(
+                self._loop.time() + max(0.0, following - time.monotonic()) + 0.01,
+                self._expire)
+
+    # ------------------------------------------------------------------ requests
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        peer = _peer(request)
+        if peer is None or peer[1] != os.geteuid():
+            self.counts["refused"] += 1
+            return web.Response(status=403, text="local clients of the daemon's user only")
+        request["pid"] = peer[0]
+        try:
+            return await handler(request)
+        except ProtocolError as exc:
+            self.counts["bad_requests"] += 1
+            return web.Response(status=400, text=str(exc))
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        return p.load(await request.read())
+
+    def _answer(self, obj: dict[str, Any]) -> web.Response:
+        obj["used"] = self.tier.used
+        return web.Response(body=p.dump(obj), content_type="application/json")
+
+    def _late(self, msg: dict[str, Any]) -> bool:
+        deadline = msg.get("deadline")
+        if deadline is None:
+            return False
+        if not isinstance(deadline, int | float):
+            raise ProtocolError("deadline: expected a number (time.monotonic())")
+        return time.monotonic() > deadline
+
+    async def _info(self, request: web.Request) -> web.Response:
+        return self._answer({"instance": self.shared.instance, "path": str(self.shared.path),
+                             "nbytes": self.shared.nbytes, "pid": os.getpid(),
+                             "capacity": self.tier.capacity, "lease_ttl": self.leases.ttl})
+
+    def stats(self) -> dict[str, Any]:
+        """Leases out, clients, requests refused, the arena's bytes in use and whether its
+        background prefault has finished."""
+        return {**self.leases.counts(), "expired": self.leases.expired,
+                "dropped": self.leases.dropped, **self.counts,
+                "arena_used_bytes": self.arena.used_bytes(), "arena_bytes": self.arena.nbytes,
+                "capacity": self.tier.capacity, "instance": self.shared.instance,
+                "lookup_miss_reasons": self.store.stats().get("lookup_miss_reasons", {}),
+                "prefaulted": self.arena.stats()["prefaulted"]}
+
+    async def _stats_handler(self, request: web.Request) -> web.Response:
+        return self._answer(self.stats())
+
+    async def _contains(self, request: web.Request) -> web.Response:
+        keys = p.parse_keys(await self._body(request))
+        return self._answer({"present": await self.store.contains_many(keys)})
+
+    async def _lookup(self, request: web.Request) -> web.Response:
+        keys = p.parse_keys(await self._body(request))
+        return self._answer({"hit": await self.store.lookup_prefix(keys)})
+
+    async def _lease(self, request: web.Request) -> web.Response:
+        msg = await self._body(request)
+        keys = p.parse_keys(msg)
+        pid = request["pid"]
+        if self._late(msg) or not self._watch(pid):
+            return self._answer({"instance": self.shared.instance, "slots": [None] * len(keys)})
+        blocks = await self.store.get_many(keys)
+        granted = []
+        slots: list[dict[str, Any] | None] = []
+        for key, block in zip(keys, blocks, strict=True):
+            held = None if block is None else self._in_arena(block)
+            if held is None:
+                slots.append(None)
+                continue
+            offset = self.arena.offset_of(held)
+            if offset is None:  # not reached: _in_arena returns arena memory only
+                slots.append(None)
+                continue
+            lease = self.leases.grant_read(pid, key, held, offset)
+            granted.append(lease.id)
+            slots.append({"lease": lease.id, "key": key.hex(), "offset": offset,
+                          "nbytes": held.nbytes, "dtype": p.describe(held.dtype),
+                          "shape": list(held.shape)})
+        if request.transport is None or request.transport.is_closing():
+            self.leases.release(pid, granted)  # the engine gave up waiting: lend nothing
+        self.counts["leased"] += len(granted)
+        self._schedule_expiry()
+        return self._answer({"instance": self.shared.instance, "slots": slots})
+
+    def _in_arena(self, block: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+        """``block`` where an engine can read it: itself when it lies in the arena, else a
+        copy in a staging slot (a heap block: an arena overflow), or ``None`` without one."""
+        if self.arena.offset_of(block) is not None:
+            return block
+        raw = self.arena.allocate(block.nbytes)
+        if raw is None:
+            return None
+        staged = np.ndarray(block.shape, block.dtype, raw)
+        np.copyto(staged, block, casting="no")
+        self.counts["staged"] += 1
+        return staged
+
+    async def _release(self, request: web.Request) -> web.Response:
+        ids = p.parse_ids(await self._body(request))
+        return self._answer({"valid": self.leases.release(request["pid"], ids)})
+
+    async def _prepare(self, request: web.Request) -> web.Response:
+        msg = await self._body(request)
+        entries = msg.get("blocks")
+        if not isinstance(entries, list) or len(entries) > p.MAX_KEYS:
+            raise ProtocolError(f"blocks: expected a list of at most {p.MAX_KEYS}")
+        specs = []
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise ProtocolError(f"blocks[{i}]: expected an object")
+            key = p.parse_keys({"keys": [entry.get("key")]})[0]
+            dtype, shape = p.parse_dtype(entry.get("dtype")), p.parse_shape(entry.get("shape"))
+            specs.append((key, dtype, shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize))
+        pid = request["pid"]
+        capacity = self.tier.capacity or 0
+        slots: list[dict[str, Any] | None] = [None] * len(specs)
+        if not self._late(msg) and self._watch(pid):
+            for i, (key, dtype, shape, nbytes) in enumerate(specs):
+                raw = self.arena.allocate(nbytes) if nbytes <= capacity else None
+                if raw is None:
+                    self.counts["prepare_refused"] += 1
+                    continue
+                offset = self.arena.offset_of(raw)
+                if offset is None:  # not reached: allocate carves from the arena
+                    continue
+                lease = self.leases.grant_write(pid, key, raw, offset, dtype, shape)
+                slots[i] = {"lease": lease.id, "offset": offset, "nbytes": nbytes}
+            if request.transport is None or request.transport.is_closing():
+                for taken in self.leases.take_writes(pid, [s["lease"] for s in slots if s]):
+                    if taken is not None:
+                        self.leases.abandon(taken)
+                slots = [None] * len(specs)
+        self._schedule_expiry()
+        return self._answer({"instance": self.shared.instance, "slots": slots,
+                             "capacity": capacity})
+
+    async def _commit(self, request: web.Request) -> web.Response:
+        msg = await self._body(request)
+        ids = p.parse_ids(msg)
+        abort = msg.get("abort", False) is True
+        taken = self.leases.take_writes(request["pid"], ids)
+        items = []
+        for lease in taken:
+            if lease is None:
+                continue
+            if abort:
+                self.leases.abandon(lease)
+            elif self.leases.lands(lease):
+                block = np.ndarray(lease.shape, lease.dtype, lease.held)
+                block.flags.writeable = False  # the DRAM tier keeps it in its slot, uncopied
+                items.append((lease.key, block))
+        error = None
+        if items:
+            try:
+                await self.store.put_many(items)
+            except KVTierError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        self.counts["committed"] += len(items)
+        return self._answer({"committed": [lease is not None for lease in taken],
+                             "error": error})
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        keys = p.parse_keys(await self._body(request))
+        for key in keys:
+            self.leases.note_delete(key)
+        return self._answer({"deleted": await self.store.delete_many(keys)})
+
+    async def _touch(self, request: web.Request) -> web.Response:
+        keys = p.parse_keys(await self._body(request))
+        await self.tier.touch_chain(keys)
+        return self._answer({})
+
+    async def _pin(self, request: web.Request) -> web.Response:
+        keys = p.parse_keys(await self._body(request))
+        pid = request["pid"]
+        if not self._watch(pid):
+            return self._answer({})
+        await self.store.pin(keys, tier=0)
+        self._pins.setdefault(pid, Counter()).update(keys)
+        return self._answer({})
+
+    async def _unpin(self, request: web.Request) -> web.Response:
+        keys = p.parse_keys(await self._body(request))
+        pins = self._pins.get(request["pid"], Counter())
+        held = [k for k in keys if pins[k] > 0]  # only this process's own pins
+        pins.subtract(held)
+        if held:
+            await self.store.unpin(held, tier=0)
+        return self._answer({})

@@ -1,0 +1,173 @@
+"""``KVTierConnector`` with ``tiers: ["local://NAME"]``, driven by vLLM fakes against a real
+`kvtier serve --shm NAME`: the worker runs no store of its own and moves each block once
+between the daemon's arena and the engine's pages."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.integrations.vllm_local import LocalLookups, LocalWorkerSide
+from tests.helpers.shm_helpers import Daemon, running_daemon
+from tests.helpers.vllm_fakes import BLOCK, Blocks, FakeEngine, Request, expected_block, new_step
+
+PROMPT = [(13 * i + 7) % 997 + 1 for i in range(22)]  # 5 full blocks of 4, plus 2 tokens
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    with running_daemon(tmp_path) as proc:
+        yield proc
+
+
+def _extra(proc: Daemon, **more: object) -> dict[str, object]:
+    return {"tiers": [f"local://{proc.shm_name}?timeout=2"], "model": "tiny-test", **more}
+
+
+def _store_threads() -> int:
+    return sum(t.name.startswith("kvtier-blocking-store") for t in threading.enumerate())
+
+
+def test_engine_b_loads_what_engine_a_saved_through_the_daemon(daemon: Daemon) -> None:
+    before = _store_threads()
+    a = FakeEngine(_extra(daemon))
+    assert isinstance(a.worker._worker, LocalWorkerSide)
+    # Neither side runs a store (a loop thread): both call the daemon's socket themselves.
+    assert isinstance(a.scheduler._planner.store, LocalLookups)  # type: ignore[union-attr]
+    assert _store_threads() == before
+    req = Request("a-1", PROMPT)
+    assert a.prefill(req, [3, 9, 4, 10, 5, 11]) == (0, False, set())
+    assert a.finish(req) == {"a-1"}  # reported once its blocks were committed
+    b = FakeEngine(_extra(daemon))
+    try:
+        ext, load_async, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
+        assert ext == 5 * BLOCK and errors == set() and not load_async
+        for index, block_id in enumerate([20, 2, 21, 1, 22]):
+            assert b.block_bytes(block_id) == expected_block(PROMPT, index)
+        assert b.finish(Request("b-1", PROMPT)) == set()  # nothing new to save
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_load_the_daemon_cannot_serve_is_a_load_error_and_not_promised_again(
+        daemon: Daemon) -> None:
+    a = FakeEngine(_extra(daemon))
+    a.prefill(Request("a-1", PROMPT), list(range(6)))
+    a.finish(Request("a-1", PROMPT))
+    a.close()
+    b = FakeEngine(_extra(daemon))
+    try:
+        req = Request("b-1", PROMPT)
+        ext, _ = b.scheduler.get_num_new_matched_tokens(req, 0)
+        assert ext == 5 * BLOCK
+        ids = [8, 9, 10, 11, 12, 13]
+        b.scheduler.update_state_after_alloc(req, Blocks(ids), ext)
+        daemon.signal(signal.SIGSTOP)  # hangs between the lookup and the load
+        try:
+            b.run_step(new_step(req, ids, ext, len(PROMPT) - ext))
+            _, errors = b.finish_step(req, ids, ext // BLOCK, len(PROMPT))
+        finally:
+            daemon.signal(signal.SIGCONT)
+        assert errors == {8, 9, 10, 11, 12}  # vLLM recomputes these
+        # The daemon still holds them, but the next ask does not promise them again at once.
+        again = Request("b-2", PROMPT)
+        assert b.scheduler.get_num_new_matched_tokens(again, 0) == (0, False)
+    finally:
+        b.close()
+
+
+def test_repeated_asks_for_one_request_give_one_answer_and_one_count(daemon: Daemon) -> None:
+    a = FakeEngine(_extra(daemon))
+    a.prefill(Request("a-1", PROMPT), list(range(6)))
+    a.finish(Request("a-1", PROMPT))
+    b = FakeEngine(_extra(daemon))
+    try:
+        planner = b.scheduler._planner
+        assert planner is not None
+        now = [100.0]
+        planner.clock = lambda: now[0]
+        req = Request("b-1", PROMPT)
+        answers = []
+        for _ in range(4):  # vLLM cannot schedule it yet: it asks at every step
+            answers.append(b.scheduler.get_num_new_matched_tokens(req, 0))
+            now[0] += 0.3  # past the reuse window too: asked again, counted once
+        assert answers == [(5 * BLOCK, False)] * 4
+        assert planner.misses.lookups == 1
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_prompt_vllm_already_caches_asks_the_daemon_nothing(daemon: Daemon) -> None:
+    b = FakeEngine(_extra(daemon))
+    try:
+        planner = b.scheduler._planner
+        assert planner is not None and planner.store is not None
+        daemon.signal(signal.SIGSTOP)  # any question would now cost its whole timeout
+        try:
+            assert b.scheduler.get_num_new_matched_tokens(Request("c", PROMPT), 20) == (0, False)
+        finally:
+            daemon.signal(signal.SIGCONT)
+        assert planner.misses.lookups == 0
+    finally:
+        b.close()
+
+
+def test_loads_and_saves_in_several_bounce_chunks(daemon: Daemon,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks move a chunk at a time through the bounce buffer (two blocks per chunk here):
+    every block lands in its own page, whatever chunk it was in."""
+    import kvtier.integrations.vllm_local as vllm_local
+
+    a = FakeEngine(_extra(daemon))
+    monkeypatch.setattr(vllm_local, "BOUNCE_BYTES", 2 * a.worker._worker._layers().block_bytes)
+    b = FakeEngine(_extra(daemon))
+    try:
+        a.prefill(Request("a-1", PROMPT), [3, 9, 4, 10, 5, 11])
+        assert a.finish(Request("a-1", PROMPT)) == {"a-1"}
+        ext, _, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
+        assert ext == 5 * BLOCK and errors == set()
+        for index, block_id in enumerate([20, 2, 21, 1, 22]):
+            assert b.block_bytes(block_id) == expected_block(PROMPT, index)
+    finally:
+        b.close()
+        a.close()
+
+
+def test_a_save_larger_than_the_arenas_spare_room_is_committed_in_rounds(
+        tmp_path: Path) -> None:
+    """A full daemon with room for 12 blocks and spare room for 13 takes an 18-block save in
+    two rounds (each commit lets it evict for the next)."""
+    import asyncio
+
+    from kvtier.tiers.local import LocalTier
+
+    block_bytes = 320  # the fake engine's block across its two layers
+    with running_daemon(tmp_path, None, f"{12 * block_bytes}&shm_staging={4 * block_bytes}",
+                        "--policy", "lru") as proc:
+        engine = FakeEngine(_extra(proc))
+        try:
+            assert engine.worker._worker._layers().block_bytes == block_bytes
+            first = [(11 * i + 5) % 997 + 1 for i in range(12 * BLOCK + 1)]
+            engine.prefill(Request("a-1", first), list(range(13)))
+            assert engine.finish(Request("a-1", first)) == {"a-1"}
+            second = [(17 * i + 3) % 991 + 1 for i in range(18 * BLOCK + 1)]
+            engine.prefill(Request("a-2", second), list(range(13, 32)))
+            assert engine.finish(Request("a-2", second)) == {"a-2"}
+
+            async def daemon_stats() -> dict[str, int]:
+                tier = LocalTier(proc.shm_name, timeout=5)
+                try:
+                    return await tier.daemon_stats()
+                finally:
+                    await tier.aclose()
+
+            stats = asyncio.run(daemon_stats())
+            assert stats["committed"] == 12 + 18 and stats["prepare_refused"] > 0
+        finally:
+            engine.close()
