@@ -25,7 +25,16 @@ owner and batch) whether they hold it, and pushes the block to those that do not
 * Of the holders a pass finds, only the first in the key's ring order pushes (the others
   see it holds the key and leave it): the refill of a member back empty is sent once.
 * Pushes are paced to a byte rate (``rate``), so a refill cannot starve client traffic.
-* Pushes only fill holes (``?fill=1``): a newer value that reached an owner stays.
+* Versions decide, not presence (:mod:`kvtier.peer.versions`): each owner is asked the
+  stamp it holds for each key (``POST /v1/batch/stamps``), and a copy is pushed, with its
+  stamp, only to owners whose block (or tombstone) is older, or who hold none; a node that
+  finds an owner holding something newer pushes nothing. The server applies the same rule
+  to every push (a newer value or tombstone that reached an owner meanwhile stays). So a
+  member restarted on its disk never pushes its stale blocks back over the overwrites and
+  deletes its co-owners took while it was down: they push theirs to it.
+* Tombstones are walked too: a delete an owner missed is pushed to it as a stamped
+  delete, and a tombstone every owner holds starts its grace period
+  (``kvtier serve --tombstone-grace``), after which it is dropped.
 * A pass that began while a member was down stops as soon as that member is back (counted
   in ``superseded``), and the next pass begins at once: otherwise the pass first pushes
   the member's whole share to the fallback members standing in for it, and the member's
@@ -184,6 +193,7 @@ class AntiEntropy:
         self.passed = asyncio.Event()
         server.track_keys()
         server.repair_stats = self.stats
+        server.settle_tombstones = False  # the passes say when every owner holds one
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -282,6 +292,8 @@ class AntiEntropy:
             raise error from None
         finally:
             done["passes" if keys is None else "rechecks"] = 1
+            done["tombstones_expired"] += self.server.versions.expire()
+            self.server.versions.flush()
             for name, n in done.items():
                 self.counts[name] += n
             self.passed.set()
@@ -343,10 +355,12 @@ class AntiEntropy:
         up to ``_SURVEY_AHEAD`` batches at once; drops the stand-in copies every owner
         holds, except those in ``written`` (stored here since the pass began)."""
         held = self.server.stored_keys
+        versions = self.server.versions
         if only is None:
-            keys = await self._owned_by_changed_first(list(held))
+            keys = await self._owned_by_changed_first(
+                list(held) + [k for k in versions.tombs if k not in held])
         else:
-            keys = [k for k in only if k in held]
+            keys = [k for k in only if k in held or k in versions.tombs]
         # Shared by the checkers: each takes the next batch when it is done with one.
         starts = iter(range(0, len(keys), self.batch))
 
@@ -356,12 +370,15 @@ class AntiEntropy:
                     return
                 chunk = keys[start:start + self.batch]
                 present = await self.server.segment.contains_many(chunk)
-                for key, here in zip(chunk, present, strict=True):
-                    if not here:  # evicted or deleted here: nothing to re-replicate
+                mine = {k: versions.state(k, here)
+                        for k, here in zip(chunk, present, strict=True)}
+                for key, (kind, _) in mine.items():
+                    if not kind:  # evicted here: nothing to re-replicate
                         held.pop(key, None)
-                chunk = [k for k, here in zip(chunk, present, strict=True) if here]
+                        versions.forget(key)
+                chunk = [k for k in chunk if mine[k][0]]
                 done["checked"] += len(chunk)
-                found, standins = await self._check_chunk(chunk, done)
+                found, standins = await self._check_chunk(chunk, mine, done)
                 queue.put(found)
                 if standins:
                     await self._drop_standins(standins, written, done)
@@ -400,10 +417,16 @@ class AntiEntropy:
         done["standins_waiting"] += len(again)
         self.waiting.update(again)
 
-    async def _check_chunk(self, chunk: list[bytes], done: dict[str, int]
+    async def _check_chunk(self, chunk: list[bytes], mine: dict[bytes, tuple[int, int]],
+                           done: dict[str, int]
                            ) -> tuple[list[tuple[int, bytes, list[str]]], list[bytes]]:
         """The chunk's keys to push (as :meth:`_survey`), and the stand-in copies here
-        that every owner holds (:meth:`_is_spare`)."""
+        that every owner holds at this node's stamp or newer (:meth:`_is_spare`).
+
+        ``mine``: this node's ``(kind, stamp)`` of each key. An owner holds a key when its
+        ``(stamp, kind)`` is at least this node's, misses it when less; a tombstone every
+        owner holds is settled (its grace period starts), and a stand-in tombstone so held
+        is left to expire, not dropped."""
         members = self.pool.members
         me = members.self_id
         owners = {key: members.owners_of(key, self.pool.replicas) for key in chunk}
@@ -412,19 +435,34 @@ class AntiEntropy:
             for owner in found:
                 if owner != me:
                     asked[owner].append(key)
-        answers = await asyncio.gather(*(self._holds(m, ks, done) for m, ks in asked.items()))
+        answers = await asyncio.gather(*(self._states(m, ks, done)
+                                         for m, ks in asked.items()))
         holds: dict[tuple[str, bytes], bool] = {}
-        for (member, ks), flags in zip(asked.items(), answers, strict=True):
-            for key, flag in zip(ks, flags, strict=True):
-                if flag is not None:  # None: the owner did not answer
-                    holds[member, key] = flag
+        newer: set[bytes] = set()  # keys an owner holds a newer block or tombstone of
+        for (member, ks), states in zip(asked.items(), answers, strict=True):
+            for key, state in zip(ks, states, strict=True):
+                if state is None:  # the owner did not answer
+                    continue
+                kind, stamp = mine[key]
+                theirs, ours = (state[1], state[0]), (stamp, kind)
+                holds[member, key] = theirs >= ours
+                if theirs > ours:
+                    newer.add(key)
         work = []
         spare = []
         for key in chunk:
             found = owners[key]
+            tomb = mine[key][0] == 2
             if me not in found and self._is_spare(found, holds, key, done):
-                spare.append(key)
+                if tomb:
+                    self.server.versions.settle(key, mine[key][1])
+                else:
+                    spare.append(key)
                 continue
+            if tomb and all(holds.get((m, key), False) for m in found if m != me):
+                self.server.versions.settle(key, mine[key][1])
+            if key in newer:
+                continue  # an owner holds a newer value or delete: it pushes, not this node
             holders = [m for m in found if m == me or holds.get((m, key), False)]
             # An owner that did not answer counts as missing nothing (this pass skips it).
             missing = [m for m in found if m != me and (m, key) in holds
@@ -459,10 +497,10 @@ class AntiEntropy:
         self.waiting.add(key)
         return False
 
-    async def _holds(self, member: str, keys: list[bytes], done: dict[str, int]
-                     ) -> list[bool | None]:
+    async def _states(self, member: str, keys: list[bytes], done: dict[str, int]
+                      ) -> list[tuple[int, int] | None]:
         try:
-            return list(await self.pool.members.client(member).exists_many(keys))
+            return list(await self.pool.members.client(member).stamps_many(keys))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # this owner is skipped until the next pass
@@ -472,17 +510,44 @@ class AntiEntropy:
 
     async def _push_round(self, work: list[tuple[int, bytes, list[str]]],
                           done: dict[str, int]) -> None:
+        versions = self.server.versions
+        # The stamps are read before the blocks: a write landing meanwhile makes the block
+        # pushed newer than its stamp says, never older (the receiver keeps the newer).
+        tombs = [(key, missing, versions.tombs[key][0]) for _, key, missing in work
+                 if key in versions.tombs]
+        work = [item for item in work if item[1] not in versions.tombs]
+        stamps = [versions.stamps.get(key, 0) for _, key, _ in work]
         blocks = await self.server.segment.get_many([key for _, key, _ in work])
-        plan: dict[str, list[tuple[bytes, EncodedFrame]]] = defaultdict(list)
-        for (_, key, missing), block in zip(work, blocks, strict=True):
+        plan: dict[str, list[tuple[bytes, EncodedFrame, int]]] = defaultdict(list)
+        for (_, key, missing), block, stamp in zip(work, blocks, stamps, strict=True):
             if block is None:
                 continue  # evicted since the survey
             frame = encode_frame(block, key=key)
             for member in missing:
-                plan[member].append((key, frame))
-        await asyncio.gather(*(self._push(m, items, done) for m, items in plan.items()))
+                plan[member].append((key, frame, stamp))
+        deletes: dict[str, list[tuple[bytes, int]]] = defaultdict(list)
+        for key, missing, stamp in tombs:
+            for member in missing:
+                deletes[member].append((key, stamp))
+        await asyncio.gather(*(self._push(m, items, done) for m, items in plan.items()),
+                             *(self._push_deletes(m, items, done)
+                               for m, items in deletes.items()))
 
-    async def _push(self, member: str, items: list[tuple[bytes, EncodedFrame]],
+    async def _push_deletes(self, member: str, items: list[tuple[bytes, int]],
+                            done: dict[str, int]) -> None:
+        """Send ``member`` the deletes it missed, with their stamps."""
+        try:
+            await self.pool.members.client(member).delete_many(
+                [k for k, _ in items], stamps=[s for _, s in items])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # this owner is skipped until the next pass
+            done["failed"] += 1
+            log.debug("anti-entropy: deletes to %s failed: %s", member, exc)
+            return
+        done["tombstones_pushed"] += len(items)
+
+    async def _push(self, member: str, items: list[tuple[bytes, EncodedFrame, int]],
                     done: dict[str, int]) -> None:
         client = self.pool.members.client(member)
         start = 0
@@ -494,8 +559,10 @@ class AntiEntropy:
                 end += 1
             await self.pacer.take(size)
             try:
-                # fill=True: a newer value that reached the owner meanwhile stays.
-                await client.put_many(items[start:end], fill=True)
+                # Stamped: a newer value or delete that reached the owner meanwhile stays
+                # (fill=True keeps that so on a server of before stamps, too).
+                await client.put_many([(k, f) for k, f, _ in items[start:end]], fill=True,
+                                      stamps=[s for _, _, s in items[start:end]])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # this owner is skipped until the next pass
@@ -512,6 +579,7 @@ class AntiEntropy:
         ``superseded`` (passes stopped because a member down at their start came back),
         ``standins_pruned`` (stand-in copies dropped once every owner held them),
         ``standins_waiting`` (stand-in copies kept for an owner's refill, checked again),
-        ``rechecks`` (checks of those alone), and ``paced_s`` (seconds pushes waited for
-        the byte budget)."""
+        ``rechecks`` (checks of those alone), ``tombstones_pushed`` (deletes sent to owners
+        that missed them), ``tombstones_expired`` (dropped past their grace period), and
+        ``paced_s`` (seconds pushes waited for the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}

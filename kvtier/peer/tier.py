@@ -36,6 +36,7 @@ from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
 from kvtier.peer.tls import client_context
+from kvtier.peer.versions import HybridClock, stamped
 from kvtier.tiers.base import Block, Tier
 from kvtier.urls import (
     merge_options,
@@ -247,6 +248,7 @@ class PeerTier(Tier):
         # Keys already checked on every current owner, with the change count then.
         self._verified: OrderedDict[bytes, int] = OrderedDict()
         self._hints = Hints()
+        self._clock = HybridClock()
         self._stragglers: set[asyncio.Task[Any]] = set()  # hedged reads' slower requests
         self.members.on_rejoin = self._hand_over
 
@@ -477,7 +479,21 @@ class PeerTier(Tier):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    # Every copy of one put or delete carries one stamp of this client's clock
+    # (kvtier.peer.versions): a member back from a crash then loses to it.
     async def _put(self, key: bytes, block: Block) -> None:
+        with stamped(self._clock.next()):
+            await self._put_once(key, block)
+
+    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+        with stamped(self._clock.next()):
+            await self._put_many_once(items)
+
+    async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with stamped(self._clock.next()):
+            return await self._delete_many_once(keys)
+
+    async def _put_once(self, key: bytes, block: Block) -> None:
         await self._start()
         frame = await self._encode(key, block)
         order = self._order(key)
@@ -890,7 +906,7 @@ class PeerTier(Tier):
                               f"no member answered (down, failed or slower than "
                               f"timeout={self.timeout:g}s)")
 
-    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+    async def _put_many_once(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._start()
         frames = [await self._encode(key, block) for key, block in items]
         orders = [self._order(k) for k, _ in items]
@@ -939,7 +955,7 @@ class PeerTier(Tier):
         """Batch puts of ``frames`` onto ``member`` (``fill``: only those it lacks)."""
         await self.members.client(member).put_many(frames, fill=fill)
 
-    async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+    async def _delete_many_once(self, keys: Sequence[bytes]) -> list[bool]:
         # Copies may sit on fallback owners written while an owner was down: ask every member.
         await self._start()
         members = [m for m in self.members.members if self.members.alive(m)]
