@@ -10,9 +10,11 @@ owner and batch) whether they hold it, and pushes the block to those that do not
 ``kvtier serve --pool POOL_URL`` runs it by default.
 
 * A pass runs only when the membership changed (a member failed, restarted, joined or left,
-  as this node's health probes see it) since the last pass that reached every owner: a quiet
-  pool costs nothing. A pass starts within a quarter second of a change; one that failed
-  (an owner did not answer) is retried every ``interval`` seconds until the next change.
+  as this node's health probes see it) since the last pass that reached every owner, or
+  when this node was stopped for over a second (SIGSTOP, a paused VM: its co-owners took
+  writes it missed, maybe without marking it down): a quiet pool costs nothing. A pass
+  starts within a quarter second of a change; one that failed (an owner did not answer)
+  is retried every ``interval`` seconds until the next change.
 * It covers the blocks stored through this server since it started and the blocks its
   segment found on disk when it started (a warm restart: an LMDB segment reopened).
 * Pushes start as soon as the first keys are checked, not after the whole walk: the survey
@@ -31,7 +33,9 @@ owner and batch) whether they hold it, and pushes the block to those that do not
   finds an owner holding something newer pushes nothing. The server applies the same rule
   to every push (a newer value or tombstone that reached an owner meanwhile stays). So a
   member restarted on its disk never pushes its stale blocks back over the overwrites and
-  deletes its co-owners took while it was down: they push theirs to it.
+  deletes its co-owners took while it was down: it takes theirs (the keys an owner holds
+  newer are read from it, or their tombstones applied, in the pass), and their passes
+  push theirs to it.
 * Tombstones are walked too: a delete an owner missed is pushed to it as a stamped
   delete, and a tombstone every owner holds starts its grace period
   (``kvtier serve --tombstone-grace``), after which it is dropped.
@@ -60,7 +64,7 @@ import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from kvtier.codec import encode_frame
+from kvtier.codec import KEYED_FORMAT_VERSION, encode_frame, parse_header
 
 if TYPE_CHECKING:
     from kvtier.codec import EncodedFrame
@@ -74,6 +78,9 @@ log = logging.getLogger("kvtier.peer.repair")
 #: Default push budget of a pass in bytes per second (``kvtier serve --repair-rate``).
 DEFAULT_REPAIR_RATE = 64 << 20
 _WATCH = 0.25  # seconds between looks at the membership's change count (a pass follows one)
+# A look that comes this many seconds late means this process was stopped (SIGSTOP, a VM
+# pause) or starved: writes went to its co-owners meanwhile, and a pass takes them.
+_STALL = 1.0
 _PUSH_BYTES = 2 << 20  # most frame bytes per push request (each bounded by the pool timeout)
 _PROBE_KEY = b"\0kvtier-anti-entropy-probe"  # a presence check that opens a lazy tier
 _SURVEY_AHEAD = 4  # batches a pass checks at once (a recheck checks one at a time)
@@ -238,10 +245,16 @@ class AntiEntropy:
         tried_at = -1  # change count when the last pass began
         began = -float("inf")  # when the last pass began
         rechecked = -float("inf")  # when the stand-ins a pass kept were last checked again
+        looked = time.monotonic()
         while True:
             await asyncio.sleep(_WATCH)
             seen = self.pool.members.change_count
             now = time.monotonic()
+            if now - looked > _WATCH + _STALL:
+                # Stopped for a while: nobody saw this node fail, but it missed writes.
+                self.counts["stalls"] += 1
+                clean_at = -1
+            looked = now
             try:
                 # Nobody failed, restarted, joined or left since a pass that reached every
                 # owner: every put since then reached its owners too. A pass runs after a
@@ -378,7 +391,9 @@ class AntiEntropy:
                         versions.forget(key)
                 chunk = [k for k in chunk if mine[k][0]]
                 done["checked"] += len(chunk)
-                found, standins = await self._check_chunk(chunk, mine, done)
+                found, standins, newer = await self._check_chunk(chunk, mine, done)
+                if newer:
+                    await self._adopt(newer, done)
                 queue.put(found)
                 if standins:
                     await self._drop_standins(standins, written, done)
@@ -419,14 +434,17 @@ class AntiEntropy:
 
     async def _check_chunk(self, chunk: list[bytes], mine: dict[bytes, tuple[int, int]],
                            done: dict[str, int]
-                           ) -> tuple[list[tuple[int, bytes, list[str]]], list[bytes]]:
+                           ) -> tuple[list[tuple[int, bytes, list[str]]], list[bytes],
+                                      dict[bytes, tuple[str, int, int]]]:
         """The chunk's keys to push (as :meth:`_survey`), and the stand-in copies here
         that every owner holds at this node's stamp or newer (:meth:`_is_spare`).
 
         ``mine``: this node's ``(kind, stamp)`` of each key. An owner holds a key when its
         ``(stamp, kind)`` is at least this node's, misses it when less; a tombstone every
         owner holds is settled (its grace period starts), and a stand-in tombstone so held
-        is left to expire, not dropped."""
+        is left to expire, not dropped. The third result: for each key an owner holds a
+        newer block or tombstone of, the owner holding the newest and its ``(kind,
+        stamp)``, for :meth:`_adopt`."""
         members = self.pool.members
         me = members.self_id
         owners = {key: members.owners_of(key, self.pool.replicas) for key in chunk}
@@ -438,7 +456,8 @@ class AntiEntropy:
         answers = await asyncio.gather(*(self._states(m, ks, done)
                                          for m, ks in asked.items()))
         holds: dict[tuple[str, bytes], bool] = {}
-        newer: set[bytes] = set()  # keys an owner holds a newer block or tombstone of
+        # Keys an owner holds a newer block or tombstone of: (that owner, kind, stamp).
+        newer: dict[bytes, tuple[str, int, int]] = {}
         for (member, ks), states in zip(asked.items(), answers, strict=True):
             for key, state in zip(ks, states, strict=True):
                 if state is None:  # the owner did not answer
@@ -446,8 +465,9 @@ class AntiEntropy:
                 kind, stamp = mine[key]
                 theirs, ours = (state[1], state[0]), (stamp, kind)
                 holds[member, key] = theirs >= ours
-                if theirs > ours:
-                    newer.add(key)
+                best = newer.get(key)
+                if theirs > ours and (best is None or theirs > (best[2], best[1])):
+                    newer[key] = (member, state[0], state[1])
         work = []
         spare = []
         for key in chunk:
@@ -475,7 +495,46 @@ class AntiEntropy:
             if copies < self.pool.replicas:
                 done["under_replicated"] += 1
             work.append((copies, key, missing))
-        return work, spare
+        return work, spare, newer
+
+    async def _adopt(self, newer: dict[bytes, tuple[str, int, int]],
+                     done: dict[str, int]) -> None:
+        """Take the newer blocks and tombstones owners hold of keys this node holds older
+        (a member back from a crash or a freeze, which missed overwrites and deletes): the
+        tombstones are applied here, the blocks read from their owner and stored here
+        with its stamp. Every write goes through the server's rule (only if newer)."""
+        server = self.server
+        reads: dict[str, list[tuple[bytes, int]]] = defaultdict(list)
+        for key, (member, kind, stamp) in newer.items():
+            if kind == 2:
+                async with server.write_order.turn((key,)):
+                    server.stored_keys.pop(key, None)
+                    server.frames.forget(key)
+                    await server.delete_stamped(key, stamp)
+                done["tombstones_adopted"] += 1
+            else:
+                reads[member].append((key, stamp))
+        for member, items in reads.items():
+            try:
+                frames = await self.pool.members.client(member).get_many(
+                    [k for k, _ in items])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # this owner is skipped until the next pass
+                done["failed"] += 1
+                log.debug("anti-entropy: reading newer blocks from %s failed: %s",
+                          member, exc)
+                continue
+            for (key, stamp), frame in zip(items, frames, strict=True):
+                if frame is None or parse_header(frame).version != KEYED_FORMAT_VERSION:
+                    continue  # gone since, or not bound to its key: the next pass sees
+                block = await server.decode(key, frame)
+                async with server.write_order.turn((key,)):
+                    landed = await server.put_stamped(key, block, stamp, False)
+                if landed:
+                    server.stored((key,))
+                    done["adopted"] += 1
+        server.versions.flush()
 
     def _is_spare(self, owners: list[str], holds: dict[tuple[str, bytes], bool], key: bytes,
                   done: dict[str, int]) -> bool:
@@ -579,7 +638,10 @@ class AntiEntropy:
         ``superseded`` (passes stopped because a member down at their start came back),
         ``standins_pruned`` (stand-in copies dropped once every owner held them),
         ``standins_waiting`` (stand-in copies kept for an owner's refill, checked again),
-        ``rechecks`` (checks of those alone), ``tombstones_pushed`` (deletes sent to owners
-        that missed them), ``tombstones_expired`` (dropped past their grace period), and
+        ``rechecks`` (checks of those alone), ``stalls`` (times this node found it had been
+        stopped, see :data:`_STALL`), ``tombstones_pushed`` (deletes sent to owners
+        that missed them), ``adopted`` and ``tombstones_adopted`` (newer blocks and deletes
+        taken from an owner, over older ones held here), ``tombstones_expired`` (dropped
+        past their grace period), and
         ``paced_s`` (seconds pushes waited for the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}
