@@ -36,7 +36,7 @@ from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
 from kvtier.peer.tls import client_context
-from kvtier.peer.versions import HybridClock, stamped
+from kvtier.peer.versions import HybridClock, stamped, write_stamp
 from kvtier.tiers.base import Block, Tier
 from kvtier.urls import (
     merge_options,
@@ -251,6 +251,7 @@ class PeerTier(Tier):
         self._clock = HybridClock()
         self._stragglers: set[asyncio.Task[Any]] = set()  # hedged reads' slower requests
         self.members.on_rejoin = self._hand_over
+        self.members.on_leave = self._retarget_hints
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -551,14 +552,50 @@ class PeerTier(Tier):
         and never the only one."""
         return self.ack == "all" and copies >= max(1, need - 1) and copies + hinted >= need
 
+    def _hint_missed_deletes(self, keys: Sequence[bytes], failed: set[str]) -> None:
+        """Hint the stamped delete of ``keys`` to each owner out of the path or in
+        ``failed`` (it did not answer): handed over when it is back, so its old copy does
+        not outlive the delete until an anti-entropy pass."""
+        stamp = write_stamp.get()
+        if stamp is None:
+            return
+        for key in keys:
+            for owner in self.members.ring.owners(key, self.replicas):
+                if owner != self.members.self_id and (owner in failed
+                                                      or not self.members.alive(owner)):
+                    self._hints.add_delete(owner, key, stamp)
+
+    def _retarget_hints(self, gone: set[str]) -> None:
+        """Members left the ring: their hints go to the keys' new owners at once."""
+        for member in self._hints.retarget(
+                gone, lambda key: self.members.ring.owners(key, self.replicas)):
+            if self.members.alive(member) and not self._is_local(member):
+                self._hand_over(member)
+
     def _hand_over(self, member: str) -> None:
         """``member`` is back (rejoined, or answered after failures): copy its hinted keys
-        to it, in the background."""
+        and send its hinted deletes to it, in the background."""
         keys = self._hints.take(member)
-        if keys:
-            task = asyncio.create_task(self._hand_over_keys(member, keys))
+        deletes = self._hints.take_deletes(member)
+        for work in ([self._hand_over_keys(member, keys)] if keys else []) + \
+                ([self._hand_over_deletes(member, deletes)] if deletes else []):
+            task = asyncio.create_task(work)
             self._repairs.add(task)
             task.add_done_callback(self._repairs.discard)
+
+    async def _hand_over_deletes(self, member: str, items: list[tuple[bytes, int]]) -> None:
+        """Send ``member`` the deletes it missed, each with its stamp (applied only where
+        newer than what it holds); a batch it fails stays hinted."""
+        for start in range(0, len(items), _HANDOFF_BATCH):
+            chunk = items[start:start + _HANDOFF_BATCH]
+            reply = await self._call(member, "handoff", partial(
+                self.members.client(member).delete_many, [k for k, _ in chunk],
+                stamps=[s for _, s in chunk]), len(chunk))
+            if reply is FAILED:
+                for key, stamp in items[start:]:
+                    self._hints.add_delete(member, key, stamp)
+                return
+            self.counts["hinted_deletes_handed_over"] += len(chunk)
 
     async def _hand_over_keys(self, member: str, keys: list[bytes]) -> None:
         """Ask ``member`` which hinted keys it lacks, read those through the pool, and store
@@ -970,6 +1007,8 @@ class PeerTier(Tier):
 
         replies = await asyncio.gather(*(self._call(m, "delete", lambda m=m: one(m))  # type: ignore[misc]
                                          for m in members))
+        self._hint_missed_deletes(keys, {m for m, r in zip(members, replies, strict=True)
+                                         if not isinstance(r, list)})
         out = [False] * len(keys)
         for reply in replies:
             if isinstance(reply, list):
