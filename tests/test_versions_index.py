@@ -4,6 +4,7 @@ keeps them across restarts, and the previous protocol's clients and servers."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -154,3 +155,35 @@ def test_stamp_headers_parse_strictly() -> None:
     for bad in ("", "1,2", "-1", "x", str(1 << 64)):
         with pytest.raises(ValueError, match=STAMP_HEADER):
             parse_stamps(bad, 3)
+
+
+async def test_tombstones_settle_and_expire_in_a_quiet_pool() -> None:
+    # Before: no pass runs in a quiet pool, so no tombstone ever settled or expired.
+    from kvtier.peer.repair import AntiEntropy
+    from kvtier.peer.tier import PeerTier
+    from tests.helpers.peer_helpers import peer_servers, pool_url
+
+    async with peer_servers(2) as servers:
+        members = [s.member_id for s in servers]
+        for s in servers:
+            s.versions.grace = 0.0
+        repairs = [AntiEntropy(s, PeerTier.from_url(pool_url(members, replicas=2),
+                                                    self=s.member_id, local=s.segment),
+                               interval=0.2) for s in servers]
+        try:
+            for repair in repairs:
+                await repair.start()
+            async with PeerTier.from_url(pool_url(members, replicas=2)) as tier:
+                await tier.put(KEY, block(1))
+                assert await tier.delete(KEY)
+            assert all(KEY in s.versions.tombs for s in servers)
+            for _ in range(200):
+                if not any(s.versions.tombs for s in servers):
+                    break
+                await asyncio.sleep(0.05)
+            assert [len(s.versions.tombs) for s in servers] == [0, 0]
+            # (grace 0: one may expire before the other settled, and be pushed once more)
+            assert sum(r.counts["tombstones_expired"] for r in repairs) >= 2
+        finally:
+            for repair in repairs:
+                await repair.close()

@@ -264,15 +264,24 @@ class AntiEntropy:
                     done = await self.run_pass()
                     if not done.get("failed") and not done.get("superseded"):
                         clean_at = seen
-                elif self.waiting and now - max(began, rechecked) >= self.interval:
+                elif now - max(began, rechecked) >= self.interval and (
+                        recheck := self._recheck_keys()):
                     # The stand-in copies a pass kept for an owner's refill (or for the
-                    # ring to settle) are checked again every interval, not every key held.
+                    # ring to settle), and the tombstones not every owner is known to
+                    # hold, are checked again every interval, not every key held.
                     rechecked = now
-                    await self.run_pass(list(self.waiting))
+                    await self.run_pass(recheck)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("anti-entropy pass failed; retrying in %.1f s", self.interval)
+
+    def _recheck_keys(self) -> list[bytes]:
+        """The keys a recheck looks at: the stand-ins kept waiting, and the tombstones
+        whose grace period has not started (so that, in a quiet pool, they settle and
+        expire instead of piling up)."""
+        unsettled = [k for k, (_, when) in self.server.versions.tombs.items() if not when]
+        return list(self.waiting) + [k for k in unsettled if k not in self.waiting]
 
     async def run_pass(self, keys: list[bytes] | None = None) -> dict[str, int]:
         """Check every key this node holds (or only ``keys``: counted as a ``recheck``, not
