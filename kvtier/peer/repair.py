@@ -245,7 +245,7 @@ class AntiEntropy:
         tried_at = -1  # change count when the last pass began
         began = -float("inf")  # when the last pass began
         rechecked = -float("inf")  # when the stand-ins a pass kept were last checked again
-        looked = time.monotonic()
+        looked = expired = time.monotonic()
         while True:
             await asyncio.sleep(_WATCH)
             seen = self.pool.members.change_count
@@ -255,6 +255,10 @@ class AntiEntropy:
                 self.counts["stalls"] += 1
                 clean_at = -1
             looked = now
+            if now - expired >= self.interval:  # settled tombstones past their grace go
+                expired = now
+                self.counts["tombstones_expired"] += self.server.versions.expire()
+                self.server.versions.flush()
             try:
                 # Nobody failed, restarted, joined or left since a pass that reached every
                 # owner: every put since then reached its owners too. A pass runs after a
