@@ -70,6 +70,8 @@ def parse_stamps(value: str | bytes | None, count: int) -> list[int] | None:
     if value is None:
         return None
     text = value.decode("latin-1") if isinstance(value, bytes) else value
+    if text.isdigit() and len(text) < 20:  # the common case: one stamp, below 2**64
+        return [int(text)] * count
     parts = text.split(",")
     if len(parts) not in (1, count) or any(not p.strip().isdigit() or len(p.strip()) > 20
                                            for p in parts):
@@ -165,7 +167,8 @@ class Versions:
         if self.tombs.pop(key, None) is not None or self.stamps.get(key) != stamp:
             self.stamps.pop(key, None)
             self.stamps[key] = stamp
-            self._log(_VALUE, key, stamp, 0.0)
+            if self._path is not None:
+                self._log(_VALUE, key, stamp, 0.0)
             if len(self.stamps) > self.max_entries:
                 old = next(iter(self.stamps))
                 del self.stamps[old]
