@@ -195,12 +195,13 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
         parse_size(args.repair_reserve, "--repair-reserve")
     from kvtier.peer.versions import Versions
 
-    try:
-        versions = Versions(versions_path(args), grace=args.tombstone_grace)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--versions: cannot open the stamps log: {exc}") from None
     store = await open_store(args.tier, tier_options=segment_policy(args.tier, args.policy))
     try:
+        # After the store: a tier's own error about its directory comes first.
+        try:
+            versions = Versions(versions_path(args), grace=args.tombstone_grace)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--versions: cannot open the stamps log: {exc}") from None
         server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,
                             limits=limits, ssl_context=ctx,
                             insecure_no_auth=args.insecure_no_auth, close_segment=True,
