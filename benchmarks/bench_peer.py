@@ -7,6 +7,10 @@ is this process. Cells, for 64 KiB / 1 MiB / 4 MiB blocks at concurrency 1 / 8 /
   (checksummed frames, bearer token, DRAM segment); ``peer batch16 get``: one ``get_many``
   of 16 blocks (one request). The ``, aiohttp server`` variants run against a second
   ``kvtier serve --no-data-plane``: the same server with every request through aiohttp.
+- ``peer get, baseline server`` / ``peer put, baseline server`` (with ``--baseline DIR``):
+  the same client against a ``kvtier serve`` run from another source tree (say ``git
+  archive main``), so a server-side change (stamps and tombstones, say) is measured against
+  the code before it in the same run; this client sends its stamps there too (ignored).
 - ``tcp proto get``: raw asyncio TCP, BufferedProtocol receiving into a preallocated buffer
   (the ceiling for an asyncio peer).
 - ``aiohttp get`` / ``aiohttp put``: bare aiohttp server and client moving the same bytes
@@ -21,7 +25,7 @@ is this process. Cells, for 64 KiB / 1 MiB / 4 MiB blocks at concurrency 1 / 8 /
   ``mooncake.store`` is missing).
 
 Usage: ``python -m benchmarks.bench_peer [--quick] [--json FILE] [--profile] [--sizes 1MiB,..]
-[--mooncake auto|off|PATH]``.
+[--mooncake auto|off|PATH] [--baseline DIR]``.
 """
 
 from __future__ import annotations
@@ -148,9 +152,10 @@ def stop_child(proc: subprocess.Popen[str]) -> None:
 
 
 @contextlib.contextmanager
-def _child(args: list[str], ready: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+def _child(args: list[str], ready: str, tree: Path = REPO
+           ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen(args, cwd=tree, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None
@@ -251,7 +256,8 @@ class _Profiler:
 
 
 async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
-                   server_loop: str = "auto", mooncake: Path | None = None) -> list[Result]:
+                   server_loop: str = "auto", mooncake: Path | None = None,
+                   baseline: Path | None = None) -> list[Result]:
     """All servers up at once; for each size and concurrency the systems run back to back,
     round robin for 3 repetitions (the median is kept), so every ratio compares cells
     measured seconds apart (the machine drifts up to 2x between periods). The Mooncake
@@ -287,13 +293,20 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
         proc, line = stack.enter_context(_child([*serve, "--no-data-plane"], "listening on"))
         server_pid[", aiohttp server"] = proc.pid
         aio_member = line.split("listening on ")[1].split()[0]
+        base_member = None
+        if baseline is not None:  # the same server from another source tree
+            proc, line = stack.enter_context(_child(serve, "listening on", baseline))
+            server_pid[", baseline server"] = proc.pid
+            base_member = line.split("listening on ")[1].split()[0]
         proc, line = stack.enter_context(_child([*module, "_serve_raw"], "READY"))
         raw_port, server_pid["tcp"] = int(line.split()[1]), proc.pid
         proc, line = stack.enter_context(_child([*module, "_serve_aiohttp"], "READY"))
         http_port, server_pid["aiohttp"] = int(line.split()[1]), proc.pid
         tier = PeerTier.from_url(f"peers://{member}?token={TOKEN}&timeout=30")
         aio_tier = PeerTier.from_url(f"peers://{aio_member}?token={TOKEN}&timeout=30")
-        async with tier, aio_tier, _redis(_free_port()) as rds, aiohttp.ClientSession(
+        base_tier = PeerTier.from_url(f"peers://{base_member or member}?token={TOKEN}"
+                                      "&timeout=30")
+        async with tier, aio_tier, base_tier, _redis(_free_port()) as rds, aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=64)) as http:
             async def fetch(url: str) -> bytes:
                 async with http.get(url) as r:
@@ -311,6 +324,7 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                 body = blocks[0].tobytes()
                 await tier.put_many(list(zip(keys, blocks, strict=True)))
                 await aio_tier.put_many(list(zip(keys, blocks, strict=True)))
+                await base_tier.put_many(list(zip(keys, blocks, strict=True)))
                 if rds is not None:
                     await rds.set(f"k{label}", body)  # type: ignore[attr-defined]
                 plain = f"http://{HOST}:{http_port}/b/{nbytes}"
@@ -334,6 +348,13 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                         ("peer put, aiohttp server", nbytes, lambda w, k=keys, b=blocks:
                             lambda: aio_tier.put(k[w % 16], b[w % 16])),
                     ]
+                    if base_member is not None:
+                        cells += [
+                            ("peer get, baseline server", nbytes,
+                                lambda w, k=keys: lambda: base_tier.get(k[w % 16])),
+                            ("peer put, baseline server", nbytes, lambda w, k=keys, b=blocks:
+                                lambda: base_tier.put(k[w % 16], b[w % 16])),
+                        ]
                     if rds is not None:
                         cells += [
                             ("redis get", nbytes, lambda w, k=f"k{label}": lambda: rds.get(k)),  # type: ignore[attr-defined]
@@ -375,7 +396,10 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
 def _server_of(case: str, pids: dict[str, int]) -> int | None:
     """The child process serving ``case`` (``None`` for Redis, whose CPU is not compared)."""
     if case.startswith("peer"):
-        return pids[", aiohttp server" if case.endswith(", aiohttp server") else ""]
+        for variant in (", aiohttp server", ", baseline server"):
+            if case.endswith(variant):
+                return pids[variant]
+        return pids[""]
     if case == "tcp proto get":
         return pids["tcp"]
     return pids["aiohttp"] if case.startswith("aiohttp") else None
@@ -428,7 +452,8 @@ def _attach_ratios(results: list[Result]) -> None:
              "aiohttp get": "tcp proto get", "mooncake get_into": "aiohttp get",
              "mooncake batch_get_into": "mooncake get_into",
              "peer get, aiohttp server": "aiohttp get", "peer put, aiohttp server": "aiohttp put",
-             "peer batch16 get, aiohttp server": "peer get, aiohttp server"}
+             "peer batch16 get, aiohttp server": "peer get, aiohttp server",
+             "peer get, baseline server": "peer get", "peer put, baseline server": "peer put"}
     # Printed after the first ratio: the peer reads against Mooncake's matching reads.
     second = {"peer get": "mooncake get_into", "peer batch16 get": "mooncake batch_get_into"}
     for r in results:
@@ -447,6 +472,8 @@ def _targets(results: list[Result]) -> list[str]:
                              ("peer get", "tcp proto get", 0.6),
                              ("peer get", "peer get, aiohttp server", None),
                              ("peer put", "peer put, aiohttp server", None),
+                             ("peer get", "peer get, baseline server", None),
+                             ("peer put", "peer put, baseline server", None),
                              ("peer batch16 get", "peer batch16 get, aiohttp server", None),
                              ("peer batch16 get", "redis get", None),
                              ("peer batch16 get", "mooncake batch_get_into", 1.3),
@@ -464,22 +491,25 @@ def _targets(results: list[Result]) -> list[str]:
 
 
 def run(quick: bool = False, profile: bool = False, sizes: dict[str, int] | None = None,
-        server_loop: str = "auto", mooncake: str = "auto") -> list[Result]:
+        server_loop: str = "auto", mooncake: str = "auto",
+        baseline: Path | None = None) -> list[Result]:
     """Run every cell (for ``sizes``, default all of SIZES; ``kvtier serve --loop
     server_loop``; the Mooncake cells per ``mooncake``: ``auto``, ``off`` or the path of
-    ``bench_mooncake.py``) and return the results (ratios attached)."""
+    ``bench_mooncake.py``; ``baseline``: a source tree whose ``kvtier serve`` the baseline
+    server cells run against) and return the results (ratios attached)."""
     script, why = mooncake_baseline.resolve(mooncake)
     if script is None:
         print(f"mooncake baseline: skipped: {why}")
     results = asyncio.run(_run_all(quick, profile, SIZES if sizes is None else sizes,
-                                   server_loop, script))
+                                   server_loop, script, baseline))
     _attach_ratios(results)
     return results
 
 
 def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     sizes = {label: SIZES[label] for label in args.sizes}
-    results = run(args.quick, args.profile, sizes, args.server_loop, args.mooncake)
+    results = run(args.quick, args.profile, sizes, args.server_loop, args.mooncake,
+                  args.baseline)
     for label in sizes:
         rows = sorted((r for r in results if r.size == label),
                       key=lambda r: (r.concurrency, r.case))
@@ -505,6 +535,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
                         help="Mooncake Store baseline: run bench_mooncake.py at PATH, or "
                              "(auto) ../shared/bench/bench_mooncake.py from the repository "
                              "root when it exists and mooncake.store imports; off: skip it")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help="also run the peer get/put cells against a kvtier serve from "
+                             "this source tree (e.g. git archive main | tar -x -C DIR)")
 
 
 def _sizes(text: str) -> list[str]:

@@ -8,7 +8,9 @@ N servers (`kvtier serve --pool`, anti-entropy on, DRAM segments) run on loopbac
 process runs `--concurrency` workers over `--clients` long-lived stores on ``peers://``
 (``ack=all``), paced to `--rate` operations per second (a rate above what the box serves is
 the overload setting; the table shows the rate reached): half put a new key, half get an
-acknowledged one and check its bytes. Every `--chaos-interval` seconds the chaos loop either
+acknowledged one and check its bytes; of those, `--overwrites` and `--deletes` (a share each)
+overwrite an acknowledged key with a second value or delete it instead. Every
+`--chaos-interval` seconds the chaos loop either
 SIGKILLs `--down-together` random servers and restarts them (empty: DRAM only) or SIGSTOPs
 one for `--stop-seconds` and resumes it.
 
@@ -29,7 +31,9 @@ every other unreadable key is a loss replication should have prevented. A second
 shows each server's DRAM evictions and blocks and its anti-entropy counters (from
 ``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be 0.
 Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier holds
-(the data it was given).
+(the data it was given). Overwrites and deletes are checked at the end by the fresh
+client: no acknowledged overwrite may read its first value ("stale"), no acknowledged
+delete may read back ("undone"); an overwrite or delete that raised is left out.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ _LISTEN = re.compile(r"kvtier serve listening on (\S+)")
 def block_for(key: bytes, nbytes: int) -> np.ndarray:
     """The block stored under ``key``: bytes that derive from the key alone."""
     return np.frombuffer(hashlib.shake_128(key).digest(nbytes), dtype=np.uint8)
+
+
+def second_block_for(key: bytes, nbytes: int) -> np.ndarray:
+    """The value an overwrite stores under ``key`` (another than :func:`block_for`'s)."""
+    return np.frombuffer(hashlib.shake_128(b"overwrite:" + key).digest(nbytes),
+                         dtype=np.uint8)
 
 
 def _free_port() -> int:
@@ -208,6 +218,9 @@ class Tally:
     put_lat: list[float] = field(default_factory=list)
     get_lat: list[float] = field(default_factory=list)
     kills: list[tuple[float, int]] = field(default_factory=list)
+    overwritten: dict[bytes, float] = field(default_factory=dict)  # key -> overwrite ack
+    deleted: dict[bytes, float] = field(default_factory=dict)  # key -> delete ack
+    write_errors: int = 0  # overwrites and deletes that raised (their keys left out)
     # (time, server, "kill" | "end", its figures just before): see FIGURES
     figures: list[tuple[float, int, str, dict[str, float]]] = field(default_factory=list)
     stops: int = 0
@@ -230,6 +243,24 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
             next_at += interval
             if args.chain > 1:
                 await _chain_op(store, tally, args, rng, next(counter))
+            elif keys and rng.random() < args.overwrites + args.deletes:
+                # Taken out of the read pool first: no get races its change mid-run.
+                i = rng.randrange(len(keys))
+                key, keys[i] = keys[i], keys[-1]
+                keys.pop()
+                overwrite = rng.random() * (args.overwrites + args.deletes) < args.overwrites
+                try:
+                    if overwrite:
+                        await store.put(key, second_block_for(key, args.block_bytes))  # type: ignore[attr-defined]
+                    else:
+                        await store.delete(key)  # type: ignore[attr-defined]
+                except Exception as exc:
+                    tally.write_errors += 1
+                    tally.errors.append(f"{'put' if overwrite else 'delete'}: {exc!r}"[:300])
+                    tally.acked.pop(key, None)
+                    continue
+                tally.acked.pop(key, None)
+                (tally.overwritten if overwrite else tally.deleted)[key] = time.monotonic()
             elif not keys or rng.random() < 0.5:
                 key = hashlib.blake2b(f"soak-{args.seed}-{next(counter)}".encode(),
                                       digest_size=16).digest()
@@ -376,6 +407,26 @@ async def _read_back(store: object, batches: list[list[bytes]], nbytes: int
     return good, wrong
 
 
+async def _stale_and_undone(store: object, tally: Tally, nbytes: int) -> tuple[int, int, int]:
+    """``(overwrites read at their first value, deletes read back, overwrites unreadable)``
+    through ``store``."""
+    stale = undone = missing = 0
+    over = list(tally.overwritten)
+    for start in range(0, len(over), 64):
+        chunk = over[start:start + 64]
+        for key, got in zip(chunk, await store.get_many(chunk), strict=True):  # type: ignore[attr-defined]
+            if got is None:
+                missing += 1
+            elif not np.array_equal(np.asarray(got).view(np.uint8).ravel(),
+                                    second_block_for(key, nbytes)):
+                stale += 1
+    gone = list(tally.deleted)
+    for start in range(0, len(gone), 64):
+        chunk = gone[start:start + 64]
+        undone += sum(1 for got in await store.get_many(chunk) if got is not None)  # type: ignore[attr-defined]
+    return stale, undone, missing
+
+
 def _excused(acked_at: float, kills: list[tuple[float, int]], replicas: int,
              grace: float) -> bool:
     """Whether ``replicas`` distinct servers were killed after the ack, each within ``grace``
@@ -483,6 +534,8 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                     if when == "end" and f.get("evictions", 0) > 0}
         async with await kvtier.open_store([pool]) as reader:
             fresh, wrong_end = await _read_back(reader, batches, args.block_bytes)
+            stale, undone, over_missing = await _stale_and_undone(reader, tally,
+                                                                  args.block_bytes)
         behind = sum(len(fresh - good) for good, _ in long_lived)
         wrong_end += sum(wrong for _, wrong in long_lived)
         unreadable = [k for k in keys if k not in fresh]
@@ -529,6 +582,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
         "full_disk": disk is not None, "losses": losses, "dropped": dropped,
         "on_full_disk": on_full_disk, "t0": t0, "budget": len(budget),
+        "stale": stale, "undone": undone, "over_missing": over_missing,
     }
 
 
@@ -568,6 +622,10 @@ def table(r: dict[str, object]) -> str:
          f"{_evictions(t):.0f} / {a.servers * _size(a.dram_capacity) // a.block_bytes} / "
          f"{len(t.acked) * a.replicas}"),
         ("wrong bytes returned", f"{r['wrong']}"),
+        ("overwrites / deletes acknowledged (raised: left out)",
+         f"{len(t.overwritten)} / {len(t.deleted)} ({t.write_errors})"),
+        ("acked overwrites read stale / unreadable at end; acked deletes read back",
+         f"{r['stale']} / {r['over_missing']}; {r['undone']}"),
         ("keys long-lived clients missed that a fresh client read", f"{r['behind']}"),
         ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
         ("put latency p50 / p99 / max (ms)",
@@ -657,6 +715,10 @@ def options(parser: argparse.ArgumentParser) -> None:
                              "server i)")
     parser.add_argument("--chain", type=int, default=1,
                         help="blocks per put: > 1 puts and reads whole prompt chains")
+    parser.add_argument("--overwrites", type=float, default=0.05,
+                        help="share of operations that overwrite an acknowledged key")
+    parser.add_argument("--deletes", type=float, default=0.05,
+                        help="share of operations that delete an acknowledged key")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -669,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = (int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
            - int(result["budget"])  # type: ignore[call-overload]
            + int(result["wrong"]) + int(result["behind"])  # type: ignore[call-overload]
+           + int(result["stale"]) + int(result["undone"])  # type: ignore[call-overload]
            + t.put_errors + t.get_errors)
     return 1 if bad else 0
 

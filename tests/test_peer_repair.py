@@ -215,8 +215,8 @@ class _HeldReads(DRAMTier):
 
 
 async def test_anti_entropy_never_overwrites_a_newer_value_on_the_owner(pool: Pool) -> None:
-    """Between the pass's presence check and its push, a newer value reaches the owner: the
-    push leaves it (it only fills holes)."""
+    """Between the pass's stamp check and its push, a newer put reaches the owner: the
+    push leaves it (it carries the older stamp)."""
     owner = await pool.start()
     holder = PeerServer(_HeldReads(), token=TOKEN)
     await holder.start()
@@ -233,7 +233,8 @@ async def test_anti_entropy_never_overwrites_a_newer_value_on_the_owner(pool: Po
         assert isinstance(held, _HeldReads)
         passing = asyncio.ensure_future(repair.run_pass())
         await asyncio.wait_for(held.reading.wait(), 5)  # owner checked: it lacked the key
-        await pool.servers[owner].segment.put(key, sample_block(2))  # a newer put lands
+        async with PeerTier.from_url(pool_url([owner], replicas=1)) as only_owner:
+            await only_owner.put(key, sample_block(2))  # a newer put lands (newer stamp)
         held.release.set()
         await asyncio.wait_for(passing, 10)
         now = await pool.servers[owner].segment.get(key)

@@ -98,6 +98,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repair-rate", default="64MiB", metavar="SIZE",
                         help="anti-entropy push budget per second, so a refill cannot starve "
                              "clients (default 64MiB; 0: unpaced)")
+    parser.add_argument("--versions", metavar="FILE",
+                        help="log of the blocks' stamps and tombstones, kept across restarts "
+                             "(default: DIR.versions beside the first lmdb:// or file:// "
+                             "tier's DIR; in memory for other segments)")
+    parser.add_argument("--tombstone-grace", type=float, default=600.0, metavar="SECONDS",
+                        help="how long a delete's tombstone is kept once every owner holds "
+                             "it (default 600)")
+
+
+def versions_path(args: argparse.Namespace) -> str | None:
+    """The stamps log of ``--versions``, or its default beside a persistent tier."""
+    from urllib.parse import urlsplit
+
+    if args.versions:
+        return str(args.versions)
+    for url in args.tier:
+        parts = urlsplit(str(url))
+        if parts.scheme in ("lmdb", "file") and parts.path.rstrip("/"):
+            return parts.path.rstrip("/") + ".versions"
+    return None
 
 
 def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
@@ -180,6 +200,8 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     max_inflight = parse_size(args.max_inflight, "--max-inflight")
     repair_reserve = None if args.repair_reserve is None else \
         parse_size(args.repair_reserve, "--repair-reserve")
+    from kvtier.peer.versions import Versions
+
     tier_options = segment_policy(args.tier, args.policy)
     if args.shm is not None:
         if not args.tier[0].lower().startswith("dram://"):
@@ -188,6 +210,11 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
         tier_options.setdefault(0, {})["shm"] = args.shm
     store = await open_store(args.tier, tier_options=tier_options)
     try:
+        # After the store: a tier's own error about its directory comes first.
+        try:
+            versions = Versions(versions_path(args), grace=args.tombstone_grace)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--versions: cannot open the stamps log: {exc}") from None
         server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,
                             limits=limits, ssl_context=ctx,
                             insecure_no_auth=args.insecure_no_auth, close_segment=True,
@@ -197,7 +224,8 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
                             min_body_rate=parse_size(args.min_body_rate, "--min-body-rate"),
                             max_connections=args.max_connections,
                             data_plane=not args.no_data_plane,
-                            body_reserve=parse_size(args.body_reserve, "--body-reserve"))
+                            body_reserve=parse_size(args.body_reserve, "--body-reserve"),
+                            versions=versions)
         try:
             bound_host, bound_port = await server.start()
         except OSError as exc:  # address in use, not ours to bind, unknown host

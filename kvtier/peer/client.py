@@ -37,6 +37,7 @@ from kvtier.peer.directory import (
     holders_cap,
 )
 from kvtier.peer.fastread import RawPool
+from kvtier.peer.versions import STAMP_HEADER, format_stamps, write_stamp
 from kvtier.redact import mask_secrets
 
 __all__ = ["DEFAULT_MIN_RATE", "BuffersPayload", "PeerClient", "PeerTimeoutError",
@@ -60,6 +61,18 @@ class PeerUnreachableError(PeerError):
 DEFAULT_MIN_RATE = 64 << 20
 # Frame size a batch get expects per key before any frame was seen (a small KV block).
 _FIRST_FRAME_GUESS = 64 << 10
+# Most entries of a write sent with one stamp each: their header stays well under the
+# 8 KiB a header line may take (21 bytes a stamp).
+_STAMPS_PER_REQUEST = 256
+
+
+def _stamp_headers(stamps: Sequence[int] | None, fill: bool) -> dict[str, str]:
+    """The stamp header of a write: ``stamps`` if given, else (a plain write) the stamp of
+    the client write in progress (:data:`kvtier.peer.versions.write_stamp`), else none."""
+    if stamps is None:
+        stamp = None if fill else write_stamp.get()
+        return {} if stamp is None else {STAMP_HEADER: str(stamp)}
+    return {STAMP_HEADER: format_stamps(list(stamps))} if stamps else {}
 
 
 class TimeBudget:
@@ -201,7 +214,8 @@ class PeerClient:
     async def _read(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
                     missing: int | None = None, ok: int = 200,
                     max_body: int = _SMALL_ANSWER_BYTES,
-                    expect: int = 0) -> memoryview | None:
+                    expect: int = 0, headers: dict[str, str] | None = None
+                    ) -> memoryview | None:
         """A hot-path request through :class:`RawPool`: the body, or ``None`` if missing.
 
         Its budget covers the bytes sent and ``expect`` bytes of answer, and grows to the
@@ -218,7 +232,8 @@ class PeerClient:
                         limit = self.budget.seconds(sent + length)
                         deadline.reschedule(start + limit)
                 status, data, version = await self._raw.request(
-                    method, path, body, max_body=max_body, on_length=on_length)
+                    method, path, body, max_body=max_body, on_length=on_length,
+                    extra="".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()))
         except TimeoutError:
             raise PeerTimeoutError(f"peer {self.member}: {method} timed out after "
                                    f"{limit:.3g}s") from None
@@ -241,14 +256,15 @@ class PeerClient:
 
     async def _request(self, method: str, path: str, *, body: Any = None,
                        ok: tuple[int, ...] = (200, 204), missing: int | None = None,
-                       limit_s: float | None = None, nbytes: int = 0) -> bytes | None:
+                       limit_s: float | None = None, nbytes: int = 0,
+                       headers: dict[str, str] | None = None) -> bytes | None:
         """One request moving about ``nbytes`` bytes (budget: :class:`TimeBudget`, or
         ``limit_s``); returns the body, ``None`` for the ``missing`` status, else raises."""
         limit = self.budget.seconds(nbytes) if limit_s is None else limit_s
         try:
             async with asyncio.timeout(limit):
                 async with self._session.request(method, self.base_url + path, data=body,
-                                                 allow_redirects=False,
+                                                 allow_redirects=False, headers=headers,
                                                  server_hostname=self._server_hostname,
                                                  ) as resp:
                     if resp.status == missing:
@@ -271,6 +287,8 @@ class PeerClient:
     def _answer_cap(self, path: str) -> int:
         if path in (proto.BATCH_EXISTS_PATH, proto.BATCH_DELETE_PATH):
             return 4 + self.limits.max_batch  # a flag list
+        if path == proto.BATCH_STAMPS_PATH:
+            return 4 + 9 * self.limits.max_batch
         if path in (DIR_LOOKUP_PATH, DIR_UPDATE_PATH):
             return holders_cap(self.limits.max_batch)
         return 16 * _SMALL_ANSWER_BYTES  # health document, metrics text, delete answers
@@ -285,16 +303,20 @@ class PeerClient:
             self.budget.seen(frame.nbytes)
         return frame
 
-    async def put(self, key: bytes, frame: EncodedFrame, *, fill: bool = False) -> None:
-        """Store one frame (``fill``: only if the peer does not hold ``key``)."""
+    async def put(self, key: bytes, frame: EncodedFrame, *, fill: bool = False,
+                  stamp: int | None = None) -> None:
+        """Store one frame (``fill``: only if the peer does not hold ``key``; ``stamp``: the
+        write's, default the client write's in progress, see :func:`_stamp_headers`)."""
         self.budget.seen(frame.nbytes)
         path = proto.block_path(key)
         await self._read("PUT", f"{path}?{proto.FILL_QUERY}" if fill else path, frame.buffers,
-                         ok=204)
+                         ok=204, headers=_stamp_headers(None if stamp is None else [stamp],
+                                                        fill))
 
     async def delete(self, key: bytes) -> bool:
         """Delete one block; whether it was present."""
-        return await self._request("DELETE", proto.block_path(key), missing=404) is not None
+        return await self._request("DELETE", proto.block_path(key), missing=404,
+                                   headers=_stamp_headers(None, False)) is not None
 
     def _chunks(self, n: int) -> list[slice]:
         step = self.limits.max_batch
@@ -324,42 +346,73 @@ class PeerClient:
         return out
 
     async def put_many(self, items: Sequence[tuple[bytes, EncodedFrame]], *,
-                       fill: bool = False) -> None:
+                       fill: bool = False, stamps: Sequence[int] | None = None) -> None:
         """Store frames, split into requests that respect the batch and body limits
-        (``fill``: only those the peer does not hold)."""
+        (``fill``: only those the peer does not hold; ``stamps``: one per item, default
+        the client write's in progress, see :func:`_stamp_headers`)."""
         start, size = 0, 4
         path = f"{proto.BATCH_PUT_PATH}?{proto.FILL_QUERY}" if fill else proto.BATCH_PUT_PATH
+        most = self.limits.max_batch if stamps is None else \
+            min(self.limits.max_batch, _STAMPS_PER_REQUEST)
         for i, (key, frame) in enumerate(items):
             entry = 2 + len(key) + 8 + frame.nbytes
-            if i > start and (i - start >= self.limits.max_batch
-                              or size + entry > self.limits.max_body_bytes):
-                await self._put_batch(items[start:i], path)
+            if i > start and (i - start >= most or size + entry > self.limits.max_body_bytes):
+                await self._put_batch(items[start:i], path, _stamp_headers(
+                    None if stamps is None else stamps[start:i], fill))
                 start, size = i, 4
             size += entry
         if start < len(items):
-            await self._put_batch(items[start:], path)
+            await self._put_batch(items[start:], path, _stamp_headers(
+                None if stamps is None else stamps[start:], fill))
 
-    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]], path: str) -> None:
+    async def _put_batch(self, items: Sequence[tuple[bytes, EncodedFrame]], path: str,
+                         headers: dict[str, str] | None = None) -> None:
         for _, frame in items:
             self.budget.seen(frame.nbytes)
         body = BuffersPayload(proto.encode_blocks(list(items)))
-        await self._request("POST", path, body=body, nbytes=body.size or 0)
+        await self._request("POST", path, body=body, nbytes=body.size or 0, headers=headers)
 
-    async def _flags(self, path: str, keys: Sequence[bytes]) -> list[bool]:
+    async def _flags(self, path: str, keys: Sequence[bytes],
+                     stamps: Sequence[int] | None = None) -> list[bool]:
         out: list[bool] = []
+        step = self.limits.max_batch if stamps is None else \
+            min(self.limits.max_batch, _STAMPS_PER_REQUEST)
+        for start in range(0, len(keys), step):
+            chunk = keys[start:start + step]
+            headers = _stamp_headers(None if stamps is None else stamps[start:start + step],
+                                     path != proto.BATCH_DELETE_PATH)
+            body = await self._request("POST", path, body=proto.encode_keys(chunk), ok=(200,),
+                                       headers=headers)
+            out += proto.decode_flags(body or b"", len(chunk))
+        return out
+
+    async def stamps_many(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """``(kind, stamp)`` of each key on the peer: kind 0 absent, 1 a block, 2 a
+        tombstone (see :mod:`kvtier.peer.versions`). A peer of before stamps (no such
+        route) answers as holding its blocks at stamp 0, unknown."""
+        out: list[tuple[int, int]] = []
         for part in self._chunks(len(keys)):
             chunk = keys[part]
-            body = await self._request("POST", path, body=proto.encode_keys(chunk), ok=(200,))
-            out += proto.decode_flags(body or b"", len(chunk))
+            try:
+                body = await self._request("POST", proto.BATCH_STAMPS_PATH, ok=(200,),
+                                           body=proto.encode_keys(chunk))
+            except PeerStatusError as exc:
+                if exc.status not in (404, 405):
+                    raise
+                out += [(1 if held else 0, 0) for held in await self.exists_many(chunk)]
+                continue
+            out += proto.decode_stamps(body or b"", len(chunk))
         return out
 
     async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Which of ``keys`` the peer holds."""
         return await self._flags(proto.BATCH_EXISTS_PATH, keys)
 
-    async def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Delete ``keys``; which were present."""
-        return await self._flags(proto.BATCH_DELETE_PATH, keys)
+    async def delete_many(self, keys: Sequence[bytes], *,
+                          stamps: Sequence[int] | None = None) -> list[bool]:
+        """Delete ``keys`` (``stamps``: one per key, default the client write's in
+        progress); which were present."""
+        return await self._flags(proto.BATCH_DELETE_PATH, keys, stamps)
 
     async def forward(self, items: Sequence[tuple[bytes, EncodedFrame]], age: float) -> None:
         """Hand the peer last copies evicted elsewhere (``placement=local``): a batch put

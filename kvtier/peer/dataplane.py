@@ -43,6 +43,7 @@ from kvtier.keys import key_from_hex
 from kvtier.peer import protocol as proto
 from kvtier.peer.answers import TEXT, answer_head
 from kvtier.peer.buffers import BodyBuffers
+from kvtier.peer.versions import STAMP_HEADER
 
 if TYPE_CHECKING:
     from kvtier.peer.server import PeerServer
@@ -57,6 +58,7 @@ RECV_SCRATCH = 256 << 10  # per server: every read of a head (or of pipelined re
 _PENDING_MAX = 1 << 20  # bytes queued behind a request in progress before reading pauses
 _BLOCKS_PREFIX = proto.API_PREFIX.encode() + b"/blocks/"
 _BATCH_GET = proto.BATCH_GET_PATH.encode()
+_STAMP = STAMP_HEADER.lower().encode()
 _HEX = frozenset(b"0123456789abcdef")
 # Headers that must appear at most once: what aiohttp refuses to see twice (400), and the
 # bearer token.
@@ -99,10 +101,11 @@ class _Head:
 class _Request:
     """A request the data plane serves: which, and the body it carries."""
 
-    __slots__ = ("body", "have", "key", "kind", "method", "reserved")
+    __slots__ = ("body", "have", "key", "kind", "method", "reserved", "stamp")
 
-    def __init__(self, kind: str, method: str, key: bytes, length: int) -> None:
-        self.kind, self.method, self.key = kind, method, key
+    def __init__(self, kind: str, method: str, key: bytes, length: int,
+                 stamp: int | None = None) -> None:
+        self.kind, self.method, self.key, self.stamp = kind, method, key, stamp
         self.body: memoryview | None = None
         self.have = 0
         self.reserved = length
@@ -279,9 +282,13 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
                 return None
             if method in ("GET", "HEAD") and length == 0:
                 return _Request("get", method, key, 0)
+            stamp = headers.get(_STAMP)
+            if stamp is not None and not (stamp.isdigit() and len(stamp) <= 19):
+                return None  # aiohttp's parser names what is wrong with it (400)
             if method == "PUT" and 0 < length <= server.limits.max_frame_bytes \
                     and server.budget.try_take_quietly(length):
-                return _Request("put", method, key, length)
+                return _Request("put", method, key, length,
+                                None if stamp is None else int(stamp))
             return None
         if url == _BATCH_GET and method == "POST" and 0 < length <= server.key_list_limit() \
                 and server.budget.try_take_quietly(length):
@@ -367,10 +374,11 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         async with server.write_order.turn((request.key,)):
             block = await server.decode(request.key, body)
             del body
-            await server.segment.put(request.key, block)
-        server.stored((request.key,))
-        if server.holder is not None:  # placement=local: registered before the answer
-            await server.holder.stored((request.key,))
+            stored = await server.put_stamped(request.key, block, request.stamp, False)
+        if stored:  # else what this server holds is newer (kvtier.peer.versions)
+            server.stored((request.key,))
+            if server.holder is not None:  # placement=local: registered before the answer
+                await server.holder.stored((request.key,))
         transport = self._transport
         if transport is None or transport.is_closing():
             server.puts_abandoned += 1

@@ -256,10 +256,11 @@ class RawPool:
         return conn
 
     async def request(self, method: str, path: str, body: Sequence[bytes | memoryview] = (),
-                      *, max_body: int, on_length: Callable[[int], None] | None = None
-                      ) -> Answer:
+                      *, max_body: int, on_length: Callable[[int], None] | None = None,
+                      extra: str = "") -> Answer:
         """Send one request; returns its answer. The caller bounds it with a timeout;
-        ``on_length`` is called with the answer's ``Content-Length`` once its head is read.
+        ``on_length`` is called with the answer's ``Content-Length`` once its head is read;
+        ``extra`` holds more header lines (each ending in CRLF).
 
         Raises
         ------
@@ -268,7 +269,7 @@ class RawPool:
         """
         length = sum(memoryview(b).nbytes for b in body)
         head = (f"{method} {path} HTTP/1.1\r\n".encode() + self._fixed
-                + f"Content-Length: {length}\r\n\r\n".encode())
+                + f"{extra}Content-Length: {length}\r\n\r\n".encode())
         async with self._sem:
             while self._idle:
                 conn = self._idle.pop()

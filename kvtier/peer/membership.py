@@ -112,6 +112,8 @@ class Membership:
         #: Called with a member that rejoined the path, or answered again after failures
         #: while in it (hinted handoff).
         self.on_rejoin: Callable[[str], None] | None = None
+        #: Called with the members that left the ring (hints move to the new owners).
+        self.on_leave: Callable[[set[str]], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._since = time.monotonic()
 
@@ -372,3 +374,5 @@ class Membership:
             client = self.clients.pop(member, None)
             if client is not None:
                 await client.close()
+        if gone and self.on_leave is not None:
+            self.on_leave(gone)

@@ -11,6 +11,8 @@ length-prefixed, little-endian::
         frame_len 0 in a batch get response means "missing"
     flag list (batch exists / delete response):
         u32 count, then count x u8 (1 present / 0 absent)
+    stamp list (batch stamps response):
+        u32 count, then count x (u8 kind: 0 absent / 1 block / 2 tombstone, u64 stamp)
 
 Encoders return lists of buffers so block payloads are never joined with their headers
 (the caller writes them one after another); decoders return zero-copy memoryviews.
@@ -32,6 +34,7 @@ __all__ = [
     "BATCH_EXISTS_PATH",
     "BATCH_GET_PATH",
     "BATCH_PUT_PATH",
+    "BATCH_STAMPS_PATH",
     "BLOCK_PATH",
     "CONTENT_TYPE",
     "FILL_QUERY",
@@ -47,9 +50,11 @@ __all__ = [
     "decode_blocks",
     "decode_flags",
     "decode_keys",
+    "decode_stamps",
     "encode_blocks",
     "encode_flags",
     "encode_keys",
+    "encode_stamps",
     "version_of",
 ]
 
@@ -59,6 +64,7 @@ BATCH_GET_PATH = f"{API_PREFIX}/batch/get"
 BATCH_PUT_PATH = f"{API_PREFIX}/batch/put"
 BATCH_EXISTS_PATH = f"{API_PREFIX}/batch/exists"
 BATCH_DELETE_PATH = f"{API_PREFIX}/batch/delete"
+BATCH_STAMPS_PATH = f"{API_PREFIX}/batch/stamps"
 HEALTH_PATH = f"{API_PREFIX}/health"
 METRICS_PATH = "/metrics"
 CONTENT_TYPE = "application/octet-stream"
@@ -77,6 +83,7 @@ VERSION_HEADER = "Kvtier-Protocol"
 _COUNT = struct.Struct("<I")
 _KEY_LEN = struct.Struct("<H")
 _FRAME_LEN = struct.Struct("<Q")
+_STAMP = struct.Struct("<BQ")
 
 
 @dataclass(frozen=True)
@@ -237,3 +244,22 @@ def decode_flags(body: bytes | bytearray | memoryview, expected: int) -> list[bo
         raise ProtocolError(f"body: expected {expected} flags, got {count} "
                             f"in {view.nbytes} bytes")
     return [b != 0 for b in view[_COUNT.size :]]
+
+
+def encode_stamps(states: Sequence[tuple[int, int]]) -> bytes:
+    """Encode a stamp list (batch stamps response): ``(kind, stamp)`` per key."""
+    return _COUNT.pack(len(states)) + b"".join(_STAMP.pack(k, s) for k, s in states)
+
+
+def decode_stamps(body: bytes | bytearray | memoryview, expected: int
+                  ) -> list[tuple[int, int]]:
+    """Decode a stamp list that must hold exactly ``expected`` entries."""
+    view = memoryview(body).cast("B")
+    count = _count(view, expected)
+    if count != expected or view.nbytes != _COUNT.size + count * _STAMP.size:
+        raise ProtocolError(f"body: expected {expected} stamps, got {count} "
+                            f"in {view.nbytes} bytes")
+    out = [_STAMP.unpack_from(view, _COUNT.size + i * _STAMP.size) for i in range(count)]
+    if any(kind > 2 for kind, _ in out):
+        raise ProtocolError("body: a stamp entry of unknown kind")
+    return [(int(k), int(s)) for k, s in out]

@@ -10,9 +10,11 @@ owner and batch) whether they hold it, and pushes the block to those that do not
 ``kvtier serve --pool POOL_URL`` runs it by default.
 
 * A pass runs only when the membership changed (a member failed, restarted, joined or left,
-  as this node's health probes see it) since the last pass that reached every owner: a quiet
-  pool costs nothing. A pass starts within a quarter second of a change; one that failed
-  (an owner did not answer) is retried every ``interval`` seconds until the next change.
+  as this node's health probes see it) since the last pass that reached every owner, or
+  when this node was stopped for over a second (SIGSTOP, a paused VM: its co-owners took
+  writes it missed, maybe without marking it down): a quiet pool costs nothing. A pass
+  starts within a quarter second of a change; one that failed (an owner did not answer)
+  is retried every ``interval`` seconds until the next change.
 * It covers the blocks stored through this server since it started and the blocks its
   segment found on disk when it started (a warm restart: an LMDB segment reopened).
 * Pushes start as soon as the first keys are checked, not after the whole walk: the survey
@@ -25,7 +27,18 @@ owner and batch) whether they hold it, and pushes the block to those that do not
 * Of the holders a pass finds, only the first in the key's ring order pushes (the others
   see it holds the key and leave it): the refill of a member back empty is sent once.
 * Pushes are paced to a byte rate (``rate``), so a refill cannot starve client traffic.
-* Pushes only fill holes (``?fill=1``): a newer value that reached an owner stays.
+* Versions decide, not presence (:mod:`kvtier.peer.versions`): each owner is asked the
+  stamp it holds for each key (``POST /v1/batch/stamps``), and a copy is pushed, with its
+  stamp, only to owners whose block (or tombstone) is older, or who hold none; a node that
+  finds an owner holding something newer pushes nothing. The server applies the same rule
+  to every push (a newer value or tombstone that reached an owner meanwhile stays). So a
+  member restarted on its disk never pushes its stale blocks back over the overwrites and
+  deletes its co-owners took while it was down: it takes theirs (the keys an owner holds
+  newer are read from it, or their tombstones applied, in the pass), and their passes
+  push theirs to it.
+* Tombstones are walked too: a delete an owner missed is pushed to it as a stamped
+  delete, and a tombstone every owner holds starts its grace period
+  (``kvtier serve --tombstone-grace``), after which it is dropped.
 * A pass that began while a member was down stops as soon as that member is back (counted
   in ``superseded``), and the next pass begins at once: otherwise the pass first pushes
   the member's whole share to the fallback members standing in for it, and the member's
@@ -51,7 +64,7 @@ import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from kvtier.codec import encode_frame
+from kvtier.codec import KEYED_FORMAT_VERSION, encode_frame, parse_header
 
 if TYPE_CHECKING:
     from kvtier.codec import EncodedFrame
@@ -65,6 +78,9 @@ log = logging.getLogger("kvtier.peer.repair")
 #: Default push budget of a pass in bytes per second (``kvtier serve --repair-rate``).
 DEFAULT_REPAIR_RATE = 64 << 20
 _WATCH = 0.25  # seconds between looks at the membership's change count (a pass follows one)
+# A look that comes this many seconds late means this process was stopped (SIGSTOP, a VM
+# pause) or starved: writes went to its co-owners meanwhile, and a pass takes them.
+_STALL = 1.0
 _PUSH_BYTES = 2 << 20  # most frame bytes per push request (each bounded by the pool timeout)
 _PROBE_KEY = b"\0kvtier-anti-entropy-probe"  # a presence check that opens a lazy tier
 _SURVEY_AHEAD = 4  # batches a pass checks at once (a recheck checks one at a time)
@@ -184,6 +200,7 @@ class AntiEntropy:
         self.passed = asyncio.Event()
         server.track_keys()
         server.repair_stats = self.stats
+        server.settle_tombstones = False  # the passes say when every owner holds one
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -228,10 +245,20 @@ class AntiEntropy:
         tried_at = -1  # change count when the last pass began
         began = -float("inf")  # when the last pass began
         rechecked = -float("inf")  # when the stand-ins a pass kept were last checked again
+        looked = expired = time.monotonic()
         while True:
             await asyncio.sleep(_WATCH)
             seen = self.pool.members.change_count
             now = time.monotonic()
+            if now - looked > _WATCH + _STALL:
+                # Stopped for a while: nobody saw this node fail, but it missed writes.
+                self.counts["stalls"] += 1
+                clean_at = -1
+            looked = now
+            if now - expired >= self.interval:  # settled tombstones past their grace go
+                expired = now
+                self.counts["tombstones_expired"] += self.server.versions.expire()
+                self.server.versions.flush()
             try:
                 # Nobody failed, restarted, joined or left since a pass that reached every
                 # owner: every put since then reached its owners too. A pass runs after a
@@ -241,15 +268,24 @@ class AntiEntropy:
                     done = await self.run_pass()
                     if not done.get("failed") and not done.get("superseded"):
                         clean_at = seen
-                elif self.waiting and now - max(began, rechecked) >= self.interval:
+                elif now - max(began, rechecked) >= self.interval and (
+                        recheck := self._recheck_keys()):
                     # The stand-in copies a pass kept for an owner's refill (or for the
-                    # ring to settle) are checked again every interval, not every key held.
+                    # ring to settle), and the tombstones not every owner is known to
+                    # hold, are checked again every interval, not every key held.
                     rechecked = now
-                    await self.run_pass(list(self.waiting))
+                    await self.run_pass(recheck)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("anti-entropy pass failed; retrying in %.1f s", self.interval)
+
+    def _recheck_keys(self) -> list[bytes]:
+        """The keys a recheck looks at: the stand-ins kept waiting, and the tombstones
+        whose grace period has not started (so that, in a quiet pool, they settle and
+        expire instead of piling up)."""
+        unsettled = [k for k, (_, when) in self.server.versions.tombs.items() if not when]
+        return list(self.waiting) + [k for k in unsettled if k not in self.waiting]
 
     async def run_pass(self, keys: list[bytes] | None = None) -> dict[str, int]:
         """Check every key this node holds (or only ``keys``: counted as a ``recheck``, not
@@ -282,6 +318,8 @@ class AntiEntropy:
             raise error from None
         finally:
             done["passes" if keys is None else "rechecks"] = 1
+            done["tombstones_expired"] += self.server.versions.expire()
+            self.server.versions.flush()
             for name, n in done.items():
                 self.counts[name] += n
             self.passed.set()
@@ -343,10 +381,12 @@ class AntiEntropy:
         up to ``_SURVEY_AHEAD`` batches at once; drops the stand-in copies every owner
         holds, except those in ``written`` (stored here since the pass began)."""
         held = self.server.stored_keys
+        versions = self.server.versions
         if only is None:
-            keys = await self._owned_by_changed_first(list(held))
+            keys = await self._owned_by_changed_first(
+                list(held) + [k for k in versions.tombs if k not in held])
         else:
-            keys = [k for k in only if k in held]
+            keys = [k for k in only if k in held or k in versions.tombs]
         # Shared by the checkers: each takes the next batch when it is done with one.
         starts = iter(range(0, len(keys), self.batch))
 
@@ -356,12 +396,17 @@ class AntiEntropy:
                     return
                 chunk = keys[start:start + self.batch]
                 present = await self.server.segment.contains_many(chunk)
-                for key, here in zip(chunk, present, strict=True):
-                    if not here:  # evicted or deleted here: nothing to re-replicate
+                mine = {k: versions.state(k, here)
+                        for k, here in zip(chunk, present, strict=True)}
+                for key, (kind, _) in mine.items():
+                    if not kind:  # evicted here: nothing to re-replicate
                         held.pop(key, None)
-                chunk = [k for k, here in zip(chunk, present, strict=True) if here]
+                        versions.forget(key)
+                chunk = [k for k in chunk if mine[k][0]]
                 done["checked"] += len(chunk)
-                found, standins = await self._check_chunk(chunk, done)
+                found, standins, newer = await self._check_chunk(chunk, mine, done)
+                if newer:
+                    await self._adopt(newer, done)
                 queue.put(found)
                 if standins:
                     await self._drop_standins(standins, written, done)
@@ -400,10 +445,19 @@ class AntiEntropy:
         done["standins_waiting"] += len(again)
         self.waiting.update(again)
 
-    async def _check_chunk(self, chunk: list[bytes], done: dict[str, int]
-                           ) -> tuple[list[tuple[int, bytes, list[str]]], list[bytes]]:
+    async def _check_chunk(self, chunk: list[bytes], mine: dict[bytes, tuple[int, int]],
+                           done: dict[str, int]
+                           ) -> tuple[list[tuple[int, bytes, list[str]]], list[bytes],
+                                      dict[bytes, tuple[str, int, int]]]:
         """The chunk's keys to push (as :meth:`_survey`), and the stand-in copies here
-        that every owner holds (:meth:`_is_spare`)."""
+        that every owner holds at this node's stamp or newer (:meth:`_is_spare`).
+
+        ``mine``: this node's ``(kind, stamp)`` of each key. An owner holds a key when its
+        ``(stamp, kind)`` is at least this node's, misses it when less; a tombstone every
+        owner holds is settled (its grace period starts), and a stand-in tombstone so held
+        is left to expire, not dropped. The third result: for each key an owner holds a
+        newer block or tombstone of, the owner holding the newest and its ``(kind,
+        stamp)``, for :meth:`_adopt`."""
         members = self.pool.members
         me = members.self_id
         owners = {key: members.owners_of(key, self.pool.replicas) for key in chunk}
@@ -412,19 +466,36 @@ class AntiEntropy:
             for owner in found:
                 if owner != me:
                     asked[owner].append(key)
-        answers = await asyncio.gather(*(self._holds(m, ks, done) for m, ks in asked.items()))
+        answers = await asyncio.gather(*(self._states(m, ks, done)
+                                         for m, ks in asked.items()))
         holds: dict[tuple[str, bytes], bool] = {}
-        for (member, ks), flags in zip(asked.items(), answers, strict=True):
-            for key, flag in zip(ks, flags, strict=True):
-                if flag is not None:  # None: the owner did not answer
-                    holds[member, key] = flag
+        # Keys an owner holds a newer block or tombstone of: (that owner, kind, stamp).
+        newer: dict[bytes, tuple[str, int, int]] = {}
+        for (member, ks), states in zip(asked.items(), answers, strict=True):
+            for key, state in zip(ks, states, strict=True):
+                if state is None:  # the owner did not answer
+                    continue
+                kind, stamp = mine[key]
+                theirs, ours = (state[1], state[0]), (stamp, kind)
+                holds[member, key] = theirs >= ours
+                best = newer.get(key)
+                if theirs > ours and (best is None or theirs > (best[2], best[1])):
+                    newer[key] = (member, state[0], state[1])
         work = []
         spare = []
         for key in chunk:
             found = owners[key]
+            tomb = mine[key][0] == 2
             if me not in found and self._is_spare(found, holds, key, done):
-                spare.append(key)
+                if tomb:
+                    self.server.versions.settle(key, mine[key][1])
+                else:
+                    spare.append(key)
                 continue
+            if tomb and all(holds.get((m, key), False) for m in found if m != me):
+                self.server.versions.settle(key, mine[key][1])
+            if key in newer:
+                continue  # an owner holds a newer value or delete: it pushes, not this node
             holders = [m for m in found if m == me or holds.get((m, key), False)]
             # An owner that did not answer counts as missing nothing (this pass skips it).
             missing = [m for m in found if m != me and (m, key) in holds
@@ -437,7 +508,46 @@ class AntiEntropy:
             if copies < self.pool.replicas:
                 done["under_replicated"] += 1
             work.append((copies, key, missing))
-        return work, spare
+        return work, spare, newer
+
+    async def _adopt(self, newer: dict[bytes, tuple[str, int, int]],
+                     done: dict[str, int]) -> None:
+        """Take the newer blocks and tombstones owners hold of keys this node holds older
+        (a member back from a crash or a freeze, which missed overwrites and deletes): the
+        tombstones are applied here, the blocks read from their owner and stored here
+        with its stamp. Every write goes through the server's rule (only if newer)."""
+        server = self.server
+        reads: dict[str, list[tuple[bytes, int]]] = defaultdict(list)
+        for key, (member, kind, stamp) in newer.items():
+            if kind == 2:
+                async with server.write_order.turn((key,)):
+                    server.stored_keys.pop(key, None)
+                    server.frames.forget(key)
+                    await server.delete_stamped(key, stamp)
+                done["tombstones_adopted"] += 1
+            else:
+                reads[member].append((key, stamp))
+        for member, items in reads.items():
+            try:
+                frames = await self.pool.members.client(member).get_many(
+                    [k for k, _ in items])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # this owner is skipped until the next pass
+                done["failed"] += 1
+                log.debug("anti-entropy: reading newer blocks from %s failed: %s",
+                          member, exc)
+                continue
+            for (key, stamp), frame in zip(items, frames, strict=True):
+                if frame is None or parse_header(frame).version != KEYED_FORMAT_VERSION:
+                    continue  # gone since, or not bound to its key: the next pass sees
+                block = await server.decode(key, frame)
+                async with server.write_order.turn((key,)):
+                    landed = await server.put_stamped(key, block, stamp, False)
+                if landed:
+                    server.stored((key,))
+                    done["adopted"] += 1
+        server.versions.flush()
 
     def _is_spare(self, owners: list[str], holds: dict[tuple[str, bytes], bool], key: bytes,
                   done: dict[str, int]) -> bool:
@@ -459,10 +569,10 @@ class AntiEntropy:
         self.waiting.add(key)
         return False
 
-    async def _holds(self, member: str, keys: list[bytes], done: dict[str, int]
-                     ) -> list[bool | None]:
+    async def _states(self, member: str, keys: list[bytes], done: dict[str, int]
+                      ) -> list[tuple[int, int] | None]:
         try:
-            return list(await self.pool.members.client(member).exists_many(keys))
+            return list(await self.pool.members.client(member).stamps_many(keys))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # this owner is skipped until the next pass
@@ -472,17 +582,44 @@ class AntiEntropy:
 
     async def _push_round(self, work: list[tuple[int, bytes, list[str]]],
                           done: dict[str, int]) -> None:
+        versions = self.server.versions
+        # The stamps are read before the blocks: a write landing meanwhile makes the block
+        # pushed newer than its stamp says, never older (the receiver keeps the newer).
+        tombs = [(key, missing, versions.tombs[key][0]) for _, key, missing in work
+                 if key in versions.tombs]
+        work = [item for item in work if item[1] not in versions.tombs]
+        stamps = [versions.stamps.get(key, 0) for _, key, _ in work]
         blocks = await self.server.segment.get_many([key for _, key, _ in work])
-        plan: dict[str, list[tuple[bytes, EncodedFrame]]] = defaultdict(list)
-        for (_, key, missing), block in zip(work, blocks, strict=True):
+        plan: dict[str, list[tuple[bytes, EncodedFrame, int]]] = defaultdict(list)
+        for (_, key, missing), block, stamp in zip(work, blocks, stamps, strict=True):
             if block is None:
                 continue  # evicted since the survey
             frame = encode_frame(block, key=key)
             for member in missing:
-                plan[member].append((key, frame))
-        await asyncio.gather(*(self._push(m, items, done) for m, items in plan.items()))
+                plan[member].append((key, frame, stamp))
+        deletes: dict[str, list[tuple[bytes, int]]] = defaultdict(list)
+        for key, missing, stamp in tombs:
+            for member in missing:
+                deletes[member].append((key, stamp))
+        await asyncio.gather(*(self._push(m, items, done) for m, items in plan.items()),
+                             *(self._push_deletes(m, items, done)
+                               for m, items in deletes.items()))
 
-    async def _push(self, member: str, items: list[tuple[bytes, EncodedFrame]],
+    async def _push_deletes(self, member: str, items: list[tuple[bytes, int]],
+                            done: dict[str, int]) -> None:
+        """Send ``member`` the deletes it missed, with their stamps."""
+        try:
+            await self.pool.members.client(member).delete_many(
+                [k for k, _ in items], stamps=[s for _, s in items])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # this owner is skipped until the next pass
+            done["failed"] += 1
+            log.debug("anti-entropy: deletes to %s failed: %s", member, exc)
+            return
+        done["tombstones_pushed"] += len(items)
+
+    async def _push(self, member: str, items: list[tuple[bytes, EncodedFrame, int]],
                     done: dict[str, int]) -> None:
         client = self.pool.members.client(member)
         start = 0
@@ -494,8 +631,10 @@ class AntiEntropy:
                 end += 1
             await self.pacer.take(size)
             try:
-                # fill=True: a newer value that reached the owner meanwhile stays.
-                await client.put_many(items[start:end], fill=True)
+                # Stamped: a newer value or delete that reached the owner meanwhile stays
+                # (fill=True keeps that so on a server of before stamps, too).
+                await client.put_many([(k, f) for k, f, _ in items[start:end]], fill=True,
+                                      stamps=[s for _, _, s in items[start:end]])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # this owner is skipped until the next pass
@@ -512,6 +651,10 @@ class AntiEntropy:
         ``superseded`` (passes stopped because a member down at their start came back),
         ``standins_pruned`` (stand-in copies dropped once every owner held them),
         ``standins_waiting`` (stand-in copies kept for an owner's refill, checked again),
-        ``rechecks`` (checks of those alone), and ``paced_s`` (seconds pushes waited for
-        the byte budget)."""
+        ``rechecks`` (checks of those alone), ``stalls`` (times this node found it had been
+        stopped, see :data:`_STALL`), ``tombstones_pushed`` (deletes sent to owners
+        that missed them), ``adopted`` and ``tombstones_adopted`` (newer blocks and deletes
+        taken from an owner, over older ones held here), ``tombstones_expired`` (dropped
+        past their grace period), and
+        ``paced_s`` (seconds pushes waited for the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}

@@ -56,6 +56,7 @@ from kvtier.peer.metrics import (
     repair_families,
     segment_families,
 )
+from kvtier.peer.versions import STAMP_HEADER, Versions, parse_stamps
 from kvtier.peer.writeorder import WriteOrder
 
 if TYPE_CHECKING:
@@ -152,6 +153,10 @@ class PeerServer:
         Serve block GET/HEAD/PUT and batch get with :class:`~kvtier.peer.dataplane.
         DataPlaneProtocol` (every other request, and every refusal, is aiohttp's either
         way); ``False`` serves everything through aiohttp.
+    versions
+        The stamps and tombstones of the blocks served (:class:`~kvtier.peer.versions.
+        Versions`; default: in memory only). Give one with a ``path`` to keep them across
+        restarts of a persistent segment.
     body_reserve
         Bytes of PUT body buffers faulted in at :meth:`start` and kept, as two buffers of
         half the size (default 0: buffers are mapped on demand and dropped after an idle
@@ -172,7 +177,8 @@ class PeerServer:
                  repair_reserve_bytes: int | None = None,
                  idle_timeout: float = 15.0, body_timeout: float = 10.0,
                  min_body_rate: float = 256 << 10, max_connections: int = 4096,
-                 data_plane: bool = True, body_reserve: int = 0) -> None:
+                 data_plane: bool = True, body_reserve: int = 0,
+                 versions: Versions | None = None) -> None:
         if token is None and not insecure_no_auth:
             raise ConfigError("token: a bearer token is required (or pass insecure_no_auth=True)")
         if token is not None and not token:
@@ -240,6 +246,11 @@ class PeerServer:
         self._accept_filter: AcceptErrorFilter | None = None
         self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
         self.write_order = WriteOrder()  # a PUT its client gave up on never lands late
+        #: Block stamps and tombstones: a write lands only if newer (kvtier.peer.versions).
+        self.versions = versions or Versions()
+        #: Whether a tombstone's grace period starts when it is written: no anti-entropy
+        #: will tell this server that the other owners hold it (AntiEntropy clears it).
+        self.settle_tombstones = True
         self.app = self._build_app()
 
     # ----------------------------------------------------------------- lifecycle
@@ -253,6 +264,7 @@ class PeerServer:
         app.router.add_post(proto.BATCH_PUT_PATH, self._batch_put)
         app.router.add_post(proto.BATCH_EXISTS_PATH, self._batch_exists)
         app.router.add_post(proto.BATCH_DELETE_PATH, self._batch_delete)
+        app.router.add_post(proto.BATCH_STAMPS_PATH, self._batch_stamps)
         app.router.add_post(DIR_LOOKUP_PATH, self._dir_lookup)
         app.router.add_post(DIR_UPDATE_PATH, self._dir_update)
         app.router.add_get(proto.HEALTH_PATH, self._health)
@@ -354,6 +366,8 @@ class PeerServer:
                 self.frames.forget(key)
                 if await self.segment.delete(key):
                     dropped.append(key)
+                    self.versions.forget(key)  # a spare copy, not a delete: no tombstone
+            self.versions.flush()
         return dropped
 
     async def stop(self) -> None:
@@ -366,6 +380,7 @@ class PeerServer:
         if runner is not None:
             await runner.cleanup()
         self._bodies.clear()
+        self.versions.close()
         if self._close_segment:
             await self.segment.aclose()
 
@@ -575,17 +590,70 @@ class PeerServer:
         key = key_from_hex(request.match_info["key"])
         body = await self._read_body(request, self.limits.max_frame_bytes,
                                      _MAX_FRAME_NAME)
+        stamps = _stamps(request, 1)
         async with self.write_order.turn((key,)):
             block = await self.decode(key, body)
             del body
-            if _fills(request) and (await self.segment.contains_many([key]))[0]:
-                return web.Response(status=204)  # fills holes only: the value held here stays
-            await self.segment.put(key, block)
+            stamp = None if stamps is None else stamps[0]
+            if not await self.put_stamped(key, block, stamp, _fills(request)):
+                return web.Response(status=204)  # the value (or delete) held here is newer
         self.stored((key,))
         if self.holder is not None:
             await self.holder.stored((key,))
         self._note_abandoned(request)
         return web.Response(status=204)
+
+    async def admit(self, items: Sequence[tuple[bytes, int | None]], fill: bool
+                    ) -> list[int | None]:
+        """The stamp each write of ``(key, stamp or None)`` lands with, or ``None`` where
+        what this server holds is newer (see :mod:`kvtier.peer.versions`). A write without
+        a stamp is a client's of before stamps (it gets this server's clock) or, with
+        ``fill``, a repair that fills holes only: stamp 0, and only where the key has no
+        block and no tombstone."""
+        versions = self.versions
+        out: list[int | None] = []
+        check: list[int] = []  # writes that land only if the segment lacks the key
+        for i, (key, stamp) in enumerate(items):
+            if stamp is None:
+                if not fill:
+                    out.append(versions.clock.next())
+                    continue
+                verdict = None if key not in versions.tombs else False
+                stamp = 0
+            else:
+                verdict = versions.admits(key, stamp)
+            out.append(stamp if verdict is not False else None)
+            if verdict is None:
+                check.append(i)
+        if check:
+            present = await self.segment.contains_many([items[i][0] for i in check])
+            for i, here in zip(check, present, strict=True):
+                if here:
+                    out[i] = None
+        return out
+
+    async def put_stamped(self, key: bytes, block: object, stamp: int | None, fill: bool
+                          ) -> bool:
+        """Store one block if :meth:`admit` lets it land (call in the key's write-order
+        turn); whether it was stored."""
+        (landed,) = await self.admit([(key, stamp)], fill)
+        if landed is None:
+            return False
+        await self.segment.put(key, block)
+        self.versions.stored(key, landed)
+        self.versions.flush()
+        return True
+
+    async def delete_stamped(self, key: bytes, stamp: int | None) -> bool:
+        """Delete ``key`` and leave its tombstone, unless a newer put stored it (call in
+        the key's write-order turn); whether a block was deleted."""
+        versions = self.versions
+        stamp = versions.clock.next() if stamp is None else stamp
+        if versions.stamps.get(key, 0) > stamp:
+            return False  # put again after this delete was issued
+        found = await self.segment.delete(key)
+        versions.deleted(key, stamp, settled=self.settle_tombstones)
+        return found
 
     def _note_abandoned(self, request: web.Request) -> None:
         # Stored anyway (the block is valid), but the client gave up waiting: count it, so a
@@ -595,10 +663,12 @@ class PeerServer:
 
     async def _delete_block(self, request: web.Request) -> web.StreamResponse:
         key = key_from_hex(request.match_info["key"])
+        stamps = _stamps(request, 1)
         self.stored_keys.pop(key, None)
         self.frames.forget(key)
         async with self.write_order.turn((key,)):
-            found = await self.segment.delete(key)
+            found = await self.delete_stamped(key, None if stamps is None else stamps[0])
+            self.versions.flush()
         if found and self.holder is not None:
             await self.holder.deleted((key,))
         if found:
@@ -631,6 +701,7 @@ class PeerServer:
         body = await self._read_body(request, self.limits.max_body_bytes,
                                      "max_body_bytes, kvtier serve --max-body")
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
+        stamps = _stamps(request, len(entries))
         age = parse_age(request.query.get(AGE_QUERY))  # a forwarded last copy's age
         async with self.write_order.turn(k for k, _ in entries):
             # Every frame is verified before anything is stored: a bad batch changes nothing.
@@ -640,12 +711,17 @@ class PeerServer:
                     raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
                 decoded.append((key, await self.decode(key, frame)))
             del body, entries
-            if decoded and _fills(request):  # fills holes only: the values held here stay
-                present = await self.segment.contains_many([k for k, _ in decoded])
-                decoded = [item for item, here in zip(decoded, present, strict=True)
-                           if not here]
+            # A write lands only where it is newer than what is held here.
+            landed = await self.admit([(k, None if stamps is None else stamps[i])
+                                       for i, (k, _) in enumerate(decoded)], _fills(request))
+            decoded = [item for item, stamp in zip(decoded, landed, strict=True)
+                       if stamp is not None]
             if decoded:
                 await self.segment.put_many(decoded)
+                for (key, _), stamp in zip(decoded, (s for s in landed if s is not None),
+                                           strict=True):
+                    self.versions.stored(key, stamp)
+                self.versions.flush()
         if decoded:
             self.stored(k for k, _ in decoded)
             if self.holder is not None:
@@ -660,14 +736,26 @@ class PeerServer:
 
     async def _batch_delete(self, request: web.Request) -> web.StreamResponse:
         keys = await self._read_keys(request)
+        stamps = _stamps(request, len(keys))
         for key in keys:
             self.stored_keys.pop(key, None)
             self.frames.forget(key)
         async with self.write_order.turn(keys):
-            flags = [await self.segment.delete(k) for k in keys]
+            flags = [await self.delete_stamped(k, None if stamps is None else stamps[i])
+                     for i, k in enumerate(keys)]
+            self.versions.flush()
         if self.holder is not None and any(flags):
             await self.holder.deleted([k for k, f in zip(keys, flags, strict=True) if f])
         return await self._send(request, [proto.encode_flags(flags)])
+
+    async def _batch_stamps(self, request: web.Request) -> web.StreamResponse:
+        keys = await self._read_keys(request)
+        return await self._send(request, [proto.encode_stamps(await self.stamps_of(keys))])
+
+    async def stamps_of(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """``(kind, stamp)`` of each key (:meth:`kvtier.peer.versions.Versions.state`)."""
+        present = await self.segment.contains_many(keys) if keys else []
+        return [self.versions.state(k, p) for k, p in zip(keys, present, strict=True)]
 
     async def _dir_lookup(self, request: web.Request) -> web.StreamResponse:
         keys = await self._read_keys(request)
@@ -774,6 +862,15 @@ def _fills(request: web.Request) -> bool:
     name, _, value = proto.FILL_QUERY.partition("=")
     writes = request.method == "PUT" or request.path == proto.BATCH_PUT_PATH
     return writes and request.query.get(name) == value
+
+
+def _stamps(request: web.Request, count: int) -> list[int] | None:
+    """The write's stamps (:data:`~kvtier.peer.versions.STAMP_HEADER`), one per entry;
+    ``None`` without the header. A malformed one is a ProtocolError (400)."""
+    try:
+        return parse_stamps(request.headers.get(STAMP_HEADER), count)
+    except ValueError as exc:
+        raise proto.ProtocolError(str(exc)) from None
 
 
 def _error(cls: type[web.HTTPException], text: str, **kwargs: Any) -> web.HTTPException:

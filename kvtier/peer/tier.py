@@ -39,6 +39,7 @@ from kvtier.peer.membership import Membership, split_member
 from kvtier.peer.ring import DEFAULT_VNODES
 from kvtier.peer.server import Segment
 from kvtier.peer.tls import client_context
+from kvtier.peer.versions import HybridClock, stamped, write_stamp
 from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Block, Tier
 from kvtier.urls import (
@@ -251,8 +252,10 @@ class PeerTier(Tier):
         # Keys already checked on every current owner, with the change count then.
         self._verified: OrderedDict[bytes, int] = OrderedDict()
         self._hints = Hints()
+        self._clock = HybridClock()
         self._stragglers: set[asyncio.Task[Any]] = set()  # hedged reads' slower requests
         self.members.on_rejoin = self._hand_over
+        self.members.on_leave = self._retarget_hints
 
     # ------------------------------------------------------------------ config
     @classmethod
@@ -485,7 +488,21 @@ class PeerTier(Tier):
         # awaited by flush()/aclose() even when the put that made it was cancelled.
         self._background.track(task)
 
+    # Every copy of one put or delete carries one stamp of this client's clock
+    # (kvtier.peer.versions): a member back from a crash then loses to it.
     async def _put(self, key: bytes, block: Block) -> None:
+        with stamped(self._clock.next()):
+            await self._put_once(key, block)
+
+    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+        with stamped(self._clock.next()):
+            await self._put_many_once(items)
+
+    async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with stamped(self._clock.next()):
+            return await self._delete_many_once(keys)
+
+    async def _put_once(self, key: bytes, block: Block) -> None:
         await self._start()
         frame = await self._encode(key, block)
         order = self._order(key)
@@ -543,14 +560,50 @@ class PeerTier(Tier):
         and never the only one."""
         return self.ack == "all" and copies >= max(1, need - 1) and copies + hinted >= need
 
+    def _hint_missed_deletes(self, keys: Sequence[bytes], failed: set[str]) -> None:
+        """Hint the stamped delete of ``keys`` to each owner out of the path or in
+        ``failed`` (it did not answer): handed over when it is back, so its old copy does
+        not outlive the delete until an anti-entropy pass."""
+        stamp = write_stamp.get()
+        if stamp is None:
+            return
+        for key in keys:
+            for owner in self.members.ring.owners(key, self.replicas):
+                if owner != self.members.self_id and (owner in failed
+                                                      or not self.members.alive(owner)):
+                    self._hints.add_delete(owner, key, stamp)
+
+    def _retarget_hints(self, gone: set[str]) -> None:
+        """Members left the ring: their hints go to the keys' new owners at once."""
+        for member in self._hints.retarget(
+                gone, lambda key: self.members.ring.owners(key, self.replicas)):
+            if self.members.alive(member) and not self._is_local(member):
+                self._hand_over(member)
+
     def _hand_over(self, member: str) -> None:
         """``member`` is back (rejoined, or answered after failures): copy its hinted keys
-        to it, in the background."""
+        and send its hinted deletes to it, in the background."""
         keys = self._hints.take(member)
-        if keys:
-            task = asyncio.create_task(self._hand_over_keys(member, keys))
+        deletes = self._hints.take_deletes(member)
+        for work in ([self._hand_over_keys(member, keys)] if keys else []) + \
+                ([self._hand_over_deletes(member, deletes)] if deletes else []):
+            task = asyncio.create_task(work)
             self._repairs.add(task)
             task.add_done_callback(self._repairs.discard)
+
+    async def _hand_over_deletes(self, member: str, items: list[tuple[bytes, int]]) -> None:
+        """Send ``member`` the deletes it missed, each with its stamp (applied only where
+        newer than what it holds); a batch it fails stays hinted."""
+        for start in range(0, len(items), _HANDOFF_BATCH):
+            chunk = items[start:start + _HANDOFF_BATCH]
+            reply = await self._call(member, "handoff", partial(
+                self.members.client(member).delete_many, [k for k, _ in chunk],
+                stamps=[s for _, s in chunk]), len(chunk))
+            if reply is FAILED:
+                for key, stamp in items[start:]:
+                    self._hints.add_delete(member, key, stamp)
+                return
+            self.counts["hinted_deletes_handed_over"] += len(chunk)
 
     async def _hand_over_keys(self, member: str, keys: list[bytes]) -> None:
         """Ask ``member`` which hinted keys it lacks, read those through the pool, and store
@@ -903,7 +956,7 @@ class PeerTier(Tier):
             self._report_miss(group, MissReason.UNAVAILABLE,
                               f"{why} (timeout={self.timeout:g}s)")
 
-    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+    async def _put_many_once(self, items: Sequence[tuple[bytes, Block]]) -> None:
         await self._start()
         frames = [await self._encode(key, block) for key, block in items]
         orders = [self._order(k) for k, _ in items]
@@ -952,7 +1005,7 @@ class PeerTier(Tier):
         """Batch puts of ``frames`` onto ``member`` (``fill``: only those it lacks)."""
         await self.members.client(member).put_many(frames, fill=fill)
 
-    async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+    async def _delete_many_once(self, keys: Sequence[bytes]) -> list[bool]:
         # Copies may sit on fallback owners written while an owner was down: ask every member.
         await self._start()
         members = [m for m in self.members.members if self.members.alive(m)]
@@ -967,6 +1020,8 @@ class PeerTier(Tier):
 
         replies = await asyncio.gather(*(self._call(m, "delete", lambda m=m: one(m))  # type: ignore[misc]
                                          for m in members))
+        self._hint_missed_deletes(keys, {m for m, r in zip(members, replies, strict=True)
+                                         if not isinstance(r, list)})
         out = [False] * len(keys)
         for reply in replies:
             if isinstance(reply, list):
