@@ -324,7 +324,9 @@ class LocalTier(Tier):
         return (await self._delete_many([key]))[0]
 
     async def _touch_chain(self, keys: Sequence[bytes]) -> None:
-        await self._client.call("/v1/touch", {"keys": self._hex(keys)})
+        # In the background: a lookup answered from the shared index waits on no call, and
+        # a recency refresh that is lost (a stopped daemon) only ages the blocks.
+        self._spawn(self._quiet("/v1/touch", {"keys": self._hex(keys)}))
 
     async def _pin(self, keys: Sequence[bytes]) -> None:
         await self._client.call("/v1/pin", {"keys": self._hex(keys)})
