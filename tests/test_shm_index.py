@@ -198,3 +198,22 @@ async def test_engine_remaps_a_restarted_daemons_index(tmp_path: Path) -> None:
     finally:
         await tier.aclose()
         remove_files(name)
+
+
+async def test_index_slots_flag_bounds_the_table(tmp_path: Path) -> None:
+    """`--shm-index-slots 64`: the table takes 48 keys; the rest are refused and counted
+    (false negatives: the daemon still serves them)."""
+    with running_daemon(tmp_path, None, "64MiB", "--shm-index-slots", "64") as proc:
+        tier = LocalTier(proc.shm_name, timeout=2)
+        await tier.open()
+        try:
+            block = sample_block(3, nbytes=4096)
+            await tier.put_many([(key_of(i), block) for i in range(60)])
+            stats = await tier.daemon_stats()
+            assert stats["index_keys"] == 48 and stats["index_refused"] == 12
+            present = await tier.contains_many([key_of(i) for i in range(60)])
+            assert sum(present) == 48
+            unlisted = key_of(present.index(False))
+            assert await tier.get(unlisted) is not None  # not in the index, still served
+        finally:
+            await tier.aclose()
