@@ -335,8 +335,8 @@ class LocalTier(Tier):
         await self._client.call("/v1/unpin", {"keys": self._hex(keys)})
 
     async def daemon_stats(self) -> dict[str, Any]:
-        """The daemon's lease figures (``leases``, ``prepared``, ``clients``,
-        ``arena_used_bytes``, ...)."""
+        """The daemon's lease and index figures (``leases``, ``prepared``, ``clients``,
+        ``arena_used_bytes``, ``index_keys``, ``index_refused``, ...)."""
         return await self._client.call("/v1/stats")
 
     async def _aclose(self) -> None:
@@ -346,6 +346,7 @@ class LocalTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         """Tier figures plus ``leased`` (slots read), ``saved`` (blocks committed),
-        ``expired_leases`` (copies thrown away: their lease ended under them) and
-        ``instance`` (the daemon's arena)."""
+        ``expired_leases`` (copies thrown away: their lease ended under them),
+        ``index_lookups`` (presence questions the shared index answered) and ``instance``
+        (the daemon's arena)."""
         return {**super().stats(), **self.counts, "instance": self._client.instance}
