@@ -8,8 +8,9 @@ bound is replaced by a new one (a new resync). Handlers that change the store ca
 :meth:`IndexFeed.sync` before they answer, so an engine's next lookup sees its own commit or
 delete; events from other threads (a disk tier's eviction) land when the feed's task runs.
 
-Keys only the pool holds (``--pool`` peers) are not in the index: they are the daemon's
-network round trip, not a presence a host can see.
+Keys this daemon wrote to a pool tier of its chain stay while that tier's events say so;
+keys only other pool members wrote are not in the index (the daemon learns of them only by
+asking the pool, a network round trip).
 
 Concurrency: the daemon's event loop only.
 """
