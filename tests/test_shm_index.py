@@ -217,3 +217,44 @@ async def test_index_slots_flag_bounds_the_table(tmp_path: Path) -> None:
             assert await tier.get(unlisted) is not None  # not in the index, still served
         finally:
             await tier.aclose()
+
+
+async def test_feed_follows_tiers_and_resyncs_after_lost_events(
+        index_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key stays while any tier holds it (a demotion keeps it); a tier's AllBlocksCleared
+    removes only what that tier alone held; a subscription that lost events is replaced and
+    the index rebuilt from what the tiers hold."""
+    from kvtier.events import EventHub
+    from kvtier.shm import index_feed
+
+    held = {"dram": [key_of(1)], "disk": [key_of(2)]}
+    hub = EventHub("n0", resident=lambda: [(t, "cpu", ks) for t, ks in held.items()])
+    index = PresenceIndex(index_path, 256)
+    reader = IndexReader(str(index_path), 256)
+    feed = index_feed.IndexFeed(hub, index)
+    feed.start()
+    try:
+        assert reader.present_many([key_of(1), key_of(2)]) == [True, True]  # the resync
+        hub.stored([key_of(3)], tier="dram", medium="cpu")
+        hub.stored([key_of(3)], tier="disk", medium="disk")  # demoted: in both, then
+        hub.removed([key_of(3)], tier="dram", medium="cpu")  # only on disk
+        feed.sync()
+        assert reader.present_many([key_of(3)]) == [True]
+        hub.cleared(tier="disk", medium="disk")
+        feed.sync()
+        assert reader.present_many([key_of(1), key_of(2), key_of(3)]) == [True, False, False]
+        monkeypatch.setattr(index_feed, "_BUFFER", 4)
+        await feed.stop()
+        feed = index_feed.IndexFeed(hub, index)
+        feed.start()
+        held["dram"] = [key_of(i) for i in range(10, 20)]  # what the tiers hold now
+        for i in range(10, 20):  # ten events into a buffer of four: six are lost
+            hub.stored([key_of(i)], tier="dram", medium="cpu")
+        feed.sync()
+        assert feed.resyncs == 1
+        assert reader.present_many([key_of(i) for i in range(10, 20)]) == [True] * 10
+        assert reader.present_many([key_of(1)]) == [False]  # gone from the tiers' listing
+    finally:
+        await feed.stop()
+        reader.close()
+        index.close()
