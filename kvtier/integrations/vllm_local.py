@@ -223,7 +223,11 @@ class LocalWorkerSide:
             for start in range(0, len(picked), chunk):
                 part = picked[start:start + chunk]
                 out = bounce[:len(part)]
-                np.take(rows, [r for _, r in part], axis=0, out=out, mode="clip")
+                # One block at a time through basic indexing (a view of the slot): np.take
+                # would first make the whole overlapping-rows view of the arena contiguous,
+                # a copy of rows x block bytes (80 GiB for a 320 MiB arena in real vLLM).
+                for j, (_, r) in enumerate(part):
+                    np.copyto(out[j], rows[r])
                 layers.scatter_many([block_ids[i] for i, _ in part], out)
         except BaseException as exc:
             with contextlib.suppress(TierError):  # else the leases end at their time bound
