@@ -87,7 +87,7 @@ CONFIGS = {"none": "no connector", "example": "vLLM ExampleConnector",
            "lmcache": "LMCache server mode", "lmdb": "kvtier dram+lmdb://",
            "file": "kvtier dram+file://", "peers": "kvtier dram+peers://",
            "redis": "kvtier redis://", "local": "kvtier local://",
-           "local2": "kvtier local:// 2 engines"}
+           "local2": "kvtier local:// x2 eng"}
 KVTIER = ("lmdb", "file", "peers", "redis", "local", "local2")
 #: ``--kv-size``: the model's shape, and its prompt length and context unless given.
 #: ``large`` is 64 KiB of fp32 KV per token (16 layers x 8 KV heads x 64, as an 8B model in

