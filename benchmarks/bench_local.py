@@ -4,10 +4,11 @@ Starts ``kvtier serve --shm NAME`` (a subprocess, stopped at the end), waits for
 prefault (and this process's page tables for it), saves a hit of each size as blocks of
 ``--block`` bytes, then times, interleaved, ``store.get_many_into`` of the
 whole hit into preallocated buffers and a numpy memcpy of the same bytes between two warm
-buffers of this process (the floor: what one copy costs here). Also times one control call
-(``contains_many`` of 16 keys: one round trip on the daemon's socket) and a save.
+buffers of this process (the floor: what one copy costs here). Also times a save, and
+presence of 16 and 128 keys read from the daemon's shared index against the same question
+as a call on its socket (aiohttp, and ``http.client`` as the vLLM scheduler used to).
 
-Run ``python -m benchmarks.bench_local [--repeats 9] [--block 4MiB]``.
+Run ``python -m benchmarks.bench_local [--repeats 9] [--block 4MiB] [--lookups-only]``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import kvtier
+from kvtier.integrations.vllm_local import LocalLookups
 from kvtier.shm.sync_client import SyncLocalClient
 from kvtier.tiers.local import LocalTier
 from kvtier.urls import parse_size
@@ -50,7 +54,66 @@ def _start_daemon(name: str, capacity: str) -> subprocess.Popen[str]:
     return proc
 
 
-async def _run(name: str, repeats: int, block: int) -> list[tuple[str, float, float]]:
+def _median_of(repeats: int, call: Callable[[], object]) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def _amedian_of(repeats: int, call: Callable[[], Awaitable[object]]) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        await call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+async def _lookups(store: kvtier.TieredStore, tier: LocalTier, name: str, repeats: int
+                   ) -> list[tuple[str, float, float]]:
+    """Presence of 16 and 128 stored keys: the shared index against a socket call, each
+    through the async tier and through the vLLM scheduler's synchronous path."""
+    rows: list[tuple[str, float, float]] = []
+    lookups = LocalLookups(f"local://{name}?timeout=30")
+    sync = SyncLocalClient(name, timeout=30)
+    for n in (16, 128):
+        keys = [secrets.token_bytes(16) for _ in range(n)]
+        await store.put_many((k, np.zeros(4096, np.uint8)) for k in keys)
+        hexed = [k.hex() for k in keys]
+        if await tier.contains_many(keys) != [True] * n or lookups.lookup_prefix(keys) != n:
+            raise RuntimeError("the index does not show the keys just saved")
+        def index_async(k: list[bytes] = keys) -> Awaitable[list[bool]]:
+            return tier.contains_many(k)
+
+        def socket_async(h: list[str] = hexed) -> Awaitable[dict[str, Any]]:
+            return tier._client.call("/v1/contains", {"keys": h})
+
+        def index_sync(k: list[bytes] = keys) -> int:
+            return lookups.lookup_prefix(k)
+
+        def socket_sync(h: list[str] = hexed) -> dict[str, Any]:
+            return sync.call("/v1/lookup", {"keys": h})
+
+        rows += [
+            (f"contains_many({n} keys): shared index, async tier",
+             await _amedian_of(repeats, index_async), 0.0),
+            (f"contains_many({n} keys): socket call, aiohttp client",
+             await _amedian_of(repeats, socket_async), 0.0),
+            (f"lookup_prefix({n} keys): shared index, vLLM scheduler's",
+             _median_of(repeats, index_sync), 0.0),
+            (f"lookup_prefix({n} keys): /v1/lookup, http.client (vLLM's)",
+             _median_of(repeats, socket_sync), 0.0)]
+        await store.delete_many(keys)
+    lookups.close()
+    sync.close()
+    return rows
+
+
+async def _run(name: str, repeats: int, block: int, lookups_only: bool
+               ) -> list[tuple[str, float, float]]:
     rows = []
     async with await kvtier.open_store([f"local://{name}?timeout=30"]) as store:
         tier = store.tiers[0]
@@ -63,7 +126,7 @@ async def _run(name: str, repeats: int, block: int) -> list[tuple[str, float, fl
                 break
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
-        for label, total in SIZES.items():
+        for label, total in ({} if lookups_only else SIZES).items():
             n = total // block
             src = [np.random.default_rng(i).integers(0, 255, block, np.uint8) for i in range(n)]
             keys = [secrets.token_bytes(16) for _ in range(n)]
@@ -91,24 +154,7 @@ async def _run(name: str, repeats: int, block: int) -> list[tuple[str, float, fl
             rows.append((f"{label}: np.copyto of the same bytes (floor)", base, 1.0))
             rows.append((f"{label} save: local:// put_many (first, once)", save, save / base))
             await store.delete_many(keys)
-        keys16 = [secrets.token_bytes(16) for _ in range(16)]
-        rtt = []
-        for _ in range(max(repeats, 50)):
-            t0 = time.perf_counter()
-            await tier.contains_many(keys16)
-            rtt.append(time.perf_counter() - t0)
-        rows.append(("control call: contains_many(16 keys), aiohttp client",
-                     statistics.median(rtt), 0.0))
-        sync = SyncLocalClient(name, timeout=30)
-        hexed = {"keys": [k.hex() for k in keys16]}
-        rtt = []
-        for _ in range(max(repeats, 50)):
-            t0 = time.perf_counter()
-            sync.call("/v1/contains", dict(hexed))  # blocking, as from vLLM's own thread
-            rtt.append(time.perf_counter() - t0)
-        sync.close()
-        rows.append(("control call: /v1/contains(16 keys), http.client (vLLM's)",
-                     statistics.median(rtt), 0.0))
+        rows += await _lookups(store, tier, name, max(repeats, 200))
     return rows
 
 
@@ -117,11 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--block", default="4MiB", help="block size (default 4MiB)")
+    parser.add_argument("--lookups-only", action="store_true",
+                        help="time presence lookups only (no hits or saves)")
     args = parser.parse_args(argv)
     name = f"bench-{secrets.token_hex(4)}"
     proc = _start_daemon(name, "768MiB")
     try:
-        rows = asyncio.run(_run(name, args.repeats, parse_size(args.block, "--block")))
+        rows = asyncio.run(_run(name, args.repeats, parse_size(args.block, "--block"),
+                                args.lookups_only))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -132,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"|{'-' * 60}|{'-' * 13}|{'-' * 10}|")
     for label, seconds, ratio in rows:
         ratio_text = f"{ratio:.2f}" if ratio else ""
-        print(f"| {label:<58} | {seconds * 1e3:>11.3f} | {ratio_text:>8} |")
+        print(f"| {label:<58} | {seconds * 1e3:>11.4f} | {ratio_text:>8} |")
     return 0
 
 

@@ -11,9 +11,11 @@ import json
 import os
 import queue
 import re
+import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,18 +30,72 @@ START_TIMEOUT_S = 600.0  # a vLLM start takes 25-90 s on a loaded 2-core machine
 REQUEST_TIMEOUT_S = 600.0
 
 
+#: What the benchmark sets in every child besides vLLM's own variables (none of them
+#: changes vLLM's behaviour: this checkout's kvtier first, an offline hub, fixed hashing).
+BENCH_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
+# ``VLLM_*`` settings a flag asked for (``--vllm-env``); none by default, so every engine
+# runs with vLLM's default environment (plus whatever VLLM_* the caller's shell exports).
+_vllm_overrides: dict[str, str] = {}
+
+
+def set_vllm_env(overrides: dict[str, str]) -> None:
+    """Use ``overrides`` (``VLLM_*`` name -> value) in every child started from now on."""
+    bad = [k for k in overrides if not k.startswith("VLLM_")]
+    if bad:
+        raise ValueError(f"--vllm-env: only VLLM_* variables, got {bad}")
+    _vllm_overrides.clear()
+    _vllm_overrides.update(overrides)
+
+
+def vllm_environment() -> dict[str, str]:
+    """The ``VLLM_*`` variables every engine sees: the caller's, then the overrides."""
+    return {**{k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
+            **_vllm_overrides}
+
+
 def engine_env() -> dict[str, str]:
-    """Environment of every child: this checkout's kvtier first, offline hub, small KV space,
-    and one CPU core reserved for vLLM's scheduler in EVERY configuration. vLLM's CPU backend
-    reserves one core more when any KV connector is configured (for NIXL): on a 2-core host
-    that leaves its scheduler no core, and every step of every connector (LMCache's too)
-    runs 5-10x slower (docs/integrations/vllm.md). Fixing it at 1 compares connectors, not
-    core reservations; ``VLLM_CPU_NUM_OF_RESERVED_CPU`` in the environment overrides it."""
+    """Environment of every child: this checkout's kvtier first, :data:`BENCH_ENV`, and
+    vLLM's default environment unless ``--vllm-env`` changed it. (On a 2-core host vLLM's
+    CPU backend reserves one core more when any KV connector is configured, which can leave
+    its scheduler none; ``--vllm-env VLLM_CPU_NUM_OF_RESERVED_CPU=1`` fixes the reservation
+    for every configuration: docs/integrations/vllm.md.)"""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
+    return {**os.environ, "PYTHONPATH": path, **BENCH_ENV, **_vllm_overrides}
+
+
+@contextmanager
+def background_load(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``count`` CPU-bound processes (a busy loop each) for the block's duration."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(count)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            stop(proc, 10)
+
+
+@contextmanager
+def kvtier_daemon(python: str, work: Path, capacity: str) -> Iterator[str]:
+    """A host daemon (``kvtier serve --shm NAME``, DRAM of ``capacity``); yields NAME."""
+    name = f"bench-engine-{os.getpid()}-{secrets.token_hex(3)}"
+    with open(work / f"kvtier-daemon-{name}.log", "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(
+            [python, "-m", "kvtier.cli", "serve", "--listen", "127.0.0.1:0",
+             "--insecure-no-auth", "--tier", f"dram://?capacity={capacity}", "--shm", name],
+            cwd=ROOT, env=engine_env(), stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:  # ends (the loop too) if the daemon dies
+                if line.startswith(f"kvtier serve shm {name}"):
+                    break
+            else:
+                raise RuntimeError(f"kvtier serve --shm did not start (log: {log.name})")
+            yield name
+        finally:
+            stop(proc)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def has_modules(python: str, *modules: str) -> list[str]:

@@ -136,3 +136,62 @@ def test_a_hook_calling_another_is_timed_once(tmp_path: Path) -> None:
     times = HookLog(str(tmp_path / "e.hooks")).window(0, 1e12)
     assert set(times) == {"request_finished_all_groups", "request_finished"}
     assert len((tmp_path / f"e.hooks.{os.getpid()}").read_text().splitlines()) == 2
+
+
+def _args(*argv: str) -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_engine.options(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_kv_size_large_is_64_kib_per_token_and_256_mib_per_prompt() -> None:
+    model, prompt, context = bench_engine.resolve_kv_size(_args("--kv-size", "large"))
+    assert bench_engine.kv_bytes_per_token(model) == 64 << 10
+    assert prompt == 4096 and prompt * bench_engine.kv_bytes_per_token(model) == 256 << 20
+    assert context >= prompt + 2 * bench_engine.OUTPUT_TOKENS
+    assert bench_engine.dram_for(model, prompt) == "dram://?capacity=1024MiB"
+    small, prompt, _ = bench_engine.resolve_kv_size(_args())
+    assert bench_engine.kv_bytes_per_token(small) == 8 << 10 and prompt == 2048
+    assert bench_engine.dram_for(small, prompt) == "dram://?capacity=512MiB"
+    # An explicit prompt length wins; one that does not fit the context is refused.
+    assert bench_engine.resolve_kv_size(_args("--kv-size", "large",
+                                              "--prompt-tokens", "512"))[1] == 512
+    with pytest.raises(SystemExit, match="does not fit"):
+        bench_engine.resolve_kv_size(_args("--prompt-tokens", "4096", "--max-model-len", "4096"))
+
+
+def test_vllm_environment_is_the_default_unless_a_flag_asks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import engine_procs
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    engine_procs.set_vllm_env({})
+    env = engine_procs.engine_env()
+    assert not any(k.startswith("VLLM_CPU") for k in env)  # vLLM's defaults
+    assert env["HF_HUB_OFFLINE"] == "1"
+    asked = bench_engine.parse_vllm_env(["VLLM_CPU_NUM_OF_RESERVED_CPU=1"])
+    engine_procs.set_vllm_env(asked)
+    try:
+        assert engine_procs.engine_env()["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+        assert engine_procs.vllm_environment() == asked
+    finally:
+        engine_procs.set_vllm_env({})
+    with pytest.raises(SystemExit, match="VLLM_NAME=VALUE"):
+        bench_engine.parse_vllm_env(["OMP_NUM_THREADS=1"])
+    lines = bench_engine.environment_lines([{**_row("local", "hit", 0.1), "vllm_env": {},
+                                             "background_load": 2,
+                                             "kv_bytes_per_token": 64 << 10}])
+    assert lines[0] == "vLLM environment: none set (vLLM's defaults)"
+    assert "HF_HUB_OFFLINE=1" in lines[1]
+    assert "2 CPU-bound" in lines[2] and "64 KiB per token, 128 MiB per 2048-token" in lines[2]
+
+
+def test_local_configs_use_the_daemon(tmp_path: Path) -> None:
+    setup = bench_engine.Setup("python", None, tmp_path, {"local": "kv-bench"}, 4096)
+    for config in ("local", "local2"):
+        spec = setup.connector(config, tmp_path)
+        assert spec is not None and spec["tiers"] == ["local://kv-bench?timeout=5"]
+    assert len(bench_engine.CONFIGS["local2"]) <= 22  # the table's column

@@ -64,7 +64,13 @@ async def _stats(tier: LocalTier) -> dict[str, int]:
 async def _settles(tier: LocalTier, **expected: int) -> dict[str, int]:
     deadline = time.monotonic() + 20
     while True:
-        stats = await _stats(tier)
+        try:
+            stats = await _stats(tier)
+        except TierError:  # a short-timeout tier on a loaded box: ask again until the deadline
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+            continue
         if all(stats[k] == v for k, v in expected.items()) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.02)
@@ -153,7 +159,9 @@ async def test_stopped_daemon_is_a_deadline_then_a_miss(tmp_path: Path) -> None:
             proc.signal(signal.SIGSTOP)
             try:
                 assert await store.get_many_into([key_of(2)], [out]) == [False]
-                assert await store.lookup_prefix([key_of(2)]) == 0
+                # Presence comes from the shared index (no call, so no deadline): a hint
+                # that the load's lease step then turns into a miss.
+                assert await store.lookup_prefix([key_of(2)]) == 1
                 assert await store.get(key_of(2)) is None
                 assert not out.any(), "a load that gave up wrote the buffer"
             finally:
@@ -247,7 +255,7 @@ def test_a_clean_stop_leaves_nothing_under_dev_shm(tmp_path: Path) -> None:
     with running_daemon(tmp_path) as proc:
         name = proc.shm_name
         assert {p.suffix for p in SHM_DIR.glob(f"kvtier-{name}.*")} == {".lock", ".sock",
-                                                                        ".arena"}
+                                                                        ".arena", ".index"}
         proc.stop()  # SIGTERM: the daemon's own shutdown
         assert not any(SHM_DIR.glob(f"kvtier-{name}.*"))
 

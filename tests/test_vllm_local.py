@@ -171,3 +171,29 @@ def test_a_save_larger_than_the_arenas_spare_room_is_committed_in_rounds(
             assert stats["committed"] == 12 + 18 and stats["prepare_refused"] > 0
         finally:
             engine.close()
+
+
+def test_a_load_copies_the_blocks_not_the_arena(daemon: Daemon) -> None:
+    """A save and a load touch each slot through a view: nothing the size of the arena (or
+    of its overlapping-rows view) is allocated. Real vLLM failed this with 'Unable to allocate
+    80.0 GiB for an array with shape (5242625, 16384)' when the load used np.take."""
+    import tracemalloc
+
+    a = FakeEngine(_extra(daemon))
+    b = FakeEngine(_extra(daemon))
+    try:
+        tracemalloc.start()
+        try:
+            a.prefill(Request("a-1", PROMPT), list(range(6)))
+            assert a.finish(Request("a-1", PROMPT)) == {"a-1"}  # the save, copied and committed
+            ext, _, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert ext == 5 * BLOCK and errors == set()
+        for index, block_id in enumerate([20, 2, 21, 1, 22]):
+            assert b.block_bytes(block_id) == expected_block(PROMPT, index)
+        assert peak < 16 << 20, f"the load allocated {peak} bytes"
+    finally:
+        b.close()
+        a.close()

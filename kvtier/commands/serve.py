@@ -95,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shm-lease-ttl", type=float, default=10.0, metavar="SECONDS",
                         help="longest an engine may hold a slot of the shared arena (a dead "
                              "engine's slots are freed at once; default 10)")
+    parser.add_argument("--shm-index-slots", type=int, default=1 << 20, metavar="N",
+                        help="entries of the shared presence index engines read contains "
+                             "and lookups from (a power of two, 8 bytes each; it takes keys "
+                             "while 3/4 full; default 1048576)")
     parser.add_argument("--repair-rate", default="64MiB", metavar="SIZE",
                         help="anti-entropy push budget per second, so a refill cannot starve "
                              "clients (default 64MiB; 0: unpaced)")
@@ -273,7 +277,8 @@ async def _start_local(args: argparse.Namespace, server: Any) -> Any:
     try:
         if not isinstance(top, DRAMTier):
             raise ConfigError("--shm: the first --tier must be dram://?capacity=SIZE")
-        local = LocalServer(server.segment, top, lease_ttl=args.shm_lease_ttl)
+        local = LocalServer(server.segment, top, lease_ttl=args.shm_lease_ttl,
+                            index_slots=args.shm_index_slots)
         path = await local.start()
     except BaseException:
         await server.stop()

@@ -26,6 +26,7 @@ import numpy.typing as npt
 from kvtier.errors import TierError
 from kvtier.shm import protocol as p
 from kvtier.shm.files import map_arena, socket_path
+from kvtier.shm.index import IndexReader, open_announced
 from kvtier.tiers.dram_arena import populate
 
 __all__ = ["LocalClient", "map_announced"]
@@ -80,6 +81,8 @@ class LocalClient:
         #: The mapped arena as one ``uint8`` array (``None`` before :meth:`attach`).
         self.buffer: npt.NDArray[np.uint8] | None = None
         self._map: mmap.mmap | None = None
+        #: The daemon's shared presence index (``None``: not mapped, ask the socket).
+        self.index: IndexReader | None = None
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -148,7 +151,23 @@ class LocalClient:
             return
         # The old mapping (a dead daemon's arena) stays alive while views of it exist.
         self._map, self.buffer = map_announced(self.name, info)
+        self.index = open_announced(info)
         self.info = info
+
+    async def present_many(self, keys: list[bytes]) -> list[bool] | None:
+        """Which ``keys`` the daemon's index holds, with no call on the socket (one when the
+        index file was unlinked: the daemon restarted, so its new one is mapped first);
+        ``None`` if the daemon announced no index.
+
+        Raises
+        ------
+        TierError
+            If the index is stale and the daemon does not answer.
+        """
+        if self.info is None or (self.index is not None and self.index.stale()):
+            self.info = None  # remap whatever the daemon runs now
+            await self.attach()
+        return None if self.index is None else self.index.present_many(keys)
 
     async def ensure(self, instance: object) -> bool:
         """Whether slots of arena ``instance`` can be read: it is mapped, or is once the
@@ -164,3 +183,4 @@ class LocalClient:
             self._session = None
         self.buffer = None
         self._map = None
+        self.index = None

@@ -144,9 +144,11 @@ class SharedArenaFile:
             os.ftruncate(self._lock_fd, 0)
             os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
             check_room(nbytes, f"{flag} {name}")
-            for stale in SHM_DIR.glob(f"kvtier-{name}.*.arena"):
-                # A dead daemon's arena (we hold the lock): unlinked, never truncated, so an
-                # engine still mapping it reads orphaned pages, never a SIGBUS.
+            for stale in [*SHM_DIR.glob(f"kvtier-{name}.*.arena"),
+                          *SHM_DIR.glob(f"kvtier-{name}.*.index")]:
+                # A dead daemon's arena and index (we hold the lock): unlinked, never
+                # truncated, so an engine still mapping one reads orphaned pages, never a
+                # SIGBUS.
                 with contextlib.suppress(FileNotFoundError):
                     stale.unlink()
             self.instance = secrets.token_hex(8)

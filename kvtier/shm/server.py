@@ -29,7 +29,9 @@ from aiohttp import web
 
 from kvtier.errors import ConfigError, KVTierError, ProtocolError
 from kvtier.shm import protocol as p
-from kvtier.shm.files import socket_path
+from kvtier.shm.files import SHM_DIR, socket_path
+from kvtier.shm.index import PresenceIndex
+from kvtier.shm.index_feed import IndexFeed
 from kvtier.shm.leases import LeaseTable
 
 if TYPE_CHECKING:
@@ -69,9 +71,15 @@ class LocalServer:
     lease_ttl
         Seconds a lease lives at most (an engine that stops, not dies, loses its slots
         after it; a dead one at once).
+    index_slots
+        Entries of the shared presence index engines answer ``contains`` from
+        (:mod:`kvtier.shm.index`; 8 bytes each, a power of two). It takes keys while at most
+        3/4 full; a key it cannot take is a false negative (a recompute), counted as
+        ``index_refused``.
     """
 
-    def __init__(self, store: TieredStore, tier: DRAMTier, *, lease_ttl: float = 10.0) -> None:
+    def __init__(self, store: TieredStore, tier: DRAMTier, *, lease_ttl: float = 10.0,
+                 index_slots: int = 1 << 20) -> None:
         shared = tier.shared_file
         if shared is None or tier.arena is None:
             raise ConfigError("--shm: the top tier must be a dram:// tier with a capacity")
@@ -83,6 +91,9 @@ class LocalServer:
         self.shared = shared
         self.path = socket_path(shared.name)
         self.leases = LeaseTable(lease_ttl)
+        self.index_slots = index_slots
+        self.index: PresenceIndex | None = None
+        self._feed: IndexFeed | None = None
         self.counts: Counter[str] = Counter()
         self._pins: dict[int, Counter[bytes]] = {}
         self._watched: dict[int, int] = {}  # pid -> pidfd
@@ -95,6 +106,12 @@ class LocalServer:
     async def start(self) -> str:
         """Listen on the name's socket; returns its path."""
         self._loop = asyncio.get_running_loop()
+        # Beside the arena, under its instance id: a new daemon of the name unlinks it.
+        self.index = PresenceIndex(
+            SHM_DIR / f"kvtier-{self.shared.name}.{self.shared.instance}.index",
+            self.index_slots)
+        self._feed = IndexFeed(self.store.event_hub, self.index)
+        self._feed.start()
         app = web.Application(client_max_size=p.MAX_BODY, middlewares=[self._guard])
         routes = {"/v1/contains": self._contains, "/v1/lookup": self._lookup,
                   "/v1/lease": self._lease, "/v1/release": self._release,
@@ -130,6 +147,10 @@ class LocalServer:
             await asyncio.gather(*self._tasks)
         for pid in list(self._pins):
             await self._drop_pins(pid)
+        if self._feed is not None:
+            await self._feed.stop()
+        if self.index is not None:
+            self.index.close()
 
     # --------------------------------------------------------------- bookkeeping
     def _watch(self, pid: int) -> bool:
@@ -199,6 +220,8 @@ class LocalServer:
         return p.load(await request.read())
 
     def _answer(self, obj: dict[str, Any]) -> web.Response:
+        if self._feed is not None:  # the caller's next index read sees what this call did
+            self._feed.sync()
         obj["used"] = self.tier.used
         return web.Response(body=p.dump(obj), content_type="application/json")
 
@@ -213,7 +236,9 @@ class LocalServer:
     async def _info(self, request: web.Request) -> web.Response:
         return self._answer({"instance": self.shared.instance, "path": str(self.shared.path),
                              "nbytes": self.shared.nbytes, "pid": os.getpid(),
-                             "capacity": self.tier.capacity, "lease_ttl": self.leases.ttl})
+                             "capacity": self.tier.capacity, "lease_ttl": self.leases.ttl,
+                             "index": None if self.index is None else str(self.index.path),
+                             "index_slots": self.index_slots})
 
     def stats(self) -> dict[str, Any]:
         """Leases out, clients, requests refused, the arena's bytes in use and whether its
@@ -223,7 +248,10 @@ class LocalServer:
                 "arena_used_bytes": self.arena.used_bytes(), "arena_bytes": self.arena.nbytes,
                 "capacity": self.tier.capacity, "instance": self.shared.instance,
                 "lookup_miss_reasons": self.store.stats().get("lookup_miss_reasons", {}),
-                "prefaulted": self.arena.stats()["prefaulted"]}
+                "prefaulted": self.arena.stats()["prefaulted"],
+                "index_keys": 0 if self.index is None else self.index.count,
+                "index_refused": 0 if self.index is None else self.index.refused,
+                "index_resyncs": 0 if self._feed is None else self._feed.resyncs}
 
     async def _stats_handler(self, request: web.Request) -> web.Response:
         return self._answer(self.stats())

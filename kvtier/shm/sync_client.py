@@ -22,6 +22,7 @@ from kvtier.errors import ProtocolError, TierError
 from kvtier.shm import protocol as p
 from kvtier.shm.client import map_announced
 from kvtier.shm.files import socket_path
+from kvtier.shm.index import IndexReader, open_announced
 
 __all__ = ["SyncLocalClient"]
 
@@ -63,6 +64,8 @@ class SyncLocalClient:
         self.info: dict[str, Any] | None = None
         self.buffer: npt.NDArray[np.uint8] | None = None
         self._map: mmap.mmap | None = None
+        #: The daemon's shared presence index (``None``: not mapped, ask the socket).
+        self.index: IndexReader | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
 
@@ -142,8 +145,25 @@ class SyncLocalClient:
                 info = self.call("/v1/info")
                 if info.get("instance") != self.instance:
                     self._map, self.buffer = map_announced(self.name, info)
+                    self.index = open_announced(info)
                     self.info = info
         return instance is None or instance == self.instance
+
+    def present_many(self, keys: list[bytes]) -> list[bool] | None:
+        """Which ``keys`` the daemon's index holds, with no call on the socket (one when
+        nothing is mapped yet or the index file was unlinked: the daemon restarted);
+        ``None`` if the daemon announced no index.
+
+        Raises
+        ------
+        TierError
+            If a remap is needed and the daemon does not answer.
+        """
+        index = self.index
+        if self.info is None or (index is not None and index.stale()):
+            self.ensure()
+            index = self.index
+        return None if index is None else index.present_many(keys)
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""

@@ -1,8 +1,9 @@
 """``local://NAME``: the host daemon (``kvtier serve --shm NAME``) as a tier of an engine.
 
-Presence questions are one call on the daemon's Unix socket, answered from its whole tier
-chain. A hit is lent as slots of the daemon's shared arena (a lease each); this process
-copies each block **once**, from its mapping of the arena straight into the caller's buffer
+Presence questions are answered from the daemon's presence index, a table in shared memory
+this process maps read-only (:mod:`kvtier.shm.index`): no call on the socket. A hit is lent
+as slots of the daemon's shared arena (a lease each); this process copies each block
+**once**, from its mapping of the arena straight into the caller's buffer
 (``get_many_into``), then releases the leases, and trusts the copy only if the daemon says
 every lease was still valid (never expired, so the slot was never reused under it). A save
 asks for fresh slots (prepare), copies each block once into them, and commits: the daemon
@@ -235,6 +236,12 @@ class LocalTier(Tier):
         return (await self._get_many_into([key], [out]))[0]
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        # The daemon's shared index answers without a call (a hint: a key it shows that is
+        # gone by the lease is a miss then; see kvtier.shm.index).
+        hinted = await self._client.present_many([self._k(k) for k in keys])
+        if hinted is not None:
+            self.counts["index_lookups"] += 1
+            return hinted
         answer = await self._client.call("/v1/contains", {"keys": self._hex(keys)})
         present = answer.get("present")
         if not isinstance(present, list) or len(present) != len(keys):
@@ -317,7 +324,9 @@ class LocalTier(Tier):
         return (await self._delete_many([key]))[0]
 
     async def _touch_chain(self, keys: Sequence[bytes]) -> None:
-        await self._client.call("/v1/touch", {"keys": self._hex(keys)})
+        # In the background: a lookup answered from the shared index waits on no call, and
+        # a recency refresh that is lost (a stopped daemon) only ages the blocks.
+        self._spawn(self._quiet("/v1/touch", {"keys": self._hex(keys)}))
 
     async def _pin(self, keys: Sequence[bytes]) -> None:
         await self._client.call("/v1/pin", {"keys": self._hex(keys)})
@@ -326,8 +335,8 @@ class LocalTier(Tier):
         await self._client.call("/v1/unpin", {"keys": self._hex(keys)})
 
     async def daemon_stats(self) -> dict[str, Any]:
-        """The daemon's lease figures (``leases``, ``prepared``, ``clients``,
-        ``arena_used_bytes``, ...)."""
+        """The daemon's lease and index figures (``leases``, ``prepared``, ``clients``,
+        ``arena_used_bytes``, ``index_keys``, ``index_refused``, ...)."""
         return await self._client.call("/v1/stats")
 
     async def _aclose(self) -> None:
@@ -337,6 +346,7 @@ class LocalTier(Tier):
 
     def stats(self) -> dict[str, Any]:
         """Tier figures plus ``leased`` (slots read), ``saved`` (blocks committed),
-        ``expired_leases`` (copies thrown away: their lease ended under them) and
-        ``instance`` (the daemon's arena)."""
+        ``expired_leases`` (copies thrown away: their lease ended under them),
+        ``index_lookups`` (presence questions the shared index answered) and ``instance``
+        (the daemon's arena)."""
         return {**super().stats(), **self.counts, "instance": self._client.instance}
