@@ -42,7 +42,7 @@ GAUGE_FIELDS = frozenset({
     "capacity", "used", "blocks", "pinned_bytes", "spare_bytes", "leaving", "map_size",
     "disk_bytes", "compress_level", "hit_rate", "prefaulted_bytes", "arena_bytes",
     "arena_free_bytes", "arena_unused_bytes", "hints", "replicas", "walk_limit",
-    "anchors_known", "answer_buffers_reserved", "slots", "free_slots", "reserved_slots",
+    "holders_known", "answer_buffers_reserved", "slots", "free_slots", "reserved_slots",
     "block_bytes", "fleet_capacity", "gc_remaining_bytes", "ttl"})
 COUNTER_FIELDS = frozenset({
     "hits", "misses", "errors", "timeouts", "promotions", "demotions", "bytes_in",
@@ -53,7 +53,8 @@ COUNTER_FIELDS = frozenset({
     "gc_runs", "gc_deleted", "gc_errors", "gc_freed_bytes", "gc_skipped", "use_log_lines",
     "use_log_errors", "vanished", "copies_made", "hedge_wins", "hedged_reads",
     "hints_handed_over", "owners_verified", "puts_under_replicated", "read_repairs",
-    "read_repairs_dropped", "walk_hits"})
+    "read_repairs_dropped", "walk_hits", "refused_writes", "refused_deletes",
+    "remote_hits", "local_copies", "local_copies_dropped", "hinted_deletes_handed_over"})
 _GAUGE_SUFFIXES = ("_us", "_depth", "_s", "_seconds", "_in_flight")
 _COUNTER_SUFFIXES = ("_requests",)  # a peer tier's per-operation request counts
 
