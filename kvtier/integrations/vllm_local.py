@@ -23,7 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import threading
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
@@ -34,8 +33,8 @@ import numpy.typing as npt
 from kvtier.errors import TierError
 from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
 from kvtier.integrations.paged import PagedLayers
-from kvtier.integrations.vllm_events import KVTierWorkerMetadata
 from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata
+from kvtier.integrations.vllm_saves import SaveTracking
 from kvtier.shm.sync_client import SyncLocalClient
 from kvtier.tiers.dram_arena import slot_bytes
 from kvtier.tiers.local import local_key, parse_local_url
@@ -99,7 +98,7 @@ class LocalLookups:
         self.client.close()
 
 
-class LocalWorkerSide:
+class LocalWorkerSide(SaveTracking):
     """The worker side of :class:`~kvtier.integrations.vllm.KVTierConnector` on a daemon.
 
     Same contract as :class:`~kvtier.integrations.vllm.WorkerSide` (the connector calls the
@@ -108,6 +107,7 @@ class LocalWorkerSide:
 
     def __init__(self, url: str, keys: KeyMaker, shard: tuple[int, int], io_timeout_s: float,
                  thread_cpus: Literal["spare", "inherit"] = "inherit") -> None:
+        super().__init__()
         args = parse_local_url(url)
         self.namespace: str | None = args["namespace"]
         self.client = SyncLocalClient(args["daemon"], timeout=args["timeout"])
@@ -120,14 +120,7 @@ class LocalWorkerSide:
         self._saver = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-local-save", initializer=self._pin_save_thread)
         self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
-        self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
-        self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
-        self._finishing: set[str] = set()
         self._loaded: set[str] = set()  # asynchronous loads done, not yet reported
-        self._load_errors: set[int] = set()
-        self._report_lock = threading.Lock()
-        self._report = KVTierWorkerMetadata()
-        self._ended: set[concurrent.futures.Future[None]] = set()
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         if self.thread_cpus == "spare":
@@ -252,10 +245,6 @@ class LocalWorkerSide:
         done, self._loaded = self._loaded, set()
         return done
 
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
     # ------------------------------------------------------------------ saves
     def save(self, meta: KVTierMetadata) -> None:
         if not meta.saves:
@@ -331,40 +320,6 @@ class LocalWorkerSide:
                 self.client.call("/v1/commit", {"leases": ids, "abort": True})
             raise
         return [j for j, slot in enumerate(slots) if not isinstance(slot, dict)]
-
-    def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
-               save_id: int) -> None:
-        for key in keys:
-            if self._saving.get(key) is future:
-                del self._saving[key]
-        failed = future.exception() is not None
-        if failed:
-            log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
-        with self._report_lock:
-            if save_id >= 0:
-                (self._report.failed if failed else self._report.saved)[save_id] = 1
-            self._ended.add(future)
-
-    def take_report(self) -> KVTierWorkerMetadata | None:
-        """Saves that ended since the last call (for the scheduler's KV events), if any."""
-        with self._report_lock:
-            report = self._report
-            if not report.saved and not report.failed:
-                return None
-            self._report = KVTierWorkerMetadata()
-        return report
-
-    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
-        """Finished requests whose saves all committed (readable by every engine on the
-        host); vLLM frees their blocks after this."""
-        self._finishing |= finished_req_ids & self._req_saves.keys()
-        with self._report_lock:
-            done = {r for r in self._finishing
-                    if all(f in self._ended for f in self._req_saves[r])}
-            for req_id in done:
-                self._finishing.discard(req_id)
-                self._ended.difference_update(self._req_saves.pop(req_id))
-        return done
 
     def close(self) -> None:
         self.pages_settled()

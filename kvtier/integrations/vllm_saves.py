@@ -1,0 +1,82 @@
+"""What both worker sides of the vLLM connector track about their saves and load errors.
+
+:class:`~kvtier.integrations.vllm.WorkerSide` (through a store) and
+:class:`~kvtier.integrations.vllm_local.LocalWorkerSide` (on the host daemon) move bytes
+differently but report the same way: each save is a future per request, its outcome goes into
+the next :class:`~kvtier.integrations.vllm_events.KVTierWorkerMetadata`, and a finished
+request is reported once every save it made has ended.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+
+from kvtier.integrations.vllm_events import KVTierWorkerMetadata
+
+__all__ = ["SaveTracking"]
+
+log = logging.getLogger("kvtier.integrations.vllm")
+
+
+class SaveTracking:
+    """Saves in flight, their reports, and the load errors of one worker side.
+
+    The worker thread calls every public method; :meth:`_saved` runs as a save's done
+    callback, on whichever thread ended the save.
+    """
+
+    def __init__(self) -> None:
+        self._saving: dict[bytes, concurrent.futures.Future[None]] = {}  # a later load waits
+        self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
+        self._finishing: set[str] = set()
+        self._load_errors: set[int] = set()
+        # Save ids (BlockPlan.save_id) whose writes ended since the last report; written by
+        # the saving thread in _saved, taken by the worker thread.
+        self._report_lock = threading.Lock()
+        self._report = KVTierWorkerMetadata()
+        self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
+
+    def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
+               save_id: int) -> None:
+        for key in keys:
+            if self._saving.get(key) is future:
+                del self._saving[key]
+        failed = future.cancelled() or future.exception() is not None
+        if failed and not future.cancelled():
+            log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
+        with self._report_lock:
+            if save_id >= 0:
+                outcome = self._report.failed if failed else self._report.saved
+                outcome[save_id] = 1
+            self._ended.add(future)
+
+    def take_report(self) -> KVTierWorkerMetadata | None:
+        """Saves that ended since the last call (for the scheduler's KV events), if any."""
+        with self._report_lock:
+            report = self._report
+            if not report.saved and not report.failed:
+                return None
+            self._report = KVTierWorkerMetadata()
+        return report
+
+    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves all ended (written through to every tier, or
+        committed on the daemon: readable by other processes); vLLM frees their blocks
+        after this."""
+        self._finishing |= finished_req_ids & self._req_saves.keys()
+        with self._report_lock:
+            # Ended once _saved ran (not merely done()): its report then goes out in this
+            # step's build_connector_worker_meta, which vLLM calls after get_finished.
+            done = {r for r in self._finishing
+                    if all(f in self._ended for f in self._req_saves[r])}
+            for req_id in done:
+                self._finishing.discard(req_id)
+                self._ended.difference_update(self._req_saves.pop(req_id))
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose loads failed since the last call (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
