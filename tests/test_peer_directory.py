@@ -13,12 +13,8 @@ import pytest
 
 from kvtier.codec import encode_frame
 from kvtier.peer.directory import Directory
-from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
-from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+from tests.helpers.peer_helpers import SMALL_LIMITS, served_dram
 
 
 def key_list(keys: list[bytes]) -> bytes:
@@ -47,13 +43,8 @@ def parse_holders(body: bytes) -> list[list[str]]:
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[PeerServer, aiohttp.ClientSession]]:
-    server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
-                        limits=Limits(max_block_bytes=1 << 20, max_batch=8,
-                                      max_body_bytes=4 << 20))
-    await server.start()
-    async with aiohttp.ClientSession(base_url=server.url, headers=AUTH) as session:
-        yield server, session
-    await server.stop()
+    async with served_dram(base_url=True, limits=SMALL_LIMITS) as pair:
+        yield pair
 
 
 async def _post(http: aiohttp.ClientSession, path: str, body: bytes) -> tuple[int, bytes]:

@@ -17,9 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+from tests.helpers.peer_helpers import SMALL_LIMITS, TOKEN, served_dram
 
 
 def doc_frame(payload: bytes, dtype: str, shape: tuple[int, ...],
@@ -61,13 +59,8 @@ def parse_block_list(body: bytes) -> list[tuple[bytes, bytes]]:
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[PeerServer, aiohttp.ClientSession]]:
-    server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
-                        limits=Limits(max_block_bytes=1 << 20, max_batch=8,
-                                      max_body_bytes=4 << 20))
-    await server.start()
-    async with aiohttp.ClientSession(base_url=server.url, headers=AUTH) as session:
-        yield server, session
-    await server.stop()
+    async with served_dram(base_url=True, limits=SMALL_LIMITS) as pair:
+        yield pair
 
 
 def test_doc_frame_example_matches_codec() -> None:

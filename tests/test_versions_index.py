@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -18,7 +17,7 @@ from kvtier.peer.client import PeerClient
 from kvtier.peer.server import PeerServer
 from kvtier.peer.versions import STAMP_HEADER, Versions, parse_stamps
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN
+from tests.helpers.peer_helpers import TOKEN, served_dram
 
 KEY = b"\x07" * 16
 OTHER = b"\x08" * 16
@@ -31,9 +30,7 @@ def block(i: int) -> np.ndarray:
 @pytest.mark.parametrize("data_plane", [True, False])
 async def test_a_write_lands_only_if_newer_than_the_block_or_tombstone_held(
         data_plane: bool) -> None:
-    async with PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
-                          data_plane=data_plane) as srv, aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+    async with served_dram(data_plane=data_plane) as (srv, http):
         url = srv.url + proto.block_path(KEY)
 
         async def put(i: int, stamp: int | None, query: str = "") -> int:
