@@ -21,7 +21,7 @@ from kvtier.peer import protocol as proto
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN, served_dram
+from tests.helpers.peer_helpers import TOKEN, served_dram, start_app
 
 KEYS = [bytes([i]) * 16 for i in range(1, 9)]
 BLOCKS = {k: np.full(1024, i, dtype=np.uint16) for i, k in enumerate(KEYS)}
@@ -59,13 +59,9 @@ async def old_server(*, announce: int | None = None, bound: bool = False
     app.router.add_get(proto.BLOCK_PATH, get_block)
     app.router.add_post(proto.BATCH_GET_PATH, batch_get)
     app.router.add_get(proto.HEALTH_PATH, health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, member = await start_app(app)
     try:
-        yield f"127.0.0.1:{port}"
+        yield member
     finally:
         await runner.cleanup()
 

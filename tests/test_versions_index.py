@@ -17,7 +17,7 @@ from kvtier.peer.client import PeerClient
 from kvtier.peer.server import PeerServer
 from kvtier.peer.versions import STAMP_HEADER, Versions, parse_stamps
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN, served_dram
+from tests.helpers.peer_helpers import TOKEN, served_dram, start_app
 
 KEY = b"\x07" * 16
 OTHER = b"\x08" * 16
@@ -102,12 +102,8 @@ async def test_a_server_of_before_stamps_reads_as_unknown_stamps() -> None:
 
     app = web.Application()
     app.router.add_post(proto.BATCH_EXISTS_PATH, exists)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = PeerClient(f"127.0.0.1:{port}", token=TOKEN, timeout=5)
+    runner, member = await start_app(app)
+    client = PeerClient(member, token=TOKEN, timeout=5)
     try:
         assert await client.stamps_many([KEY, OTHER]) == [(1, 0), (0, 0)]
     finally:

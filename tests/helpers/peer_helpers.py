@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
@@ -159,6 +160,15 @@ async def served_dram(*, base_url: bool = False, **server_opts: Any
                           **server_opts) as server, aiohttp.ClientSession(
             base_url=server.url if base_url else None, headers=AUTH) as http:
         yield server, http
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` (a scripted member) on a loopback port: its runner (``cleanup()``
+    stops it) and its ``host:port``."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"127.0.0.1:{runner.addresses[0][1]}"
 
 
 class SlowSegments:
