@@ -5,7 +5,6 @@ same auth, limits and 400/401/413 answers, with no side effect, as every other r
 from __future__ import annotations
 
 import struct
-from collections.abc import AsyncIterator
 
 import aiohttp
 import numpy as np
@@ -14,7 +13,6 @@ import pytest
 from kvtier.codec import encode_frame
 from kvtier.peer.directory import Directory
 from kvtier.peer.server import PeerServer
-from tests.helpers.peer_helpers import SMALL_LIMITS, served_dram
 
 
 def key_list(keys: list[bytes]) -> bytes:
@@ -39,12 +37,6 @@ def parse_holders(body: bytes) -> list[list[str]]:
         out.append(holders)
     assert off == len(body)
     return out
-
-
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[PeerServer, aiohttp.ClientSession]]:
-    async with served_dram(base_url=True, limits=SMALL_LIMITS) as pair:
-        yield pair
 
 
 async def _post(http: aiohttp.ClientSession, path: str, body: bytes) -> tuple[int, bytes]:

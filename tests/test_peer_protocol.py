@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-from collections.abc import AsyncIterator
 
 import aiohttp
 import numpy as np
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import SMALL_LIMITS, TOKEN, served_dram
+from tests.helpers.peer_helpers import TOKEN
 
 
 def doc_frame(payload: bytes, dtype: str, shape: tuple[int, ...],
@@ -55,12 +54,6 @@ def parse_block_list(body: bytes) -> list[tuple[bytes, bytes]]:
         off += 8 + flen
     assert off == len(body)
     return out
-
-
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[PeerServer, aiohttp.ClientSession]]:
-    async with served_dram(base_url=True, limits=SMALL_LIMITS) as pair:
-        yield pair
 
 
 def test_doc_frame_example_matches_codec() -> None:
