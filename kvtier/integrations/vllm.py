@@ -327,10 +327,7 @@ class WorkerSide(SaveTracking):
         layers = self._layers()
         for plan in meta.loads:
             keys = self._keys(plan)
-            for key in keys:  # a block saved moments ago must be readable first
-                saving = self._saving.get(key)
-                if saving is not None:
-                    concurrent.futures.wait([saving], timeout=self.io_timeout_s)
+            self._saves_ended(keys, self.io_timeout_s)
             # Into host staging, never straight into vLLM's pages: a load abandoned at its
             # timeout keeps running in a thread and must not write a page vLLM recomputes.
             staging = layers.empty(len(keys)) if self.staging is None else \

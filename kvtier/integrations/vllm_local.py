@@ -176,10 +176,7 @@ class LocalWorkerSide(SaveTracking):
         self.pages_settled()
         for plan in meta.loads:
             keys = self._keys(plan)
-            for key in keys:  # a block saved moments ago must be readable first
-                saving = self._saving.get(key)
-                if saving is not None:
-                    concurrent.futures.wait([saving], timeout=self.io_timeout_s)
+            self._saves_ended(keys, self.io_timeout_s)
             hits = self._load(keys, plan.block_ids)
             self._load_errors.update(b for b, hit in zip(plan.block_ids, hits, strict=True)
                                      if not hit)

@@ -38,6 +38,14 @@ class SaveTracking:
         self._report = KVTierWorkerMetadata()
         self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
 
+    def _saves_ended(self, keys: list[bytes], timeout: float) -> None:
+        """Wait (up to ``timeout`` each) for the saves of ``keys`` still running: a block
+        saved moments ago must be readable before it is loaded."""
+        for key in keys:
+            saving = self._saving.get(key)
+            if saving is not None:
+                concurrent.futures.wait([saving], timeout=timeout)
+
     def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
                save_id: int) -> None:
         for key in keys:
