@@ -381,10 +381,7 @@ class WorkerSide(SaveTracking):
                 self._gather_and_put, layers, plan.block_ids, keys, rows, future))
             if self.save_staging is not None:
                 self.save_staging.hold(rows, future)
-            for key in keys:
-                self._saving[key] = future
-            self._req_saves.setdefault(plan.req_id, []).append(future)
-            future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
+            self._track_save(plan, keys, future)
 
     def _gather_and_put(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
                         rows: npt.NDArray[np.uint8],

@@ -24,7 +24,6 @@ import concurrent.futures
 import contextlib
 import logging
 from collections.abc import Sequence
-from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -253,10 +252,7 @@ class LocalWorkerSide(SaveTracking):
             written: concurrent.futures.Future[None] = concurrent.futures.Future()
             self._saver.submit(self._save, layers, plan.block_ids, keys, copied, written)
             self._copies.append(copied)
-            for key in keys:
-                self._saving[key] = written
-            self._req_saves.setdefault(plan.req_id, []).append(written)
-            written.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
+            self._track_save(plan, keys, written)
 
     def _save(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
               copied: concurrent.futures.Future[None],

@@ -12,8 +12,10 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from functools import partial
 
 from kvtier.integrations.vllm_events import KVTierWorkerMetadata
+from kvtier.integrations.vllm_plan import BlockPlan
 
 __all__ = ["SaveTracking"]
 
@@ -37,6 +39,14 @@ class SaveTracking:
         self._report_lock = threading.Lock()
         self._report = KVTierWorkerMetadata()
         self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
+
+    def _track_save(self, plan: BlockPlan, keys: list[bytes],
+                    future: concurrent.futures.Future[None]) -> None:
+        """Track the save of ``plan`` (blocks ``keys``) that ends with ``future``."""
+        for key in keys:
+            self._saving[key] = future
+        self._req_saves.setdefault(plan.req_id, []).append(future)
+        future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
 
     def _saves_ended(self, keys: list[bytes], timeout: float) -> None:
         """Wait (up to ``timeout`` each) for the saves of ``keys`` still running: a block
