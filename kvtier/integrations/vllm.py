@@ -272,7 +272,6 @@ class WorkerSide(SaveTracking):
         self.io_timeout_s = io_timeout_s
         self.staging_bytes = staging_bytes
         self.max_blocks = max_blocks  # blocks of the longest request (max_model_len)
-        self.layers: PagedLayers | None = None
         self.staging: StagingArea | None = None  # loads land here
         self.save_staging: StagingArea | None = None  # saves gather here
         self.thread_cpus = thread_cpus
@@ -305,11 +304,6 @@ class WorkerSide(SaveTracking):
     def _keys(self, plan: BlockPlan) -> list[bytes]:
         n = plan.first + len(plan.block_ids)
         return self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
-
-    def _layers(self) -> PagedLayers:
-        if self.layers is None:
-            raise RuntimeError("register_kv_caches was not called before the first transfer")
-        return self.layers
 
     def _pin_gather_thread(self) -> None:
         if self.cpus:
@@ -368,20 +362,16 @@ class WorkerSide(SaveTracking):
             self._finish_load(load, wait=False)
         return {load.plan.req_id for load in done}
 
-    def save(self, meta: KVTierMetadata) -> None:
-        if not meta.saves:
-            return
-        layers = self._layers()
-        for plan in meta.saves:
-            keys = self._keys(plan)
-            rows = layers.empty(len(keys)) if self.save_staging is None else \
-                self.save_staging.take(len(keys), layers.empty)
-            future: concurrent.futures.Future[None] = concurrent.futures.Future()
-            self._gathers.append(self._gatherer.submit(
-                self._gather_and_put, layers, plan.block_ids, keys, rows, future))
-            if self.save_staging is not None:
-                self.save_staging.hold(rows, future)
-            self._track_save(plan, keys, future)
+    def _start_save(self, layers: PagedLayers, plan: BlockPlan, keys: list[bytes]
+                    ) -> concurrent.futures.Future[None]:
+        rows = layers.empty(len(keys)) if self.save_staging is None else \
+            self.save_staging.take(len(keys), layers.empty)
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._gathers.append(self._gatherer.submit(
+            self._gather_and_put, layers, plan.block_ids, keys, rows, future))
+        if self.save_staging is not None:
+            self.save_staging.hold(rows, future)
+        return future
 
     def _gather_and_put(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
                         rows: npt.NDArray[np.uint8],

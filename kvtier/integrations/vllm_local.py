@@ -115,7 +115,6 @@ class LocalWorkerSide(SaveTracking):
         self.io_timeout_s = io_timeout_s
         self.thread_cpus = thread_cpus
         self.cpus: set[int] = set()
-        self.layers: PagedLayers | None = None
         self._saver = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-local-save", initializer=self._pin_save_thread)
         self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
@@ -133,11 +132,6 @@ class LocalWorkerSide(SaveTracking):
     def _pin_save_thread(self) -> None:
         if self.cpus:
             pin_current_thread(self.cpus)
-
-    def _layers(self) -> PagedLayers:
-        if self.layers is None:
-            raise RuntimeError("register_kv_caches was not called before the first transfer")
-        return self.layers
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
         n = plan.first + len(plan.block_ids)
@@ -242,17 +236,13 @@ class LocalWorkerSide(SaveTracking):
         return done
 
     # ------------------------------------------------------------------ saves
-    def save(self, meta: KVTierMetadata) -> None:
-        if not meta.saves:
-            return
-        layers = self._layers()
-        for plan in meta.saves:
-            keys = self._keys(plan)
-            copied: concurrent.futures.Future[None] = concurrent.futures.Future()
-            written: concurrent.futures.Future[None] = concurrent.futures.Future()
-            self._saver.submit(self._save, layers, plan.block_ids, keys, copied, written)
-            self._copies.append(copied)
-            self._track_save(plan, keys, written)
+    def _start_save(self, layers: PagedLayers, plan: BlockPlan, keys: list[bytes]
+                    ) -> concurrent.futures.Future[None]:
+        copied: concurrent.futures.Future[None] = concurrent.futures.Future()
+        written: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._saver.submit(self._save, layers, plan.block_ids, keys, copied, written)
+        self._copies.append(copied)
+        return written
 
     def _save(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
               copied: concurrent.futures.Future[None],

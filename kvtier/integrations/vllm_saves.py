@@ -9,27 +9,32 @@ request is reported once every save it made has ended.
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import logging
 import threading
 from functools import partial
 
+from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_events import KVTierWorkerMetadata
-from kvtier.integrations.vllm_plan import BlockPlan
+from kvtier.integrations.vllm_plan import BlockPlan, KVTierMetadata
 
 __all__ = ["SaveTracking"]
 
 log = logging.getLogger("kvtier.integrations.vllm")
 
 
-class SaveTracking:
+class SaveTracking(abc.ABC):
     """Saves in flight, their reports, and the load errors of one worker side.
 
-    The worker thread calls every public method; :meth:`_saved` runs as a save's done
-    callback, on whichever thread ended the save.
+    A subclass keys a plan's blocks (:meth:`_keys`) and starts one save
+    (:meth:`_start_save`); this class runs :meth:`save` over them. The worker thread calls
+    every public method; :meth:`_saved` runs as a save's done callback, on whichever thread
+    ended the save.
     """
 
     def __init__(self) -> None:
+        self.layers: PagedLayers | None = None  # vLLM's pages, once registered
         self._saving: dict[bytes, concurrent.futures.Future[None]] = {}  # a later load waits
         self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
         self._finishing: set[str] = set()
@@ -39,6 +44,30 @@ class SaveTracking:
         self._report_lock = threading.Lock()
         self._report = KVTierWorkerMetadata()
         self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
+
+    def _layers(self) -> PagedLayers:
+        if self.layers is None:
+            raise RuntimeError("register_kv_caches was not called before the first transfer")
+        return self.layers
+
+    @abc.abstractmethod
+    def _keys(self, plan: BlockPlan) -> list[bytes]:
+        """The keys of the blocks ``plan`` moves."""
+
+    @abc.abstractmethod
+    def _start_save(self, layers: PagedLayers, plan: BlockPlan, keys: list[bytes]
+                    ) -> concurrent.futures.Future[None]:
+        """Start saving the blocks of ``plan`` under ``keys``: a future that ends when they
+        are readable by other processes (or the save failed)."""
+
+    def save(self, meta: KVTierMetadata) -> None:
+        """Start the saves ``meta`` plans; they run in the background."""
+        if not meta.saves:
+            return
+        layers = self._layers()
+        for plan in meta.saves:
+            keys = self._keys(plan)
+            self._track_save(plan, keys, self._start_save(layers, plan, keys))
 
     def _track_save(self, plan: BlockPlan, keys: list[bytes],
                     future: concurrent.futures.Future[None]) -> None:
