@@ -6,14 +6,20 @@ reads served on the loop (LMDB inline, file ``nowait``) therefore run once per l
 the same ``pytest`` invocation; every other async test runs on asyncio's default loop
 only, to keep the suite's time down. ``--loops=asyncio`` (or ``uvloop``) restricts the
 dual-loop modules to one loop.
+
+It also holds the one fixture several peer protocol modules share, ``served``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
+import aiohttp
 import pytest
+
+from kvtier.peer.server import PeerServer
+from tests.helpers.peer_helpers import SMALL_LIMITS, served_dram
 
 try:
     import uvloop
@@ -55,3 +61,11 @@ def pytest_asyncio_loop_factories(config: pytest.Config,
         raise pytest.UsageError(f"--loops: unknown or unavailable loop(s) {unknown or wanted!r}"
                                 f" (available: {', '.join(available)})")
     return {n: available[n] for n in names}
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[PeerServer, aiohttp.ClientSession]]:
+    """An in-process DRAM server with :data:`~tests.helpers.peer_helpers.SMALL_LIMITS` and a
+    session that takes paths relative to it (a module may define its own ``served``)."""
+    async with served_dram(base_url=True, limits=SMALL_LIMITS) as pair:
+        yield pair

@@ -5,7 +5,6 @@ same auth, limits and 400/401/413 answers, with no side effect, as every other r
 from __future__ import annotations
 
 import struct
-from collections.abc import AsyncIterator
 
 import aiohttp
 import numpy as np
@@ -13,12 +12,7 @@ import pytest
 
 from kvtier.codec import encode_frame
 from kvtier.peer.directory import Directory
-from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
-from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def key_list(keys: list[bytes]) -> bytes:
@@ -43,17 +37,6 @@ def parse_holders(body: bytes) -> list[list[str]]:
         out.append(holders)
     assert off == len(body)
     return out
-
-
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[PeerServer, aiohttp.ClientSession]]:
-    server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
-                        limits=Limits(max_block_bytes=1 << 20, max_batch=8,
-                                      max_body_bytes=4 << 20))
-    await server.start()
-    async with aiohttp.ClientSession(base_url=server.url, headers=AUTH) as session:
-        yield server, session
-    await server.stop()
 
 
 async def _post(http: aiohttp.ClientSession, path: str, body: bytes) -> tuple[int, bytes]:

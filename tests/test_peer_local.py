@@ -5,14 +5,12 @@ forwarding against real `kvtier serve` processes."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
 import signal
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +21,16 @@ from kvtier.errors import ConfigError
 from kvtier.peer.holder import LocalHolder
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
-from kvtier.testing.conformance import SLOW_SECONDS, TierConformance, key_of, sample_block
+from kvtier.testing.conformance import TierConformance, key_of, sample_block
 from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN, pool_processes, pool_url
+from tests.helpers.peer_helpers import TOKEN, SlowSegments, pool_processes, pool_url
 
 BLOCK = sample_block(0).nbytes  # 1 KiB
 
 
-class TestLocalConformance(TierConformance):
+class TestLocalConformance(SlowSegments, TierConformance):
     """The tier contract through a ``placement=local`` client of three servers."""
 
     bounded = False
@@ -63,22 +61,6 @@ class TestLocalConformance(TierConformance):
                 self.pools.append(pool)
         members = [s.member_id for s in self.servers]
         return PeerTier.from_url(pool_url(members, placement="local", home=members[1]))
-
-    @contextlib.contextmanager
-    def slow_backend(self, tier: Tier) -> Iterator[None]:
-        segments = [s.segment for s in self.servers if isinstance(s.segment, LatencyTier)]
-        for segment in segments:
-            segment.delay = SLOW_SECONDS
-        try:
-            yield
-        finally:
-            for segment in segments:
-                segment.delay = 0.0
-            self._slow_until = time.monotonic() + SLOW_SECONDS
-
-    async def backend_idle(self, tier: Tier) -> None:
-        await asyncio.sleep(max(0.0, self._slow_until - time.monotonic()) + 0.05)
-        await tier.contains(b"k" * 16)
 
 
 def test_home_needs_placement_local_and_a_member() -> None:
@@ -115,6 +97,16 @@ def _held(member: str, keys: list[bytes]) -> list[bool]:
 
 def _dram(blocks: int) -> list[str]:
     return ["--tier", f"dram://?capacity={blocks * BLOCK}", "--policy", "lru"]
+
+
+def _written_keys_owned_by_member_1(members: list[str], ids: range) -> list[bytes]:
+    """40 keys of ``ids`` whose directory entries member 1 keeps, written through member 0
+    (block ``sample_block(i)`` for the i-th)."""
+    ring = PeerTier.from_url(pool_url(members)).members.ring
+    keys = [k for k in map(key_of, ids) if ring.primary(k) == members[1]][:40]
+    with _client(members, members[0]) as writer:
+        writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+    return keys
 
 
 POOL = {"placement": "local", "health_interval": 0.1, "timeout": 5}
@@ -265,11 +257,7 @@ def test_a_directory_owner_restarted_empty_is_refilled_by_the_holders(tmp_path: 
     fresh client of a third home finds every one."""
     with pool_processes(tmp_path, 3, lambda i: _dram(1000), POOL) as (procs, _):
         members = [p.member for p in procs]
-        ring = PeerTier.from_url(pool_url(members)).members.ring
-        keys = [k for k in map(key_of, range(6000, 6400))
-                if ring.primary(k) == members[1]][:40]
-        with _client(members, members[0]) as writer:
-            writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        keys = _written_keys_owned_by_member_1(members, range(6000, 6400))
         procs[1].stop()
         procs[1].launch(members[1])
         procs[1].wait_ready()
@@ -290,11 +278,7 @@ def test_a_directory_owner_that_leaves_is_replaced_by_the_next_member(tmp_path: 
     client finds every one."""
     with pool_processes(tmp_path, 3, lambda i: _dram(1000), POOL) as (procs, _):
         members = [p.member for p in procs]
-        ring = PeerTier.from_url(pool_url(members)).members.ring
-        keys = [k for k in map(key_of, range(7000, 7400))
-                if ring.primary(k) == members[1]][:40]
-        with _client(members, members[0]) as writer:
-            writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        keys = _written_keys_owned_by_member_1(members, range(7000, 7400))
         procs[1].stop()
         for _ in range(100):  # until member 0's pass registered them elsewhere
             if _metric(members[2], "directory_keys") + _metric(members[0],

@@ -18,7 +18,7 @@ from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN
+from tests.helpers.peer_helpers import TOKEN, start_app
 
 
 def _url(members: Sequence[str], **opts: object) -> str:
@@ -50,12 +50,9 @@ async def scripted() -> AsyncIterator[tuple[list[str], list[_Clock]]]:
 
         app = web.Application()
         app.router.add_get(proto.HEALTH_PATH, health)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, member = await start_app(app)
         runners.append(runner)
-        members.append(f"127.0.0.1:{runner.addresses[0][1]}")
+        members.append(member)
         clocks.append(clock)
     yield members, clocks
     for runner in runners:

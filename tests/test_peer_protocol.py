@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-from collections.abc import AsyncIterator
 
 import aiohttp
 import numpy as np
@@ -18,8 +17,6 @@ from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
 from kvtier.tiers.dram import DRAMTier
 from tests.helpers.peer_helpers import TOKEN
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def doc_frame(payload: bytes, dtype: str, shape: tuple[int, ...],
@@ -57,17 +54,6 @@ def parse_block_list(body: bytes) -> list[tuple[bytes, bytes]]:
         off += 8 + flen
     assert off == len(body)
     return out
-
-
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[PeerServer, aiohttp.ClientSession]]:
-    server = PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
-                        limits=Limits(max_block_bytes=1 << 20, max_batch=8,
-                                      max_body_bytes=4 << 20))
-    await server.start()
-    async with aiohttp.ClientSession(base_url=server.url, headers=AUTH) as session:
-        yield server, session
-    await server.stop()
 
 
 def test_doc_frame_example_matches_codec() -> None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -14,15 +12,15 @@ from kvtier import open_store
 from kvtier.errors import ConfigError
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
-from kvtier.testing.conformance import SLOW_SECONDS, TierConformance, key_of, sample_block
+from kvtier.testing.conformance import TierConformance, key_of, sample_block
 from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.registry import tier_from_url
-from tests.helpers.peer_helpers import TOKEN, peer_servers
+from tests.helpers.peer_helpers import TOKEN, SlowSegments, peer_servers
 
 
-class TestPeerConformance(TierConformance):
+class TestPeerConformance(SlowSegments, TierConformance):
     bounded = False
 
     @pytest.fixture(autouse=True)
@@ -39,24 +37,6 @@ class TestPeerConformance(TierConformance):
         await server.start()
         self.servers.append(server)
         return tier_from_url(f"peers://{server.member_id}?token={TOKEN}&timeout=2")
-
-    @contextlib.contextmanager
-    def slow_backend(self, tier: Tier) -> Iterator[None]:
-        segments = [s.segment for s in self.servers if isinstance(s.segment, LatencyTier)]
-        for segment in segments:
-            segment.delay = SLOW_SECONDS
-        try:
-            yield
-        finally:
-            for segment in segments:
-                segment.delay = 0.0
-            self._slow_until = time.monotonic() + SLOW_SECONDS
-
-    async def backend_idle(self, tier: Tier) -> None:
-        # Every server call slowed started before slow_backend closed, so it has finished
-        # its delay by then; one more round trip lets the server finish what follows.
-        await asyncio.sleep(max(0.0, self._slow_until - time.monotonic()) + 0.05)
-        await tier.contains(b"k" * 16)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -22,7 +21,7 @@ from kvtier.peer import protocol as proto
 from kvtier.peer.server import PeerServer
 from kvtier.peer.tier import PeerTier
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN
+from tests.helpers.peer_helpers import TOKEN, served_dram, start_app
 
 KEYS = [bytes([i]) * 16 for i in range(1, 9)]
 BLOCKS = {k: np.full(1024, i, dtype=np.uint16) for i, k in enumerate(KEYS)}
@@ -60,13 +59,9 @@ async def old_server(*, announce: int | None = None, bound: bool = False
     app.router.add_get(proto.BLOCK_PATH, get_block)
     app.router.add_post(proto.BATCH_GET_PATH, batch_get)
     app.router.add_get(proto.HEALTH_PATH, health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, member = await start_app(app)
     try:
-        yield f"127.0.0.1:{port}"
+        yield member
     finally:
         await runner.cleanup()
 
@@ -99,9 +94,7 @@ async def test_a_protocol_2_server_gets_no_downgrade_to_unbound_frames() -> None
 @pytest.mark.parametrize("data_plane", [True, False])
 async def test_block_answers_announce_the_version_on_both_request_paths(
         data_plane: bool) -> None:
-    async with PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
-                          data_plane=data_plane) as srv, aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+    async with served_dram(data_plane=data_plane) as (srv, http):
         await srv.segment.put(KEYS[0], BLOCKS[KEYS[0]])
         base = f"http://{srv.member_id}"
         for method, path, body in (("GET", proto.block_path(KEYS[0]), None),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -18,7 +17,7 @@ from kvtier.peer.client import PeerClient
 from kvtier.peer.server import PeerServer
 from kvtier.peer.versions import STAMP_HEADER, Versions, parse_stamps
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN
+from tests.helpers.peer_helpers import TOKEN, served_dram, start_app
 
 KEY = b"\x07" * 16
 OTHER = b"\x08" * 16
@@ -31,9 +30,7 @@ def block(i: int) -> np.ndarray:
 @pytest.mark.parametrize("data_plane", [True, False])
 async def test_a_write_lands_only_if_newer_than_the_block_or_tombstone_held(
         data_plane: bool) -> None:
-    async with PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
-                          data_plane=data_plane) as srv, aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+    async with served_dram(data_plane=data_plane) as (srv, http):
         url = srv.url + proto.block_path(KEY)
 
         async def put(i: int, stamp: int | None, query: str = "") -> int:
@@ -105,12 +102,8 @@ async def test_a_server_of_before_stamps_reads_as_unknown_stamps() -> None:
 
     app = web.Application()
     app.router.add_post(proto.BATCH_EXISTS_PATH, exists)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    client = PeerClient(f"127.0.0.1:{port}", token=TOKEN, timeout=5)
+    runner, member = await start_app(app)
+    client = PeerClient(member, token=TOKEN, timeout=5)
     try:
         assert await client.stamps_many([KEY, OTHER]) == [(1, 0), (0, 0)]
     finally:

@@ -143,10 +143,7 @@ def test_a_waiting_request_reuses_its_lookup_for_a_while(shared: dict[str, objec
     a.close()
     b = FakeEngine(shared)
     try:
-        planner = b.scheduler._planner
-        assert planner is not None
-        now = [100.0]
-        planner.clock = lambda: now[0]
+        planner, now = b.planner_on_a_set_clock()
         req = Request("b-1", PROMPT)
         assert b.scheduler.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, False)
         shutil.rmtree(tmp_path / "pool")  # a new lookup would find nothing now

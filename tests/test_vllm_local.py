@@ -87,10 +87,7 @@ def test_repeated_asks_for_one_request_give_one_answer_and_one_count(daemon: Dae
     a.finish(Request("a-1", PROMPT))
     b = FakeEngine(_extra(daemon))
     try:
-        planner = b.scheduler._planner
-        assert planner is not None
-        now = [100.0]
-        planner.clock = lambda: now[0]
+        planner, now = b.planner_on_a_set_clock()
         req = Request("b-1", PROMPT)
         answers = []
         for _ in range(4):  # vLLM cannot schedule it yet: it asks at every step

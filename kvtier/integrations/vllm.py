@@ -24,7 +24,6 @@ import concurrent.futures
 import importlib
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -47,6 +46,7 @@ from kvtier.integrations.vllm_plan import (
     KVTierMetadata,
     SchedulerPlanner,
 )
+from kvtier.integrations.vllm_saves import SaveTracking
 from kvtier.keys import KeyNamespace
 from kvtier.store import TieredStore
 from kvtier.tiers.dram_arena import fault_in
@@ -246,7 +246,7 @@ class StagingArea:
             self._held.append(_Held(given.offset, given.count, future, ready))
 
 
-class WorkerSide:
+class WorkerSide(SaveTracking):
     """The worker side: executes each step's :class:`KVTierMetadata` on the paged tensors.
 
     Loads run through one ``store.get_many_into`` into the rows of one host staging array,
@@ -265,30 +265,21 @@ class WorkerSide:
                  io_timeout_s: float, staging_bytes: int = 0,
                  max_blocks: int | None = None,
                  thread_cpus: Literal["spare", "inherit"] = "inherit") -> None:
+        super().__init__()
         self.store = store
         self.keys = keys
         self.shard = shard
         self.io_timeout_s = io_timeout_s
         self.staging_bytes = staging_bytes
         self.max_blocks = max_blocks  # blocks of the longest request (max_model_len)
-        self.layers: PagedLayers | None = None
         self.staging: StagingArea | None = None  # loads land here
         self.save_staging: StagingArea | None = None  # saves gather here
-        self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
         self.thread_cpus = thread_cpus
         self.cpus: set[int] = set()  # where the connector's threads run (empty: inherited)
         self._gatherer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-save-gather", initializer=self._pin_gather_thread)
         self._gathers: list[concurrent.futures.Future[None]] = []  # copying out of the pages
-        self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
-        self._finishing: set[str] = set()
         self._async_loads: list[_Load] = []
-        self._load_errors: set[int] = set()
-        # Save ids (BlockPlan.save_id) whose writes ended since the last report; written by
-        # the store's thread in _saved, taken by the worker thread.
-        self._report_lock = threading.Lock()
-        self._report = KVTierWorkerMetadata()
-        self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         # vLLM pinned this worker to its compute cores before it registers the KV caches.
@@ -314,11 +305,6 @@ class WorkerSide:
         n = plan.first + len(plan.block_ids)
         return self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
 
-    def _layers(self) -> PagedLayers:
-        if self.layers is None:
-            raise RuntimeError("register_kv_caches was not called before the first transfer")
-        return self.layers
-
     def _pin_gather_thread(self) -> None:
         if self.cpus:
             pin_current_thread(self.cpus)
@@ -335,10 +321,7 @@ class WorkerSide:
         layers = self._layers()
         for plan in meta.loads:
             keys = self._keys(plan)
-            for key in keys:  # a block saved moments ago must be readable first
-                saving = self._saving.get(key)
-                if saving is not None:
-                    concurrent.futures.wait([saving], timeout=self.io_timeout_s)
+            self._saves_ended(keys, self.io_timeout_s)
             # Into host staging, never straight into vLLM's pages: a load abandoned at its
             # timeout keeps running in a thread and must not write a page vLLM recomputes.
             staging = layers.empty(len(keys)) if self.staging is None else \
@@ -379,23 +362,16 @@ class WorkerSide:
             self._finish_load(load, wait=False)
         return {load.plan.req_id for load in done}
 
-    def save(self, meta: KVTierMetadata) -> None:
-        if not meta.saves:
-            return
-        layers = self._layers()
-        for plan in meta.saves:
-            keys = self._keys(plan)
-            rows = layers.empty(len(keys)) if self.save_staging is None else \
-                self.save_staging.take(len(keys), layers.empty)
-            future: concurrent.futures.Future[None] = concurrent.futures.Future()
-            self._gathers.append(self._gatherer.submit(
-                self._gather_and_put, layers, plan.block_ids, keys, rows, future))
-            if self.save_staging is not None:
-                self.save_staging.hold(rows, future)
-            for key in keys:
-                self._saving[key] = future
-            self._req_saves.setdefault(plan.req_id, []).append(future)
-            future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
+    def _start_save(self, layers: PagedLayers, plan: BlockPlan, keys: list[bytes]
+                    ) -> concurrent.futures.Future[None]:
+        rows = layers.empty(len(keys)) if self.save_staging is None else \
+            self.save_staging.take(len(keys), layers.empty)
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._gathers.append(self._gatherer.submit(
+            self._gather_and_put, layers, plan.block_ids, keys, rows, future))
+        if self.save_staging is not None:
+            self.save_staging.hold(rows, future)
+        return future
 
     def _gather_and_put(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
                         rows: npt.NDArray[np.uint8],
@@ -409,47 +385,6 @@ class WorkerSide:
             future.set_exception(exc)
             return
         written.add_done_callback(partial(_pass_outcome, future))
-
-    def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
-               save_id: int) -> None:
-        for key in keys:
-            if self._saving.get(key) is future:
-                del self._saving[key]
-        failed = future.cancelled() or future.exception() is not None
-        if failed and not future.cancelled():
-            log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
-        with self._report_lock:
-            if save_id >= 0:
-                outcome = self._report.failed if failed else self._report.saved
-                outcome[save_id] = 1
-            self._ended.add(future)
-
-    def take_report(self) -> KVTierWorkerMetadata | None:
-        """Saves that ended since the last call (for the scheduler's KV events), if any."""
-        with self._report_lock:
-            report = self._report
-            if not report.saved and not report.failed:
-                return None
-            self._report = KVTierWorkerMetadata()
-        return report
-
-    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
-        """Finished requests whose saves all completed (they were written through to every
-        tier, so other processes can read them); vLLM frees their blocks after this."""
-        self._finishing |= finished_req_ids & self._req_saves.keys()
-        with self._report_lock:
-            # Ended once _saved ran (not merely done()): its report then goes out in this
-            # step's build_connector_worker_meta, which vLLM calls after get_finished.
-            done = {r for r in self._finishing
-                    if all(f in self._ended for f in self._req_saves[r])}
-            for req_id in done:
-                self._finishing.discard(req_id)
-                self._ended.difference_update(self._req_saves.pop(req_id))
-        return done
-
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
 
     def close(self) -> None:
         self.pages_settled()

@@ -23,9 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import threading
 from collections.abc import Sequence
-from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -34,8 +32,8 @@ import numpy.typing as npt
 from kvtier.errors import TierError
 from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
 from kvtier.integrations.paged import PagedLayers
-from kvtier.integrations.vllm_events import KVTierWorkerMetadata
 from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata
+from kvtier.integrations.vllm_saves import SaveTracking
 from kvtier.shm.sync_client import SyncLocalClient
 from kvtier.tiers.dram_arena import slot_bytes
 from kvtier.tiers.local import local_key, parse_local_url
@@ -99,7 +97,7 @@ class LocalLookups:
         self.client.close()
 
 
-class LocalWorkerSide:
+class LocalWorkerSide(SaveTracking):
     """The worker side of :class:`~kvtier.integrations.vllm.KVTierConnector` on a daemon.
 
     Same contract as :class:`~kvtier.integrations.vllm.WorkerSide` (the connector calls the
@@ -108,6 +106,7 @@ class LocalWorkerSide:
 
     def __init__(self, url: str, keys: KeyMaker, shard: tuple[int, int], io_timeout_s: float,
                  thread_cpus: Literal["spare", "inherit"] = "inherit") -> None:
+        super().__init__()
         args = parse_local_url(url)
         self.namespace: str | None = args["namespace"]
         self.client = SyncLocalClient(args["daemon"], timeout=args["timeout"])
@@ -116,18 +115,10 @@ class LocalWorkerSide:
         self.io_timeout_s = io_timeout_s
         self.thread_cpus = thread_cpus
         self.cpus: set[int] = set()
-        self.layers: PagedLayers | None = None
         self._saver = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-local-save", initializer=self._pin_save_thread)
         self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
-        self._saving: dict[bytes, concurrent.futures.Future[None]] = {}
-        self._req_saves: dict[str, list[concurrent.futures.Future[None]]] = {}
-        self._finishing: set[str] = set()
         self._loaded: set[str] = set()  # asynchronous loads done, not yet reported
-        self._load_errors: set[int] = set()
-        self._report_lock = threading.Lock()
-        self._report = KVTierWorkerMetadata()
-        self._ended: set[concurrent.futures.Future[None]] = set()
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         if self.thread_cpus == "spare":
@@ -141,11 +132,6 @@ class LocalWorkerSide:
     def _pin_save_thread(self) -> None:
         if self.cpus:
             pin_current_thread(self.cpus)
-
-    def _layers(self) -> PagedLayers:
-        if self.layers is None:
-            raise RuntimeError("register_kv_caches was not called before the first transfer")
-        return self.layers
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
         n = plan.first + len(plan.block_ids)
@@ -183,10 +169,7 @@ class LocalWorkerSide:
         self.pages_settled()
         for plan in meta.loads:
             keys = self._keys(plan)
-            for key in keys:  # a block saved moments ago must be readable first
-                saving = self._saving.get(key)
-                if saving is not None:
-                    concurrent.futures.wait([saving], timeout=self.io_timeout_s)
+            self._saves_ended(keys, self.io_timeout_s)
             hits = self._load(keys, plan.block_ids)
             self._load_errors.update(b for b, hit in zip(plan.block_ids, hits, strict=True)
                                      if not hit)
@@ -252,25 +235,14 @@ class LocalWorkerSide:
         done, self._loaded = self._loaded, set()
         return done
 
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
-
     # ------------------------------------------------------------------ saves
-    def save(self, meta: KVTierMetadata) -> None:
-        if not meta.saves:
-            return
-        layers = self._layers()
-        for plan in meta.saves:
-            keys = self._keys(plan)
-            copied: concurrent.futures.Future[None] = concurrent.futures.Future()
-            written: concurrent.futures.Future[None] = concurrent.futures.Future()
-            self._saver.submit(self._save, layers, plan.block_ids, keys, copied, written)
-            self._copies.append(copied)
-            for key in keys:
-                self._saving[key] = written
-            self._req_saves.setdefault(plan.req_id, []).append(written)
-            written.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
+    def _start_save(self, layers: PagedLayers, plan: BlockPlan, keys: list[bytes]
+                    ) -> concurrent.futures.Future[None]:
+        copied: concurrent.futures.Future[None] = concurrent.futures.Future()
+        written: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._saver.submit(self._save, layers, plan.block_ids, keys, copied, written)
+        self._copies.append(copied)
+        return written
 
     def _save(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
               copied: concurrent.futures.Future[None],
@@ -331,40 +303,6 @@ class LocalWorkerSide:
                 self.client.call("/v1/commit", {"leases": ids, "abort": True})
             raise
         return [j for j, slot in enumerate(slots) if not isinstance(slot, dict)]
-
-    def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
-               save_id: int) -> None:
-        for key in keys:
-            if self._saving.get(key) is future:
-                del self._saving[key]
-        failed = future.exception() is not None
-        if failed:
-            log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
-        with self._report_lock:
-            if save_id >= 0:
-                (self._report.failed if failed else self._report.saved)[save_id] = 1
-            self._ended.add(future)
-
-    def take_report(self) -> KVTierWorkerMetadata | None:
-        """Saves that ended since the last call (for the scheduler's KV events), if any."""
-        with self._report_lock:
-            report = self._report
-            if not report.saved and not report.failed:
-                return None
-            self._report = KVTierWorkerMetadata()
-        return report
-
-    def finished_saves(self, finished_req_ids: set[str]) -> set[str]:
-        """Finished requests whose saves all committed (readable by every engine on the
-        host); vLLM frees their blocks after this."""
-        self._finishing |= finished_req_ids & self._req_saves.keys()
-        with self._report_lock:
-            done = {r for r in self._finishing
-                    if all(f in self._ended for f in self._req_saves[r])}
-            for req_id in done:
-                self._finishing.discard(req_id)
-                self._ended.difference_update(self._req_saves.pop(req_id))
-        return done
 
     def close(self) -> None:
         self.pages_settled()

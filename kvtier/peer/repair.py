@@ -62,6 +62,8 @@ import heapq
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvtier.codec import KEYED_FORMAT_VERSION, encode_frame, parse_header
@@ -84,6 +86,21 @@ _STALL = 1.0
 _PUSH_BYTES = 2 << 20  # most frame bytes per push request (each bounded by the pool timeout)
 _PROBE_KEY = b"\0kvtier-anti-entropy-probe"  # a presence check that opens a lazy tier
 _SURVEY_AHEAD = 4  # batches a pass checks at once (a recheck checks one at a time)
+
+
+async def _sent(send: Callable[[], Awaitable[object]], what: str, member: str,
+                done: dict[str, int]) -> bool:
+    """Await ``send()``; a failure is counted in ``done`` and logged, and that owner is
+    skipped until the next pass (False)."""
+    try:
+        await send()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        done["failed"] += 1
+        log.debug("anti-entropy: %s to %s failed: %s", what, member, exc)
+        return False
+    return True
 
 
 class BytePacer:
@@ -608,16 +625,10 @@ class AntiEntropy:
     async def _push_deletes(self, member: str, items: list[tuple[bytes, int]],
                             done: dict[str, int]) -> None:
         """Send ``member`` the deletes it missed, with their stamps."""
-        try:
-            await self.pool.members.client(member).delete_many(
-                [k for k, _ in items], stamps=[s for _, s in items])
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # this owner is skipped until the next pass
-            done["failed"] += 1
-            log.debug("anti-entropy: deletes to %s failed: %s", member, exc)
-            return
-        done["tombstones_pushed"] += len(items)
+        if await _sent(lambda: self.pool.members.client(member).delete_many(
+                [k for k, _ in items], stamps=[s for _, s in items]),
+                "deletes", member, done):
+            done["tombstones_pushed"] += len(items)
 
     async def _push(self, member: str, items: list[tuple[bytes, EncodedFrame, int]],
                     done: dict[str, int]) -> None:
@@ -630,16 +641,12 @@ class AntiEntropy:
                 size += items[end][1].nbytes
                 end += 1
             await self.pacer.take(size)
-            try:
-                # Stamped: a newer value or delete that reached the owner meanwhile stays
-                # (fill=True keeps that so on a server of before stamps, too).
-                await client.put_many([(k, f) for k, f, _ in items[start:end]], fill=True,
-                                      stamps=[s for _, _, s in items[start:end]])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # this owner is skipped until the next pass
-                done["failed"] += 1
-                log.debug("anti-entropy: push to %s failed: %s", member, exc)
+            # Stamped: a newer value or delete that reached the owner meanwhile stays
+            # (fill=True keeps that so on a server of before stamps, too).
+            batch = items[start:end]
+            if not await _sent(partial(client.put_many, [(k, f) for k, f, _ in batch],
+                                       fill=True, stamps=[s for _, _, s in batch]),
+                               "push", member, done):
                 return
             done["pushed"] += end - start
             done["pushed_bytes"] += size

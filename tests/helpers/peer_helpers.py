@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -13,13 +15,23 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+from aiohttp import web
+
+from kvtier.peer.protocol import Limits
 from kvtier.peer.server import PeerServer
+from kvtier.testing.conformance import SLOW_SECONDS
+from kvtier.testing.fakes import LatencyTier
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "pool-secret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+#: Limits small enough that the protocol tests reach them with a few blocks.
+SMALL_LIMITS = Limits(max_block_bytes=1 << 20, max_batch=8, max_body_bytes=4 << 20)
 _LISTEN_RE = re.compile(r"kvtier serve listening on (\S+)")
 
 
@@ -136,6 +148,55 @@ async def peer_servers(count: int, segment: Callable[[], Tier] = DRAMTier
     finally:
         for server in started:
             await server.stop()
+
+
+@asynccontextmanager
+async def served_dram(*, base_url: bool = False, **server_opts: Any
+                      ) -> AsyncIterator[tuple[PeerServer, aiohttp.ClientSession]]:
+    """A started in-process server of a fresh DRAM segment (token :data:`TOKEN`, the other
+    options ``server_opts``) and an HTTP session that sends the token; with ``base_url`` the
+    session takes paths relative to the server. Both closed on exit."""
+    async with PeerServer(DRAMTier(), token=TOKEN, close_segment=True,
+                          **server_opts) as server, aiohttp.ClientSession(
+            base_url=server.url if base_url else None, headers=AUTH) as http:
+        yield server, http
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` (a scripted member) on a loopback port: its runner (``cleanup()``
+    stops it) and its ``host:port``."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"127.0.0.1:{runner.addresses[0][1]}"
+
+
+class SlowSegments:
+    """``slow_backend`` and ``backend_idle`` of :class:`~kvtier.testing.conformance.TierConformance`
+    for a tier over the in-process servers in ``self.servers``: their
+    :class:`~kvtier.testing.fakes.LatencyTier` segments take :data:`SLOW_SECONDS` a call
+    while slowed."""
+
+    servers: list[PeerServer]
+    _slow_until = 0.0
+
+    @contextlib.contextmanager
+    def slow_backend(self, tier: Tier) -> Iterator[None]:
+        segments = [s.segment for s in self.servers if isinstance(s.segment, LatencyTier)]
+        for segment in segments:
+            segment.delay = SLOW_SECONDS
+        try:
+            yield
+        finally:
+            for segment in segments:
+                segment.delay = 0.0
+            self._slow_until = time.monotonic() + SLOW_SECONDS
+
+    async def backend_idle(self, tier: Tier) -> None:
+        # Every server call slowed started before slow_backend closed, so it has finished
+        # its delay by then; one more round trip lets the server finish what follows.
+        await asyncio.sleep(max(0.0, self._slow_until - time.monotonic()) + 0.05)
+        await tier.contains(b"k" * 16)
 
 
 class Pool:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.integrations.vllm import KVTierConnector
+from kvtier.integrations.vllm_plan import SchedulerPlanner
 
 BLOCK = 4
 NUM_BLOCKS = 32
@@ -141,6 +142,15 @@ class FakeEngine:
                    "layers.1.attn": np.zeros((2, NUM_BLOCKS, BLOCK, 2, 4), np.float32)}
         self.worker.register_kv_caches(self.kv)
         self.load_errors: set[int] = set()
+
+    def planner_on_a_set_clock(self, start: float = 100.0) -> tuple[SchedulerPlanner, list[float]]:
+        """The scheduler's planner, its clock made to read ``now[0]`` of the list returned
+        (a test moves time on by adding to it)."""
+        planner = self.scheduler._planner
+        assert planner is not None
+        now = [start]
+        planner.clock = lambda: now[0]
+        return planner, now
 
     def block_bytes(self, block_id: int) -> bytes:
         return (self.kv["layers.0.attn"][block_id].tobytes()
