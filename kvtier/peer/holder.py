@@ -73,7 +73,7 @@ class LocalHolder:
         self.born: dict[bytes, float] = {}  # key -> when its age began (monotonic)
         self._victim: tuple[float, float] | None = None  # (age, when) of the last victim
         self.counts: dict[str, int] = defaultdict(int)
-        self._updates: set[asyncio.Future[list[list[str]] | None]] = set()  # in background
+        self._updates: set[asyncio.Future[Any]] = set()  # in background
 
     def attach(self) -> None:
         """Hook this holder into the server (registration on stores and deletes, the age in
@@ -181,6 +181,53 @@ class LocalHolder:
                                                                        len(others))
         return [(n or 0, s) for n, s in zip(fewest, left, strict=True)]
 
+    async def _confirmed(self, key: bytes, listed: set[str]) -> set[str]:
+        """The members of ``listed`` that answer that they hold ``key``. A directory entry
+        outlives a copy whose member restarted empty (nothing tells the directory what a
+        dead process held): trusting it would drop a spare or oldest copy that is the last
+        one, and keep the member with room out of the forward's targets. A member that
+        answers "not here" is taken off the entry; one that does not answer counts as
+        holding none (the copy is forwarded, never lost)."""
+        members = self.pool.members
+        ask = [m for m in listed if members.reachable(m)]
+        answers = await asyncio.gather(*(self._holds(m, key) for m in ask))
+        for member, held in zip(ask, answers, strict=True):
+            if held is False:
+                self.counts["stale_holders"] += 1
+                for owner in self._directory_owners(key):
+                    self._spawn(self._update_for(owner, member, (key,)))
+        return {m for m, held in zip(ask, answers, strict=True) if held}
+
+    async def _holds(self, member: str, key: bytes) -> bool | None:
+        """Whether ``member`` holds ``key`` (``None``: no answer within half the timeout)."""
+        try:
+            [held] = await asyncio.wait_for(
+                self.pool.members.client(member).exists_many([key]), self.pool.timeout / 2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("presence of %s at %s unknown: %s", key.hex(), member, exc)
+            return None
+        return bool(held)
+
+    async def _update_for(self, owner: str, holder: str, remove: Sequence[bytes]) -> None:
+        """Take ``holder`` off the entries of ``remove`` at directory owner ``owner``."""
+        if owner == self.me:
+            self.server.directory.update(holder, (), remove)
+            return
+        try:
+            await self.pool.members.client(owner).dir_update(holder, (), remove)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the entry stays stale; the next eviction checks again
+            self.counts["directory_failed"] += 1
+            log.debug("stale entry removal at %s failed: %s", owner, exc)
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Future[Any] = asyncio.ensure_future(coro)
+        self._updates.add(task)
+        task.add_done_callback(self._updates.discard)
+
     # ------------------------------------------------------------------ server hooks
     async def stored(self, keys: Sequence[bytes], age: float | None = None) -> None:
         """Keys stored on this member (``age``: a forwarded block's age): registered
@@ -206,6 +253,9 @@ class LocalHolder:
         age = now - born
         self._victim = (age, now)
         [(count, left)] = await self.unregister([key])
+        if count > 0:  # the entry may name members that lost the block (restarted empty)
+            left = await self._confirmed(key, left)
+            count = min(count, len(left))
         if count >= self.pool.replicas:
             self.counts["dropped_spare"] += 1
             return
@@ -260,6 +310,7 @@ class LocalHolder:
                               done: dict[str, int]) -> None:
         members = self.pool.members
         want = min(self.pool.replicas, len(members.members))
+        holders = await self._present(keys, holders)
         plan: dict[str, list[bytes]] = defaultdict(list)
         for key, found in zip(keys, holders, strict=True):
             live = [m for m in dict.fromkeys([*found, self.me]) if members.alive(m)
@@ -284,8 +335,43 @@ class LocalHolder:
                 continue
             done["pushed"] += len(frames)
 
+    async def _present(self, keys: list[bytes], holders: list[list[str]]) -> list[list[str]]:
+        """``holders`` less the members that answer that they lack the key (restarted
+        empty since they registered it), who are taken off its directory entries; one
+        request per other live holder for the batch."""
+        members = self.pool.members
+        ask: dict[str, list[int]] = defaultdict(list)
+        for i, found in enumerate(holders):
+            for member in found:
+                if member != self.me and members.alive(member):
+                    ask[member].append(i)
+        gone: list[set[str]] = [set() for _ in keys]
+        for member, idx in ask.items():
+            try:
+                flags = await asyncio.wait_for(members.client(member).exists_many(
+                    [keys[i] for i in idx]), self.pool.timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # unknown: trusted, as before; the next pass asks again
+                log.debug("presence check at %s failed: %s", member, exc)
+                continue
+            stale = [keys[i] for i, held in zip(idx, flags, strict=True) if not held]
+            for i, held in zip(idx, flags, strict=True):
+                if not held:
+                    gone[i].add(member)
+            if stale:
+                self.counts["stale_holders"] += len(stale)
+                plan: dict[str, list[bytes]] = defaultdict(list)
+                for key in stale:
+                    for owner in self._directory_owners(key):
+                        plan[owner].append(key)
+                for owner, ks in plan.items():
+                    self._spawn(self._update_for(owner, member, ks))
+        return [[m for m in found if m not in g] for found, g in zip(holders, gone, strict=True)]
+
     def stats(self) -> dict[str, Any]:
         """Counters: ``registered``, ``forwarded``, ``dropped_spare``, ``dropped_oldest``,
-        ``forward_failed``, ``directory_failed``; ``directory_keys``; ``evict_age``."""
+        ``forward_failed``, ``directory_failed``, ``stale_holders`` (directory entries found
+        naming a member that lacks the block); ``directory_keys``; ``evict_age``."""
         return {**self.counts, "directory_keys": len(self.server.directory),
                 "evict_age": self.evict_age()}
