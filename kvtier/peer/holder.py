@@ -17,6 +17,12 @@ directory, and forwards a block's last copy by global age when its segment evict
   (``?age=`` on the forward), so the wave of victims it sets off only ever moves to older
   members. When no older member takes it (all failed), the victim stays and the put that
   needed the room fails (``507``), so a copy is never lost to a failed forward.
+* **Entries are checked before they are trusted.** A member restarted empty is still named
+  by the entries of what it held (nothing tells the directory what a dead process held).
+  An eviction asks the holders left whether they hold the block before it counts them (to
+  drop a spare or an oldest copy, and to leave them out of the forward's targets), and the
+  anti-entropy pass asks the other holders before it decides a block has ``replicas``
+  copies; a member that answers "not here" is taken off the entry (``stale_holders``).
 * Two members dropping their copies of one block at once each take themselves off the
   entry in one step of every directory owner, so one of them sees the other gone and
   forwards; with several directory owners the smallest count answered decides (an owner

@@ -11,7 +11,11 @@ one lacked). A *hot* block, one this client reads from another member for the se
 :meth:`PeerTier.stats`; bounded by ``repair_bytes`` in flight, a copy past it dropped and
 counted), so its next read stays on its host, while a block read once costs home no room.
 A directory owner found without an entry that a later owner had is told
-(``directory_repairs``).
+(``directory_repairs``). A key that no one served is reported ``unavailable`` to the store
+(``explain``, miss reasons), naming the members and their state, when a holder the
+directory named or, with no holder found, a directory owner did not answer; it is
+``not_stored`` only when every directory owner answered that it knows no holder (or every
+holder named answered "not here").
 
 The holders learned are kept (bounded) for :meth:`kvtier.TieredStore.route`, which routes a
 prompt to the member holding the longest run of its blocks with no request.
