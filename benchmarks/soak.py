@@ -26,7 +26,8 @@ acknowledged, each within `--repair-grace` seconds of the previous (no anti-entr
 have re-replicated in between); one all of whose owners' DRAM tiers were evicting at the end
 (`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys) counts as lost to the budget
 (under `--placement local`, where copies are not on the ring owners and a last copy is
-dropped only as the oldest block anywhere: when every server's DRAM was evicting);
+dropped only as the oldest block anywhere: only when the pool as a whole was full, every
+server's DRAM evicting and the acked keys' copies more than the pool's DRAM blocks);
 every other unreadable key is a loss replication should have prevented. A second table
 shows each server's DRAM evictions and blocks and its anti-entropy counters (from
 ``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be 0.
@@ -516,11 +517,16 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         # than the acknowledged keys' copies), correct behaviour, not a replication failure.
         # Under placement=local a block's copies are not on its ring owners: they live
         # wherever they were computed or forwarded, and an evicted last copy is dropped only
-        # as the oldest block anywhere, so the loss is the budget's when every server evicts.
-        budget = [k for k in not_excused
-                  if all(m in evicting for m in (
-                      [s.member for s in servers] if args.placement == "local"
-                      else ring.owners(k, args.replicas)))]
+        # as the oldest block anywhere, so the loss is the budget's only when the pool as a
+        # whole was full: every server evicting, and more copies acked than its DRAM holds.
+        if args.placement == "local":
+            pool_blocks = args.servers * _size(args.dram_capacity) // args.block_bytes
+            full = len(keys) * args.replicas > pool_blocks and all(
+                s.member in evicting for s in servers)
+            budget = list(not_excused) if full else []
+        else:
+            budget = [k for k in not_excused
+                      if all(m in evicting for m in ring.owners(k, args.replicas))]
         lost_to_budget = set(budget)
         avoidable = [k for k in not_excused if k not in lost_to_budget]
         on_full_disk = sum(1 for k in avoidable
@@ -569,8 +575,8 @@ def table(r: dict[str, object]) -> str:
         ("acknowledged keys unreadable at end (all servers up)",
          f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
-        ("  of which every owner's DRAM (local: every server's) was evicting (lost to the "
-         "budget)",
+        ("  of which every owner's DRAM was evicting (local: the whole pool full), lost to "
+         "the budget",
          f"{r['budget']}"),
         ("  of which replication should have prevented",
          f"{unreadable - excused - int(r['budget'])}"),  # type: ignore[call-overload]

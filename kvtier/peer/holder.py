@@ -35,11 +35,13 @@ arrives with its age); reads refresh the segment's own eviction order, not the a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from kvtier.codec import encode_frame
@@ -50,11 +52,27 @@ if TYPE_CHECKING:
     from kvtier.peer.server import PeerServer
     from kvtier.peer.tier import PeerTier
 
-__all__ = ["LocalHolder"]
+__all__ = ["LocalHolder", "spare_copies"]
 
 log = logging.getLogger("kvtier.peer.holder")
 _FORWARD_TRIES = 3  # older members a last copy is offered to before it stays here
 _REPAIR_BATCH = 512
+# Set while this member stores spare copies (a fill put without an age: a read's copy
+# home, a repair push), whose evictions must not cost another block its last copy.
+_SPARE: ContextVar[bool] = ContextVar("kvtier_peer_spare_copies", default=False)
+
+
+@contextlib.contextmanager
+def spare_copies(spare: bool) -> Iterator[None]:
+    """Mark the segment puts made inside as spare copies (``spare``): an eviction they set
+    off that would drop a last copy as the oldest anywhere keeps it instead and refuses the
+    spare copy (:class:`TierFullError`, ``507``), so room is never bought for a second copy
+    of one block with the only copy of another."""
+    token = _SPARE.set(spare)
+    try:
+        yield
+    finally:
+        _SPARE.reset(token)
 
 
 class LocalHolder:
@@ -269,6 +287,12 @@ class LocalHolder:
         ages = {m: self._age_of(m, block.nbytes) for m in members.members
                 if m != self.me and m not in left and members.alive(m)}
         older = sorted((m for m, a in ages.items() if a > age), key=lambda m: -ages[m])
+        if not older and _SPARE.get():
+            self.counts["spare_refused"] += 1
+            self.born[key] = born
+            await self.register([key])
+            raise TierFullError(f"block {key.hex()} stays: a spare copy does not displace a "
+                                "last copy")
         if not older:
             self.counts["dropped_oldest"] += 1
             return
@@ -378,6 +402,7 @@ class LocalHolder:
     def stats(self) -> dict[str, Any]:
         """Counters: ``registered``, ``forwarded``, ``dropped_spare``, ``dropped_oldest``,
         ``forward_failed``, ``directory_failed``, ``stale_holders`` (directory entries found
-        naming a member that lacks the block); ``directory_keys``; ``evict_age``."""
+        naming a member that lacks the block), ``spare_refused`` (spare copies refused
+        rather than drop a last copy); ``directory_keys``; ``evict_age``."""
         return {**self.counts, "directory_keys": len(self.server.directory),
                 "evict_age": self.evict_age()}

@@ -48,6 +48,7 @@ from kvtier.peer.guards import (
     raise_open_files_limit,
 )
 from kvtier.peer.headercache import FrameHeaders
+from kvtier.peer.holder import spare_copies
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
 from kvtier.peer.metrics import (
     Family,
@@ -580,7 +581,8 @@ class PeerServer:
             del body
             if _fills(request) and (await self.segment.contains_many([key]))[0]:
                 return web.Response(status=204)  # fills holes only: the value held here stays
-            await self.segment.put(key, block)
+            with spare_copies(_fills(request)):  # placement=local: spares never displace
+                await self.segment.put(key, block)
         self.stored((key,))
         if self.holder is not None:
             await self.holder.stored((key,))
@@ -645,7 +647,10 @@ class PeerServer:
                 decoded = [item for item, here in zip(decoded, present, strict=True)
                            if not here]
             if decoded:
-                await self.segment.put_many(decoded)
+                # placement=local: a fill without an age (a read's copy home, a repair push)
+                # is a spare copy, which never displaces a last copy.
+                with spare_copies(_fills(request) and age is None):
+                    await self.segment.put_many(decoded)
         if decoded:
             self.stored(k for k, _ in decoded)
             if self.holder is not None:
