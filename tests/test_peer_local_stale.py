@@ -48,3 +48,31 @@ def test_an_eviction_does_not_trust_a_holder_restarted_empty(tmp_path: Path) -> 
                 if g is None or not np.array_equal(g, blocks[k])]
         assert lost == [], f"{len(lost)} of {len(keys)} acked blocks unreadable"
         assert _metric(a, "stale_holders") >= 1
+
+
+def test_a_read_copy_home_never_displaces_a_last_copy(tmp_path: Path) -> None:
+    """A full pool of two 20-block members holds 40 blocks, each its only copy. A client
+    of home A reads B's blocks twice (hot: copied home): A's copies may only take free room
+    or displace spare copies, so every one of the 40 acked blocks is still readable."""
+    opts = {**POOL, "replicas": 1}
+    with pool_processes(tmp_path, 2, lambda i: _dram(20), opts) as (procs, _):
+        a, b = [p.member for p in procs]
+        time.sleep(0.5)
+        on_a = [key_of(8000 + i) for i in range(20)]
+        on_b = [key_of(8100 + i) for i in range(20)]
+        blocks = {k: sample_block(i) for i, k in enumerate(on_a + on_b)}
+        with _client([a, b], a, replicas=1) as writer:
+            writer.put_many([(k, blocks[k]) for k in on_a])
+        with _client([a, b], b, replicas=1) as writer:
+            writer.put_many([(k, blocks[k]) for k in on_b])
+        time.sleep(0.5)  # both members' health probes see the other full
+        with _client([a, b], a, replicas=1) as reader:
+            for _ in range(2):
+                assert all(g is not None for g in reader.get_many(on_b))
+            time.sleep(1.0)  # the copies home run in the background
+        keys = on_a + on_b
+        with _client([a, b], b, replicas=1) as fresh:
+            got = fresh.get_many(keys)
+        lost = [i for i, (k, g) in enumerate(zip(keys, got, strict=True))
+                if g is None or not np.array_equal(g, blocks[k])]
+        assert lost == [], f"{len(lost)} of {len(keys)} acked blocks unreadable"

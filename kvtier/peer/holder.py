@@ -64,10 +64,11 @@ _SPARE: ContextVar[bool] = ContextVar("kvtier_peer_spare_copies", default=False)
 
 @contextlib.contextmanager
 def spare_copies(spare: bool) -> Iterator[None]:
-    """Mark the segment puts made inside as spare copies (``spare``): an eviction they set
-    off that would drop a last copy as the oldest anywhere keeps it instead and refuses the
-    spare copy (:class:`TierFullError`, ``507``), so room is never bought for a second copy
-    of one block with the only copy of another."""
+    """Mark the segment puts made inside as spare copies (``spare``): they take free room or
+    displace spare copies only; an eviction they set off whose victim is a last copy keeps
+    it and refuses the spare copy (:class:`TierFullError`, ``507``), so room is never bought
+    for a second copy of one block with the only copy of another (here, or wherever the
+    forward of the victim would set off a drop)."""
     token = _SPARE.set(spare)
     try:
         yield
@@ -283,16 +284,16 @@ class LocalHolder:
         if count >= self.pool.replicas:
             self.counts["dropped_spare"] += 1
             return
-        members = self.pool.members
-        ages = {m: self._age_of(m, block.nbytes) for m in members.members
-                if m != self.me and m not in left and members.alive(m)}
-        older = sorted((m for m, a in ages.items() if a > age), key=lambda m: -ages[m])
-        if not older and _SPARE.get():
+        if _SPARE.get():  # forwarded on, its eviction there could drop another last copy
             self.counts["spare_refused"] += 1
             self.born[key] = born
             await self.register([key])
             raise TierFullError(f"block {key.hex()} stays: a spare copy does not displace a "
                                 "last copy")
+        members = self.pool.members
+        ages = {m: self._age_of(m, block.nbytes) for m in members.members
+                if m != self.me and m not in left and members.alive(m)}
+        older = sorted((m for m, a in ages.items() if a > age), key=lambda m: -ages[m])
         if not older:
             self.counts["dropped_oldest"] += 1
             return
