@@ -23,6 +23,9 @@ directory, and forwards a block's last copy by global age when its segment evict
   drop a spare or an oldest copy, and to leave them out of the forward's targets), and the
   anti-entropy pass asks the other holders before it decides a block has ``replicas``
   copies; a member that answers "not here" is taken off the entry (``stale_holders``).
+* **Spare copies never displace a last copy.** A fill put without an age (a read's copy
+  home, a repair push: :func:`spare_copies`) takes free room or evicts spare copies only;
+  a last copy it would evict stays and the put is refused (``spare_refused``).
 * Two members dropping their copies of one block at once each take themselves off the
   entry in one step of every directory owner, so one of them sees the other gone and
   forwards; with several directory owners the smallest count answered decides (an owner
