@@ -26,7 +26,10 @@ long-lived client missed that the fresh one read. An unreadable key counts as "r
 could not help" when `replicas` distinct servers were killed (or removed) after its put was
 acknowledged, each within `--repair-grace` seconds of the previous (no anti-entropy pass could
 have re-replicated in between); one all of whose owners' DRAM tiers were evicting at the end
-(`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys) counts as lost to the budget;
+(`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys) counts as lost to the budget
+(under `--placement local`, where copies are not on the ring owners and a last copy is
+dropped only as the oldest block anywhere: only when the pool as a whole was full, every
+server's DRAM evicting and the acked keys' copies more than the pool's DRAM blocks);
 every other unreadable key is a loss replication should have prevented. A second table
 shows each server's DRAM evictions and blocks and its anti-entropy counters (from
 ``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be 0.
@@ -103,12 +106,15 @@ def _dram_bytes(member: str, token: str) -> int:
                if t.get("scheme") == "dram")
 
 
-_METRIC = re.compile(r"^(kvtier_peer_repair_\w+?|kvtier_store_evictions|kvtier_store_blocks)"
+_METRIC = re.compile(r"^(kvtier_peer_repair_\w+?|kvtier_store_evictions|kvtier_store_blocks"
+                     r"|kvtier_peer_local_(?:forwarded|dropped_oldest|stale_holders))"
                      r"(?:_total)?(?:\{[^}]*scheme=\"dram\"[^}]*\})? (\S+)$", re.M)
 #: Per-server figures the soak reads from ``/metrics``: the DRAM tier's evictions and blocks,
-#: and the anti-entropy counters.
+#: the anti-entropy counters, and under placement=local the last copies forwarded, the
+#: copies dropped as the oldest anywhere (the pool's budget) and the stale directory
+#: entries found.
 FIGURES = ("evictions", "blocks", "passes", "checked", "pushed", "failed", "under_replicated",
-           "standins_pruned")
+           "standins_pruned", "forwarded", "dropped_oldest", "stale_holders")
 
 
 def _figures(member: str, token: str) -> dict[str, float]:
@@ -122,7 +128,8 @@ def _figures(member: str, token: str) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for name, value in _METRIC.findall(text):
-        short = name.removeprefix("kvtier_peer_repair_").removeprefix("kvtier_store_")
+        short = name.removeprefix("kvtier_peer_repair_").removeprefix("kvtier_store_") \
+            .removeprefix("kvtier_peer_local_")
         out[short] = out.get(short, 0.0) + float(value)
     return out
 
@@ -561,8 +568,18 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                                        args.repair_grace)]
         # Every owner evicting: the loss is the DRAM budget's (the pool holds fewer blocks
         # than the acknowledged keys' copies), correct behaviour, not a replication failure.
-        budget = [k for k in not_excused
-                  if all(m in evicting for m in ring.owners(k, args.replicas))]
+        # Under placement=local a block's copies are not on its ring owners: they live
+        # wherever they were computed or forwarded, and an evicted last copy is dropped only
+        # as the oldest block anywhere, so the loss is the budget's only when the pool as a
+        # whole was full: every server evicting, and more copies acked than its DRAM holds.
+        if args.placement == "local":
+            pool_blocks = args.servers * _size(args.dram_capacity) // args.block_bytes
+            full = len(keys) * args.replicas > pool_blocks and all(
+                s.member in evicting for s in servers)
+            budget = list(not_excused) if full else []
+        else:
+            budget = [k for k in not_excused
+                      if all(m in evicting for m in ring.owners(k, args.replicas))]
         lost_to_budget = set(budget)
         avoidable = [k for k in not_excused if k not in lost_to_budget]
         on_full_disk = sum(1 for k in avoidable
@@ -612,7 +629,8 @@ def table(r: dict[str, object]) -> str:
         ("acknowledged keys unreadable at end (all servers up)",
          f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
-        ("  of which every owner's DRAM was full and evicting (lost to the budget)",
+        ("  of which every owner's DRAM was evicting (local: the whole pool full), lost to "
+         "the budget",
          f"{r['budget']}"),
         ("  of which replication should have prevented",
          f"{unreadable - excused - int(r['budget'])}"),  # type: ignore[call-overload]

@@ -17,6 +17,15 @@ directory, and forwards a block's last copy by global age when its segment evict
   (``?age=`` on the forward), so the wave of victims it sets off only ever moves to older
   members. When no older member takes it (all failed), the victim stays and the put that
   needed the room fails (``507``), so a copy is never lost to a failed forward.
+* **Entries are checked before they are trusted.** A member restarted empty is still named
+  by the entries of what it held (nothing tells the directory what a dead process held).
+  An eviction asks the holders left whether they hold the block before it counts them (to
+  drop a spare or an oldest copy, and to leave them out of the forward's targets), and the
+  anti-entropy pass asks the other holders before it decides a block has ``replicas``
+  copies; a member that answers "not here" is taken off the entry (``stale_holders``).
+* **Spare copies never displace a last copy.** A fill put without an age (a read's copy
+  home, a repair push: :func:`spare_copies`) takes free room or evicts spare copies only;
+  a last copy it would evict stays and the put is refused (``spare_refused``).
 * Two members dropping their copies of one block at once each take themselves off the
   entry in one step of every directory owner, so one of them sees the other gone and
   forwards; with several directory owners the smallest count answered decides (an owner
@@ -29,11 +38,13 @@ arrives with its age); reads refresh the segment's own eviction order, not the a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from kvtier.codec import encode_frame
@@ -44,11 +55,28 @@ if TYPE_CHECKING:
     from kvtier.peer.server import PeerServer
     from kvtier.peer.tier import PeerTier
 
-__all__ = ["LocalHolder"]
+__all__ = ["LocalHolder", "spare_copies"]
 
 log = logging.getLogger("kvtier.peer.holder")
 _FORWARD_TRIES = 3  # older members a last copy is offered to before it stays here
 _REPAIR_BATCH = 512
+# Set while this member stores spare copies (a fill put without an age: a read's copy
+# home, a repair push), whose evictions must not cost another block its last copy.
+_SPARE: ContextVar[bool] = ContextVar("kvtier_peer_spare_copies", default=False)
+
+
+@contextlib.contextmanager
+def spare_copies(spare: bool) -> Iterator[None]:
+    """Mark the segment puts made inside as spare copies (``spare``): they take free room or
+    displace spare copies only; an eviction they set off whose victim is a last copy keeps
+    it and refuses the spare copy (:class:`TierFullError`, ``507``), so room is never bought
+    for a second copy of one block with the only copy of another (here, or wherever the
+    forward of the victim would set off a drop)."""
+    token = _SPARE.set(spare)
+    try:
+        yield
+    finally:
+        _SPARE.reset(token)
 
 
 class LocalHolder:
@@ -73,7 +101,7 @@ class LocalHolder:
         self.born: dict[bytes, float] = {}  # key -> when its age began (monotonic)
         self._victim: tuple[float, float] | None = None  # (age, when) of the last victim
         self.counts: dict[str, int] = defaultdict(int)
-        self._updates: set[asyncio.Future[list[list[str]] | None]] = set()  # in background
+        self._updates: set[asyncio.Future[Any]] = set()  # in background
 
     def attach(self) -> None:
         """Hook this holder into the server (registration on stores and deletes, the age in
@@ -181,6 +209,53 @@ class LocalHolder:
                                                                        len(others))
         return [(n or 0, s) for n, s in zip(fewest, left, strict=True)]
 
+    async def _confirmed(self, key: bytes, listed: set[str]) -> set[str]:
+        """The members of ``listed`` that answer that they hold ``key``. A directory entry
+        outlives a copy whose member restarted empty (nothing tells the directory what a
+        dead process held): trusting it would drop a spare or oldest copy that is the last
+        one, and keep the member with room out of the forward's targets. A member that
+        answers "not here" is taken off the entry; one that does not answer counts as
+        holding none (the copy is forwarded, never lost)."""
+        members = self.pool.members
+        ask = [m for m in listed if members.reachable(m)]
+        answers = await asyncio.gather(*(self._holds(m, key) for m in ask))
+        for member, held in zip(ask, answers, strict=True):
+            if held is False:
+                self.counts["stale_holders"] += 1
+                for owner in self._directory_owners(key):
+                    self._spawn(self._update_for(owner, member, (key,)))
+        return {m for m, held in zip(ask, answers, strict=True) if held}
+
+    async def _holds(self, member: str, key: bytes) -> bool | None:
+        """Whether ``member`` holds ``key`` (``None``: no answer within half the timeout)."""
+        try:
+            [held] = await asyncio.wait_for(
+                self.pool.members.client(member).exists_many([key]), self.pool.timeout / 2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("presence of %s at %s unknown: %s", key.hex(), member, exc)
+            return None
+        return bool(held)
+
+    async def _update_for(self, owner: str, holder: str, remove: Sequence[bytes]) -> None:
+        """Take ``holder`` off the entries of ``remove`` at directory owner ``owner``."""
+        if owner == self.me:
+            self.server.directory.update(holder, (), remove)
+            return
+        try:
+            await self.pool.members.client(owner).dir_update(holder, (), remove)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the entry stays stale; the next eviction checks again
+            self.counts["directory_failed"] += 1
+            log.debug("stale entry removal at %s failed: %s", owner, exc)
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Future[Any] = asyncio.ensure_future(coro)
+        self._updates.add(task)
+        task.add_done_callback(self._updates.discard)
+
     # ------------------------------------------------------------------ server hooks
     async def stored(self, keys: Sequence[bytes], age: float | None = None) -> None:
         """Keys stored on this member (``age``: a forwarded block's age): registered
@@ -206,9 +281,18 @@ class LocalHolder:
         age = now - born
         self._victim = (age, now)
         [(count, left)] = await self.unregister([key])
+        if count > 0:  # the entry may name members that lost the block (restarted empty)
+            left = await self._confirmed(key, left)
+            count = min(count, len(left))
         if count >= self.pool.replicas:
             self.counts["dropped_spare"] += 1
             return
+        if _SPARE.get():  # forwarded on, its eviction there could drop another last copy
+            self.counts["spare_refused"] += 1
+            self.born[key] = born
+            await self.register([key])
+            raise TierFullError(f"block {key.hex()} stays: a spare copy does not displace a "
+                                "last copy")
         members = self.pool.members
         ages = {m: self._age_of(m, block.nbytes) for m in members.members
                 if m != self.me and m not in left and members.alive(m)}
@@ -260,6 +344,7 @@ class LocalHolder:
                               done: dict[str, int]) -> None:
         members = self.pool.members
         want = min(self.pool.replicas, len(members.members))
+        holders = await self._present(keys, holders)
         plan: dict[str, list[bytes]] = defaultdict(list)
         for key, found in zip(keys, holders, strict=True):
             live = [m for m in dict.fromkeys([*found, self.me]) if members.alive(m)
@@ -284,8 +369,44 @@ class LocalHolder:
                 continue
             done["pushed"] += len(frames)
 
+    async def _present(self, keys: list[bytes], holders: list[list[str]]) -> list[list[str]]:
+        """``holders`` less the members that answer that they lack the key (restarted
+        empty since they registered it), who are taken off its directory entries; one
+        request per other live holder for the batch."""
+        members = self.pool.members
+        ask: dict[str, list[int]] = defaultdict(list)
+        for i, found in enumerate(holders):
+            for member in found:
+                if member != self.me and members.alive(member):
+                    ask[member].append(i)
+        gone: list[set[str]] = [set() for _ in keys]
+        for member, idx in ask.items():
+            try:
+                flags = await asyncio.wait_for(members.client(member).exists_many(
+                    [keys[i] for i in idx]), self.pool.timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # unknown: trusted, as before; the next pass asks again
+                log.debug("presence check at %s failed: %s", member, exc)
+                continue
+            stale = [keys[i] for i, held in zip(idx, flags, strict=True) if not held]
+            for i, held in zip(idx, flags, strict=True):
+                if not held:
+                    gone[i].add(member)
+            if stale:
+                self.counts["stale_holders"] += len(stale)
+                plan: dict[str, list[bytes]] = defaultdict(list)
+                for key in stale:
+                    for owner in self._directory_owners(key):
+                        plan[owner].append(key)
+                for owner, ks in plan.items():
+                    self._spawn(self._update_for(owner, member, ks))
+        return [[m for m in found if m not in g] for found, g in zip(holders, gone, strict=True)]
+
     def stats(self) -> dict[str, Any]:
         """Counters: ``registered``, ``forwarded``, ``dropped_spare``, ``dropped_oldest``,
-        ``forward_failed``, ``directory_failed``; ``directory_keys``; ``evict_age``."""
+        ``forward_failed``, ``directory_failed``, ``stale_holders`` (directory entries found
+        naming a member that lacks the block), ``spare_refused`` (spare copies refused
+        rather than drop a last copy); ``directory_keys``; ``evict_age``."""
         return {**self.counts, "directory_keys": len(self.server.directory),
                 "evict_age": self.evict_age()}

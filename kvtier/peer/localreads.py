@@ -11,7 +11,11 @@ one lacked). A *hot* block, one this client reads from another member for the se
 :meth:`PeerTier.stats`; bounded by ``repair_bytes`` in flight, a copy past it dropped and
 counted), so its next read stays on its host, while a block read once costs home no room.
 A directory owner found without an entry that a later owner had is told
-(``directory_repairs``).
+(``directory_repairs``). A key that no one served is reported ``unavailable`` to the store
+(``explain``, miss reasons), naming the members and their state, when a holder the
+directory named or, with no holder found, a directory owner did not answer; it is
+``not_stored`` only when every directory owner answered that it knows no holder (or every
+holder named answered "not here").
 
 The holders learned are kept (bounded) for :meth:`kvtier.TieredStore.route`, which routes a
 prompt to the member holding the longest run of its blocks with no request.
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
+from kvtier.misses import MissReason
 from kvtier.tiers.base import Block
 
 if TYPE_CHECKING:
@@ -83,11 +88,17 @@ class LocalReads:
         its ring order (past the ``replicas`` owners: the owners before a recent join or
         leave, until the holders' anti-entropy registered again). An owner that knew none
         of a key a later member knew is told, in the background."""
+        found, _ = await self._directory(keys)
+        return found
+
+    async def _directory(self, keys: Sequence[bytes]) -> tuple[list[list[str]], list[set[str]]]:
+        """:meth:`directory_holders`, and per key the members that answered."""
         tier = self.tier
         walk = tier.walk_limit()
         owners = [tier.members.live_owners(k, walk) for k in keys]
         found: list[list[str]] = [[] for _ in keys]
         empty_at: list[list[str]] = [[] for _ in keys]
+        answered: list[set[str]] = [set() for _ in keys]
         pending = list(range(len(keys)))
         for depth in range(walk):
             groups: dict[str, list[int]] = defaultdict(list)
@@ -104,6 +115,8 @@ class LocalReads:
                 for n, i in enumerate(idx):
                     holders = cast(list[list[str]], reply)[n] if isinstance(reply, list) \
                         else []
+                    if isinstance(reply, list):
+                        answered[i].add(member)
                     if holders:
                         found[i] = holders
                     else:
@@ -114,7 +127,7 @@ class LocalReads:
         for key, holders in zip(keys, found, strict=True):
             if holders:
                 self.learn(key, holders)
-        return found
+        return found, answered
 
     async def _lookup(self, member: str, keys: list[bytes]) -> list[list[str]]:
         if self.tier._is_local(member) and self.tier.directory is not None:
@@ -156,6 +169,7 @@ class LocalReads:
         home = self.home
         reply = await tier._call(home, "get", partial(tier._fetch_blocks, home, list(keys)),
                                  len(keys))
+        home_answered = isinstance(reply, list)
         if isinstance(reply, list):
             blocks = cast(list[Block | None], reply)
             for key, block in zip(keys, blocks, strict=True):
@@ -164,8 +178,9 @@ class LocalReads:
         missing = [i for i, b in enumerate(blocks) if b is None]
         if not missing:
             return blocks
-        holders = await self.directory_holders([keys[i] for i in missing])
+        holders, owners_answered = await self._directory([keys[i] for i in missing])
         tried = [{home} for _ in missing]
+        answered = [{home} if home_answered else set() for _ in missing]
         pending = list(range(len(missing)))
         copies: list[tuple[bytes, Block]] = []
         while pending:
@@ -183,8 +198,10 @@ class LocalReads:
                                              [keys[missing[j]] for j in idx]), len(idx))
                 for m, idx in groups.items()))
             pending = []
-            for idx, got in zip(groups.values(), replies, strict=True):
+            for (member, idx), got in zip(groups.items(), replies, strict=True):
                 for n, j in enumerate(idx):
+                    if isinstance(got, list):
+                        answered[j].add(member)
                     block = cast(list[Block | None], got)[n] if isinstance(got, list) \
                         else None
                     if block is None:
@@ -194,6 +211,9 @@ class LocalReads:
                     copies.append((keys[missing[j]], block))
         tier.counts["remote_hits"] += len(copies)
         self._copy_home(copies)
+        self._report_unanswered([keys[i] for i in missing], [blocks[i] is not None
+                                                             for i in missing],
+                                holders, owners_answered, answered)
         return blocks
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -205,10 +225,48 @@ class LocalReads:
         flags = [bool(f) for f in here] if isinstance(here, list) else [False] * len(keys)
         missing = [i for i, f in enumerate(flags) if not f]
         if missing:
-            holders = await self.directory_holders([keys[i] for i in missing])
+            asked = [keys[i] for i in missing]
+            holders, owners_answered = await self._directory(asked)
             for i, found in zip(missing, holders, strict=True):
                 flags[i] = any(tier.members.alive(m) for m in found)
+            # A holder counts as answering here when it is in the path (not asked: the
+            # directory's word stands for it); home answered for what it lacks.
+            answered = [{m for m in found if tier.members.alive(m)}
+                        | ({self.home} if isinstance(here, list) else set())
+                        for found in holders]
+            self._report_unanswered(asked, [flags[i] for i in missing], holders,
+                                    owners_answered, answered)
         return flags
+
+    def _report_unanswered(self, keys: Sequence[bytes], hit: Sequence[bool],
+                           holders: Sequence[Sequence[str]], owners_answered: Sequence[set[str]],
+                           answered: Sequence[set[str]]) -> None:
+        """A key missed although a holder the directory named, or one of its directory
+        owners, did not answer is ``unavailable``, not absent: say so to the store
+        (``explain``, miss reasons), naming those members and their state. It is
+        ``not_stored`` only when every directory owner answered and knew no holder, or
+        every holder named answered "not here"."""
+        tier = self.tier
+        describe = tier.members.detector.describe
+        lost: dict[str, list[bytes]] = defaultdict(list)
+        for key, got, found, said, heard in zip(keys, hit, holders, owners_answered, answered,
+                                                strict=True):
+            if got:
+                continue
+            if found:
+                silent = [m for m in found if m not in heard]
+                role = "holders"
+            else:
+                owners = tier.members.ring.owners(key, tier.replicas)
+                silent = [m for m in owners if m not in said]
+                found, role = owners, "directory owners"
+            if silent:
+                states = "; ".join(f"{m} {describe(m) or 'did not answer this read'}"
+                                   for m in silent)
+                lost[f"{len(silent)} of {len(found)} {role} did not answer: {states}"
+                     ].append(key)
+        for why, group in lost.items():
+            tier._report_miss(group, MissReason.UNAVAILABLE, f"{why} (timeout={tier.timeout:g}s)")
 
     def _copy_home(self, items: list[tuple[bytes, Block]]) -> None:
         """Copy the hot ones of blocks read from other members (read so before) to home, in

@@ -48,6 +48,7 @@ from kvtier.peer.guards import (
     raise_open_files_limit,
 )
 from kvtier.peer.headercache import FrameHeaders
+from kvtier.peer.holder import spare_copies
 from kvtier.peer.locate import LOCATE_PATH, make_locate_handler, segment_answer
 from kvtier.peer.metrics import (
     Family,
@@ -595,7 +596,9 @@ class PeerServer:
             block = await self.decode(key, body)
             del body
             stamp = None if stamps is None else stamps[0]
-            if not await self.put_stamped(key, block, stamp, _fills(request)):
+            with spare_copies(_fills(request)):  # placement=local: spares never displace
+                landed = await self.put_stamped(key, block, stamp, _fills(request))
+            if not landed:
                 return web.Response(status=204)  # the value (or delete) held here is newer
         self.stored((key,))
         if self.holder is not None:
@@ -717,7 +720,10 @@ class PeerServer:
             decoded = [item for item, stamp in zip(decoded, landed, strict=True)
                        if stamp is not None]
             if decoded:
-                await self.segment.put_many(decoded)
+                # placement=local: a fill without an age (a read's copy home, a repair push)
+                # is a spare copy, which never displaces a last copy.
+                with spare_copies(_fills(request) and age is None):
+                    await self.segment.put_many(decoded)
                 for (key, _), stamp in zip(decoded, (s for s in landed if s is not None),
                                            strict=True):
                     self.versions.stored(key, stamp)

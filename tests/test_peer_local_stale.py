@@ -1,0 +1,78 @@
+"""``placement=local`` never drops a copy on the word of a stale directory entry: a member
+restarted empty is still named as a holder of what it held before (nothing tells the
+directory what a dead process held), and an eviction that trusted that entry dropped the
+only real copy as a "spare". Against real `kvtier serve` processes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.testing.conformance import key_of, sample_block
+from tests.helpers.peer_helpers import pool_processes
+from tests.test_peer_local import POOL, _client, _dram, _held, _metric
+
+
+def test_an_eviction_does_not_trust_a_holder_restarted_empty(tmp_path: Path) -> None:
+    """Member A (20 blocks) and B (200) both hold 20 blocks; B restarts empty; 40 more
+    blocks through home A evict the 20 from A. The directory still names B, but B lacks
+    them: each is a last copy and moves to B. All 60 fit the pool's 220 blocks, so a fresh
+    client reads every one."""
+    opts = {**POOL, "replicas": 1}
+    with pool_processes(tmp_path, 2, lambda i: _dram(20 if i == 0 else 200), opts) as (
+            procs, _):
+        a, b = [p.member for p in procs]
+        time.sleep(0.5)
+        first = [key_of(7000 + i) for i in range(20)]
+        blocks = {k: sample_block(i) for i, k in enumerate(first)}
+        with _client([a, b], a, replicas=1) as on_a, _client([a, b], b, replicas=1) as on_b:
+            on_a.put_many(list(blocks.items()))
+            on_b.put_many(list(blocks.items()))  # B holds them too, and registers so
+        assert _held(a, first) == [True] * 20 == _held(b, first)
+        procs[1].stop()  # B restarts empty on its port: the directory still names it
+        procs[1].launch(b)
+        procs[1].wait_ready()
+        time.sleep(1.0)  # A's health probes see B back, with room
+        assert _held(b, first) == [False] * 20
+        more = [key_of(7100 + i) for i in range(40)]
+        blocks |= {k: sample_block(20 + i) for i, k in enumerate(more)}
+        with _client([a, b], a, replicas=1) as writer:
+            for start in range(0, len(more), 5):
+                writer.put_many([(k, blocks[k]) for k in more[start:start + 5]])
+        keys = first + more
+        with _client([a, b], b, replicas=1) as fresh:
+            got = fresh.get_many(keys)
+        lost = [i for i, (k, g) in enumerate(zip(keys, got, strict=True))
+                if g is None or not np.array_equal(g, blocks[k])]
+        assert lost == [], f"{len(lost)} of {len(keys)} acked blocks unreadable"
+        assert _metric(a, "stale_holders") >= 1
+
+
+def test_a_read_copy_home_never_displaces_a_last_copy(tmp_path: Path) -> None:
+    """A full pool of two 20-block members holds 40 blocks, each its only copy. A client
+    of home A reads B's blocks twice (hot: copied home): A's copies may only take free room
+    or displace spare copies, so every one of the 40 acked blocks is still readable."""
+    opts = {**POOL, "replicas": 1}
+    with pool_processes(tmp_path, 2, lambda i: _dram(20), opts) as (procs, _):
+        a, b = [p.member for p in procs]
+        time.sleep(0.5)
+        on_a = [key_of(8000 + i) for i in range(20)]
+        on_b = [key_of(8100 + i) for i in range(20)]
+        blocks = {k: sample_block(i) for i, k in enumerate(on_a + on_b)}
+        with _client([a, b], a, replicas=1) as writer:
+            writer.put_many([(k, blocks[k]) for k in on_a])
+        with _client([a, b], b, replicas=1) as writer:
+            writer.put_many([(k, blocks[k]) for k in on_b])
+        time.sleep(0.5)  # both members' health probes see the other full
+        with _client([a, b], a, replicas=1) as reader:
+            for _ in range(2):
+                assert all(g is not None for g in reader.get_many(on_b))
+            time.sleep(1.0)  # the copies home run in the background
+        keys = on_a + on_b
+        with _client([a, b], b, replicas=1) as fresh:
+            got = fresh.get_many(keys)
+        lost = [i for i, (k, g) in enumerate(zip(keys, got, strict=True))
+                if g is None or not np.array_equal(g, blocks[k])]
+        assert lost == [], f"{len(lost)} of {len(keys)} acked blocks unreadable"
