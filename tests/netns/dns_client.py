@@ -6,8 +6,9 @@ stdin line and answers each with one JSON line on stdout:
 
 - ``phase NAME READS MEMBERS``: the writer puts blocks (``ack=all``) while 8 readers each
   read ``READS`` batches of 16 acknowledged keys, and keep reading until the tier's member
-  set is ``MEMBERS`` (comma-separated ids), so a membership change the lane makes right
-  after sending the command happens under load. Answers the phase's counts: CPU seconds,
+  set is ``MEMBERS`` (comma-separated ids) and a batch found every key, so a membership
+  change or partition the lane makes right after sending the command happens under load
+  and the pool has recovered when the phase ends. Answers the phase's counts: CPU seconds,
   reads, puts, get requests, misses and wrong blocks, RSS.
 - ``check``: stops, reads every acknowledged key back through this tier and through a
   fresh one, answers lost and wrong counts, and exits.
@@ -93,14 +94,18 @@ class Load:
 
         async def reader() -> None:
             nonlocal readers_left
-            done = 0
-            while done < reads or not settled():
+            done, whole = 0, False
+            # A phase ends on a read that found every key: after a partition the pool must
+            # come back, not just the phase's count of reads run out on misses.
+            while done < reads or not settled() or not whole:
                 if not self.acked:
                     await asyncio.sleep(0.01)
                     continue
                 picked = self.rng.sample(self.acked, min(BATCH, len(self.acked)))
                 keys = [key_for(i) for i in picked]
-                for key, got in zip(keys, await self.tier.get_many(keys), strict=True):
+                blocks = await self.tier.get_many(keys)
+                whole = all(b is not None for b in blocks)
+                for key, got in zip(keys, blocks, strict=True):
                     if got is None:
                         counts["missed"] += 1
                     elif not right(key, got):

@@ -153,6 +153,14 @@ class Topology:
         if self._dnsmasq is not None and self._dnsmasq.poll() is None:
             self._dnsmasq.send_signal(signal.SIGHUP)
 
+    def cut(self, host: str, seconds: float) -> None:
+        """Partition ``host`` from everyone for ``seconds`` (its link down, then up)."""
+        _ip("-n", self.ns(host), "link", "set", "eth0", "down")
+        try:
+            time.sleep(seconds)
+        finally:
+            _ip("-n", self.ns(host), "link", "set", "eth0", "up")
+
     # ------------------------------------------------------------- processes
     def popen(self, host: str, argv: Sequence[str], *, log: Path | None = None,
               **kwargs: object) -> subprocess.Popen[bytes]:
