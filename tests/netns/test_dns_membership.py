@@ -30,8 +30,8 @@ if os.environ.get("KVTIER_NETNS_LANE") != "1":
     pytest.skip("the netns lane runs with KVTIER_NETNS_LANE=1 (as root)",
                 allow_module_level=True)
 
-from tests.helpers.peer_helpers import REPO, TOKEN  # noqa: E402
-from tests.netns.topology import Topology, netns_unavailable  # noqa: E402
+from tests.helpers.peer_helpers import REPO, TOKEN
+from tests.netns.topology import Topology, netns_unavailable
 
 pytestmark = pytest.mark.timeout(900)
 

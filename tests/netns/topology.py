@@ -12,6 +12,7 @@ removes those ``/etc/netns`` entries.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -187,10 +188,8 @@ class Topology:
     def close(self) -> None:
         """Stop every process started here, delete every namespace and its resolver file."""
         for proc in reversed(self._procs):
-            try:
+            with contextlib.suppress(OSError):
                 self.stop(proc, 5.0)
-            except OSError:
-                pass
         self._procs.clear()
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
