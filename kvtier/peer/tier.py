@@ -715,6 +715,7 @@ class PeerTier(Tier):
         missed: list[list[str]] = [[] for _ in keys]
         holder: list[str | None] = [None] * len(keys)
         pending = list(range(len(keys)))
+        asked = False
         while pending:
             groups: dict[str, list[int]] = defaultdict(list)
             for i in pending:
@@ -725,6 +726,7 @@ class PeerTier(Tier):
                     groups[member].append(i)
             if not groups:
                 break
+            asked = True
             if self.hedge and len(keys) == 1 and op == "get":
                 answers = await self._hedged(keys[0], next(iter(groups)), orders[0],
                                              tried[0], fetch, found)
@@ -749,6 +751,11 @@ class PeerTier(Tier):
                     holder[i] = member
                     if len(missed[i]) > self.replicas:
                         self.counts["walk_hits"] += 1  # found past the owners' answers
+        if not asked:
+            # Every member is out of the path: this read awaited nothing. Suspend once, or
+            # callers retrying their misses in a loop hold the event loop, the health loop
+            # never probes, and no member ever comes back (100% CPU, forever).
+            await asyncio.sleep(0)
         return results, missed, holder
 
     async def _hedged(self, key: bytes, member: str, order: list[str], tried: set[str],
