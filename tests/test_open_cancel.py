@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import redis_servers
 
 from kvtier import ConfigError, TieredStore, open_store
 
@@ -63,6 +62,9 @@ async def test_timed_out_file_opens_leave_no_probe_file(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # redis-py is an extra (kvtier[redis]): without it only this test skips.
+    redis_servers = pytest.importorskip("tests.helpers.redis_servers",
+                                        reason="redis-py not installed (kvtier[redis])")
     if redis_servers.MISSING:
         pytest.skip(redis_servers.MISSING)
     server = redis_servers.RedisServer(tmp_path_factory.mktemp("redis"))
