@@ -289,10 +289,7 @@ class LocalReads:
             take.append((key, block))
         if not take:
             return
-        tier._repair_held += held
-        task = asyncio.create_task(self._store_home(take, held))
-        tier._repairs.add(task)
-        task.add_done_callback(tier._repairs.discard)
+        tier.start_repair(self._store_home(take, held), held)
 
     async def _store_home(self, items: list[tuple[bytes, Block]], held: int) -> None:
         from kvtier.peer.tier import FAILED  # (tier imports this module)

@@ -18,7 +18,7 @@ import logging
 import ssl
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any, Self, TypeVar, cast
 
@@ -880,8 +880,13 @@ class PeerTier(Tier):
             todo.append((key, block, targets))
         if not todo:
             return
+        self.start_repair(self._verify(todo, held), held)
+
+    def start_repair(self, work: Coroutine[Any, Any, None], held: int) -> None:
+        """Run ``work``, a background copy holding ``held`` bytes of the repair budget
+        (``repair_bytes``; ``work`` gives them back when it ends), tracked until done."""
         self._repair_held += held
-        task = asyncio.create_task(self._verify(todo, held))
+        task = asyncio.create_task(work)
         self._repairs.add(task)
         task.add_done_callback(self._repairs.discard)
 
