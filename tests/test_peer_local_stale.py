@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +15,14 @@ from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.peer_helpers import pool_processes
 from tests.test_peer_local import POOL, _client, _dram, _held, _metric
 
+
+def _unreadable(members: list[str], home: str, keys: list[bytes],
+                blocks: dict[bytes, np.ndarray[Any, Any]]) -> list[int]:
+    """Positions of ``keys`` a fresh client of ``home`` cannot read back as written."""
+    with _client(members, home, replicas=1) as fresh:
+        got = fresh.get_many(keys)
+    return [i for i, (k, g) in enumerate(zip(keys, got, strict=True))
+            if g is None or not np.array_equal(g, blocks[k])]
 
 def test_an_eviction_does_not_trust_a_holder_restarted_empty(tmp_path: Path) -> None:
     """Member A (20 blocks) and B (200) both hold 20 blocks; B restarts empty; 40 more
@@ -42,10 +51,7 @@ def test_an_eviction_does_not_trust_a_holder_restarted_empty(tmp_path: Path) -> 
             for start in range(0, len(more), 5):
                 writer.put_many([(k, blocks[k]) for k in more[start:start + 5]])
         keys = first + more
-        with _client([a, b], b, replicas=1) as fresh:
-            got = fresh.get_many(keys)
-        lost = [i for i, (k, g) in enumerate(zip(keys, got, strict=True))
-                if g is None or not np.array_equal(g, blocks[k])]
+        lost = _unreadable([a, b], b, keys, blocks)
         assert lost == [], f"{len(lost)} of {len(keys)} acked blocks unreadable"
         assert _metric(a, "stale_holders") >= 1
 
@@ -71,8 +77,5 @@ def test_a_read_copy_home_never_displaces_a_last_copy(tmp_path: Path) -> None:
                 assert all(g is not None for g in reader.get_many(on_b))
             time.sleep(1.0)  # the copies home run in the background
         keys = on_a + on_b
-        with _client([a, b], b, replicas=1) as fresh:
-            got = fresh.get_many(keys)
-        lost = [i for i, (k, g) in enumerate(zip(keys, got, strict=True))
-                if g is None or not np.array_equal(g, blocks[k])]
+        lost = _unreadable([a, b], b, keys, blocks)
         assert lost == [], f"{len(lost)} of {len(keys)} acked blocks unreadable"
