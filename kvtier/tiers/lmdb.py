@@ -157,6 +157,7 @@ class LMDBTier(BudgetedTier):
             raise ConfigError(f"watch: expected >= 0 seconds, got {watch!r}")
         self.watch = watch
         self._owner_watch: OwnerWatch | None = None
+        self._data_inode = 0
         self._policy = make_policy(policy, capacity, clock)
         self.path = Path(path)
         try:
@@ -261,7 +262,7 @@ class LMDBTier(BudgetedTier):
             raise ConfigError(f"path: LMDB cannot open {str(self.path)!r}: {exc}; change the "
                               "path (a writable local directory)") from exc
         if self.watch > 0 and self._owner_watch is None:
-            self._owner_watch = OwnerWatch(self, self.watch)
+            self._owner_watch = OwnerWatch(self, self.watch, self._data_inode)
             self._owner_watch.start()
 
     async def _ready(self) -> BlockEnv:
@@ -295,6 +296,7 @@ class LMDBTier(BudgetedTier):
             self.discarded_after_os_crash = True
         env = BlockEnv(self.path, map_size=self.map_size, durability=self.sync,
                        writemap=self.writemap)
+        self._data_inode = (self.path / "data.mdb").stat().st_ino  # what a wipe replaces
         if self.writemap:
             try:
                 preallocate(self.path, self.map_size)

@@ -125,12 +125,14 @@ class OwnerWatch:
         The tier (open: its environment's ``data.mdb`` inode is the one it watches for).
     interval
         Seconds between looks.
+    inode
+        The inode of the ``data.mdb`` the tier has open.
     """
 
-    def __init__(self, tier: LMDBTier, interval: float) -> None:
+    def __init__(self, tier: LMDBTier, interval: float, inode: int) -> None:
         self.tier = tier
         self.data = tier.path / "data.mdb"
-        self._inode = self.data.stat().st_ino
+        self._inode = inode
         self.watch = DirectoryWatch([tier.path / REQUEST_NAME, self.data], interval,
                                     self._changed, name=f"lmdb tier {tier.name}")
         self.requests = self.wipes = 0
