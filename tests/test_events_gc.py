@@ -192,3 +192,67 @@ async def test_gc_and_wipe_by_another_process_reach_the_router(tmp_path: Path,
             assert router.seqs == list(range(router.seqs[0], router.seqs[0] + len(router.seqs)))
     finally:
         serve.stop()
+
+
+def test_gc_trims_an_lmdb_directory_nobody_has_open(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+    from kvtier.tiers.lmdb import LMDBTier
+
+    async def fill() -> list[bytes]:
+        tier = LMDBTier(tmp_path / "db", watch=0)
+        await tier.open()
+        await tier.put_many([(key(i), BLOCK) for i in range(6)])
+        await tier.get(key(0))  # the most recently used: kept
+        await tier.aclose()
+        tier = LMDBTier(tmp_path / "db", watch=0)
+        await tier.open()
+        try:
+            return tier.resident_keys() or []
+        finally:
+            await tier.aclose()
+
+    assert len(asyncio.run(fill())) == 6
+    assert main(["gc", f"lmdb://{tmp_path}/db", "--capacity", str(2 * FRAME)]) == 0
+    assert "deleted 4 blocks" in capsys.readouterr().out
+
+    async def left() -> set[bytes]:
+        tier = LMDBTier(tmp_path / "db", watch=0)
+        await tier.open()
+        try:
+            return set(tier.resident_keys() or [])
+        finally:
+            await tier.aclose()
+
+    held = asyncio.run(left())
+    assert len(held) == 2 and key(0) in held
+
+
+def test_gc_of_an_lmdb_path_without_an_environment_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    assert main(["gc", f"lmdb://{tmp_path}/nope", "--capacity", "1GiB"]) == 2
+    assert "no LMDB environment" in capsys.readouterr().out
+    assert not (tmp_path / "nope").exists()
+
+
+def test_gc_gives_up_on_an_owner_that_does_not_answer(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+    from kvtier.tiers.lmdb import LMDBTier
+    from kvtier.tiers.lmdb_gc import REQUEST_NAME
+
+    async def run() -> int:
+        owner = LMDBTier(tmp_path / "db", watch=0)  # no watch: nobody reads requests
+        await owner.open()
+        try:
+            await owner.put(key(1), BLOCK)
+            return await asyncio.to_thread(main, ["gc", f"lmdb://{tmp_path}/db",
+                                                  "--capacity", "0", "--wait", "0.3"])
+        finally:
+            await owner.aclose()
+
+    assert asyncio.run(run()) == 1
+    assert "did not answer" in capsys.readouterr().out
+    assert not (tmp_path / "db" / REQUEST_NAME).exists()  # withdrawn
