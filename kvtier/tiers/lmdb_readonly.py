@@ -31,6 +31,7 @@ from kvtier.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.tiers.base import Block, Tier
 from kvtier.tiers.lmdb import LMDBTier
 from kvtier.tiers.lmdb_env import BlockEnv
+from kvtier.urls import parse_tier_url
 
 __all__ = ["ReadOnlyLMDBTier", "owned"]
 
@@ -82,8 +83,9 @@ class ReadOnlyLMDBTier(Tier):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
-        """``lmdb:///DIR`` (other options are the writer's and do not change reading)."""
-        name = options.get("name")
+        """``lmdb:///DIR?name=LABEL`` (the other options are the writer's and do not change
+        reading)."""
+        name = options.get("name", parse_tier_url(url).params.get("name"))
         return cls(LMDBTier.path_of_url(url), name=str(name) if name is not None else None)
 
     async def open(self) -> None:
