@@ -400,10 +400,10 @@ class FsspecTier(BudgetedTier):
             return
         paths = [self.path_of(key) for key in keys]
         present = await asyncio.to_thread(lambda: [os.path.exists(p) for p in paths])
-        self._forget([k for k, there in zip(keys, present, strict=True) if not there],
-                     "deleted by another process (kvtier gc, another node's fleet gc, or "
-                     "a wipe of the directory)")
-        if not len(self._policy) and not self._eviction_state.leaving_count:
+        gone = [k for k, there in zip(keys, present, strict=True) if not there]
+        self._forget(gone, "deleted by another process (kvtier gc, another node's fleet gc, "
+                           "or a wipe of the directory)")
+        if gone and not len(self._policy) and not self._eviction_state.leaving_count:
             self._report_cleared()
 
     @property
