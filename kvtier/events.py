@@ -71,14 +71,20 @@ _SCHEME_MEDIUM = {
     "s3": MEDIUM_SHARED,
     "gs": MEDIUM_SHARED,
     "memory": MEDIUM_CPU,
+    # The host daemon's shared-memory DRAM (``kvtier serve --shm``): host memory on this
+    # host, a hit one memcpy away, as vLLM's own CPU tier (one /dev/shm mapping shared by
+    # an instance's workers) that vLLM reports as CPU/LOCAL. Not a storage medium, and not
+    # reachable from other hosts' engines (those read it as a ``peers://`` pool member).
+    "local": MEDIUM_CPU,
 }
 
 
 def medium_of(tier: object) -> str:
     """The event ``medium`` of a tier: its ``medium`` attribute if it has one (a ``file://``
-    tier on a WEKA/VAST mount says ``shared_storage``), else by its ``scheme`` (``dram`` ->
-    ``cpu``, ``lmdb``/``file`` -> ``disk``, ``peers``/``redis``/``s3``/... ->
-    ``shared_storage``); an unknown scheme counts as ``disk``."""
+    tier on a WEKA/VAST mount says ``shared_storage``), else by its ``scheme`` (``dram`` and
+    ``local`` (the host daemon's shared memory) -> ``cpu``, ``lmdb``/``file`` -> ``disk``,
+    ``peers``/``redis``/``s3``/... -> ``shared_storage``); an unknown scheme counts as
+    ``disk``."""
     medium = getattr(tier, "medium", None)
     if isinstance(medium, str) and medium:
         return medium

@@ -18,6 +18,10 @@ With ``replay_endpoint`` a ROUTER socket answers a subscriber's request for miss
 (frames ``[b"", start_seq u64 BE]``) with ``[b"", seq, payload]`` per kept batch from
 ``start_seq`` on, then ``[b"", -1 as i64 BE, b""]``, as vLLM's publisher does.
 
+Every ``BlockStored`` / ``BlockRemoved`` also carries ``tier``, the kvtier tier's name (a
+field vLLM's decoder ignores): a medium names a kind of device, and two tiers of one kind
+(``lmdb://`` and ``file://`` are both ``STORAGE``) are told apart by ``(medium, tier)``.
+
 kvtier keys are digests, so ``block_hashes`` are the 16-byte keys (vLLM's
 ``ExternalBlockHash`` is ``bytes | int``) and ``token_ids`` is empty unless the producer knew
 the tokens.
@@ -101,19 +105,29 @@ class VllmBlockStored(_KVCacheEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # kvtier's addition (vLLM's decoder ignores it): the tier's name, so that two tiers of
+    # one medium (lmdb:// and file://, both STORAGE) stay apart in an index keyed by it.
+    tier: str | None = None
 
 
 class VllmBlockRemoved(_KVCacheEvent, tag="BlockRemoved"):
-    """vLLM's ``BlockRemoved``."""
+    """vLLM's ``BlockRemoved`` (plus kvtier's ``tier``)."""
 
     block_hashes: list[bytes | int]
     medium: str | None
     locality: str | None = None
     group_idx: int | None = None
+    tier: str | None = None
 
 
 class VllmAllBlocksCleared(_KVCacheEvent, tag="AllBlocksCleared"):
-    """vLLM's ``AllBlocksCleared``."""
+    """vLLM's ``AllBlocksCleared`` (no fields). kvtier adds ``tier``, ``medium`` and
+    ``locality`` when one tier was emptied (a wiped or gc-ed directory, a closing tier); a
+    decoder that reads none of them clears every block of the node."""
+
+    tier: str | None = None
+    medium: str | None = None
+    locality: str | None = None
 
 
 class VllmKVEventBatch(_EventBatch):
@@ -131,12 +145,19 @@ def to_vllm(event: KVEvent, medium: MediumMap = kvtier_medium
         return VllmBlockStored(block_hashes=list(event.keys), parent_block_hash=event.parent,
                                token_ids=list(event.token_ids),
                                block_size=event.block_tokens or 0, lora_id=None,
-                               medium=name, lora_name=None, locality=locality)
+                               medium=name, lora_name=None, locality=locality,
+                               tier=event.tier)
     if isinstance(event, BlockRemoved):
         name, locality = medium(event.medium)
-        return VllmBlockRemoved(block_hashes=list(event.keys), medium=name, locality=locality)
+        return VllmBlockRemoved(block_hashes=list(event.keys), medium=name, locality=locality,
+                                tier=event.tier)
     if isinstance(event, AllBlocksCleared):
-        return VllmAllBlocksCleared()
+        if event.tier is None:
+            return VllmAllBlocksCleared()
+        if event.medium is None:
+            return VllmAllBlocksCleared(tier=event.tier)
+        name, locality = medium(event.medium)
+        return VllmAllBlocksCleared(tier=event.tier, medium=name, locality=locality)
     raise TypeError(f"event: expected a kvtier KV event, got {type(event).__name__}")
 
 

@@ -114,6 +114,7 @@ class TierChain:
         self.warnings = WarningSummary(log)
         for index, tier in enumerate(tiers):
             tier.on_drop = self._dropper(index, str(getattr(tier, "policy_name", "") or ""))
+            tier.on_clear = self._clearer(index)
             tier.on_miss = self._misser(index)
 
     # ------------------------------------------------------------------ events
@@ -170,6 +171,11 @@ class TierChain:
             self.misses.note_many(index, keys, MissReason.EVICTED, policy)
             self.removed(index, keys)
         return dropped
+
+    def _clearer(self, index: int) -> Callable[[], None]:
+        def cleared() -> None:
+            self.events.cleared(tier=self.tiers[index].name, medium=self.mediums[index])
+        return cleared
 
     def _misser(self, index: int) -> Callable[[Sequence[bytes], MissReason, str], None]:
         def missed(keys: Sequence[bytes], reason: MissReason, detail: str) -> None:

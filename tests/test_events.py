@@ -110,6 +110,9 @@ def test_medium_follows_the_tier() -> None:
                 self.medium = medium
 
     assert medium_of(Tier("dram")) == "cpu"
+    # The host daemon's shared-memory DRAM: host memory on this host, as vLLM's own CPU
+    # tier (a /dev/shm mapping), not storage.
+    assert medium_of(Tier("local")) == "cpu"
     assert medium_of(Tier("lmdb")) == "disk" and medium_of(Tier("file")) == "disk"
     assert medium_of(Tier("peers")) == "shared_storage"
     assert medium_of(Tier("redis")) == "shared_storage"

@@ -11,7 +11,10 @@ lower-cased ``medium``; ``BlockRemoved`` evicts one entry; ``AllBlocksCleared`` 
 pod) with the three behaviours llm-d users hit as switches: replay off, so a sequence that
 goes back to 0 is not noticed (llm-d/llm-d-router#2853); ``AllBlocksCleared`` ignored
 (llm-d/llm-d-kv-cache#593); token-less ``BlockStored`` kept only for hashes already known
-(llm-d/llm-d-router#878).
+(llm-d/llm-d-router#878). With ``per_tier`` the index files entries under ``(medium,
+tier)``, ``tier`` being the field kvtier adds to vLLM's events: two tiers of one medium
+(``lmdb://`` and ``file://``, both ``STORAGE``) then stay apart, which a medium alone cannot
+do.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kvtier.events_zmq import (
 )
 from kvtier.store import TieredStore
 from kvtier.tiers.dram import DRAMTier
+from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.lmdb import LMDBTier
 
 BLOCK = np.arange(2048, dtype=np.uint16)  # 4 KiB
@@ -43,7 +47,7 @@ LMDB_BLOCKS = 20
 NODE = "pod-a"
 DECODER = msgspec.msgpack.Decoder(type=VllmKVEventBatch)
 #: kvtier tier name -> the device tier llm-d's index files it under (vLLM's medium names).
-DEVICE_TIER = {"dram": "cpu", "lmdb": "storage"}
+DEVICE_TIER = {"dram": "cpu", "lmdb": "storage", "file": "storage"}
 
 
 def chain(start: int, count: int) -> list[bytes]:
@@ -88,6 +92,7 @@ class LlmdIndex:
     replay: bool = False  # False: a sequence reset goes unnoticed (#2853)
     honours_clear: bool = True  # False: AllBlocksCleared is only logged (#593)
     token_less: str = "index"  # "known": a token-less store counts only known hashes (#878)
+    per_tier: bool = False  # entries under (medium, kvtier's tier field), not medium alone
     entries: dict[int, set[tuple[str, str]]] = field(default_factory=dict)
     known: set[int] = field(default_factory=set)
     last_seq: int = -1
@@ -105,22 +110,28 @@ class LlmdIndex:
         self.last_seq = seq
         for event in DECODER.decode(payload).events:
             if isinstance(event, VllmBlockStored):
-                tier = (event.medium or "gpu").lower()
+                tier = self.device_tier(event.medium, event.tier)
                 for key in map(self.engine_key, event.block_hashes):
                     if event.token_ids or self.token_less == "index" or key in self.known:
                         self.entries.setdefault(key, set()).add((pod, tier))
                         if event.token_ids:
                             self.known.add(key)
             elif isinstance(event, VllmBlockRemoved):
-                tier = (event.medium or "gpu").lower()
+                tier = self.device_tier(event.medium, event.tier)
                 for key in map(self.engine_key, event.block_hashes):
                     self.entries.get(key, set()).discard((pod, tier))
             elif isinstance(event, VllmAllBlocksCleared) and self.honours_clear:
-                self._clear(pod)
+                scoped = self.per_tier and event.tier is not None
+                self._clear(pod, self.device_tier(event.medium, event.tier) if scoped else None)
 
-    def _clear(self, pod: str) -> None:
+    def device_tier(self, medium: str | None, tier: str | None) -> str:
+        name = (medium or "gpu").lower()
+        return f"{name}/{tier}" if self.per_tier and tier else name
+
+    def _clear(self, pod: str, tier: str | None = None) -> None:
         for pods in self.entries.values():
-            pods.difference_update({e for e in pods if e[0] == pod})
+            pods.difference_update({e for e in pods
+                                    if e[0] == pod and tier in (None, e[1])})
 
     def view(self, pod: str) -> dict[str, set[int]]:
         out: dict[str, set[int]] = {}
@@ -165,8 +176,12 @@ def truth(store: TieredStore) -> dict[str, set[bytes]]:
     return {name: keys for name, keys in held.items() if keys}
 
 
-def as_llmd(view: dict[str, set[bytes]]) -> dict[str, set[int]]:
-    return {DEVICE_TIER[t]: {LlmdIndex.engine_key(k) for k in keys} for t, keys in view.items()}
+def as_llmd(view: dict[str, set[bytes]], per_tier: bool = False) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for t, keys in view.items():
+        device = f"{DEVICE_TIER[t]}/{t}" if per_tier else DEVICE_TIER[t]
+        out.setdefault(device, set()).update(LlmdIndex.engine_key(k) for k in keys)
+    return out
 
 
 async def open_two_tier(path: Path) -> TieredStore:
@@ -183,10 +198,10 @@ def check(router: Router, store: TieredStore | None, exact: list[LlmdIndex],
     real = truth(store) if store is not None else {}
     assert router.kvtier.view() == real
     for index in exact:
-        assert index.view(NODE) == as_llmd(real), index
+        assert index.view(NODE) == as_llmd(real, index.per_tier), index
     for index in subset:
         for tier, keys in index.view(NODE).items():
-            assert keys <= as_llmd(real).get(tier, set()), index
+            assert keys <= as_llmd(real, index.per_tier).get(tier, set()), index
 
 
 async def test_a_batch_bigger_than_dram_reports_stored_before_removed(tmp_path: Path) -> None:
@@ -271,3 +286,30 @@ async def test_replayed_events_match_the_tiers_through_restarts(tmp_path: Path,
     await store.aclose()
     router.feed(sub)
     check(router, None, exact, [known_only])
+
+
+async def test_two_tiers_of_one_medium_stay_apart_by_their_tier_field(tmp_path: Path) -> None:
+    """LMDB and a file tier are both STORAGE: an index keyed by medium alone loses the
+    file tier's copy when a block is demoted out of LMDB (stored in file, then removed from
+    lmdb, both "storage"); keyed by ``(medium, tier)`` it matches the tiers."""
+    disk = LMDBTier(tmp_path / "db", capacity=6 * N + N // 2, name="lmdb", watch=0)
+    await disk.open()
+    files = FsspecTier(f"file://{tmp_path}/files", name="file", use_log=False, watch=0)
+    store = TieredStore([DRAMTier(2 * N, name="dram"), disk, files], node=NODE,
+                        block_tokens=16)
+    by_tier, by_medium = LlmdIndex(per_tier=True), LlmdIndex()
+    router = Router([by_tier, by_medium])
+    async with store:
+        sub = router.attach(store)
+        for start in (0, 8, 16):
+            await store.put_many([(k, BLOCK) for k in chain(start, 8)])
+            router.feed(sub)
+            check(router, store, [by_tier], [by_medium])
+        assert truth(store)["file"]
+        held = as_llmd(truth(store))["storage"]
+        assert by_medium.view(NODE)["storage"] < held  # the limit a medium alone has
+        await store.delete(chain(20, 1)[0])
+        router.feed(sub)
+        check(router, store, [by_tier], [by_medium])
+    router.feed(sub)
+    check(router, None, [by_tier, by_medium], [])

@@ -164,7 +164,8 @@ async def test_replay_socket_resends_missed_batches() -> None:
 
 
 @pytest.mark.parametrize(("scheme", "kv_medium"), [
-    ("hbm", "gpu"), ("dram", "cpu"), ("lmdb", "disk"), ("peers", "shared_storage")])
+    ("hbm", "gpu"), ("dram", "cpu"), ("local", "cpu"), ("lmdb", "disk"),
+    ("peers", "shared_storage")])
 async def test_vllm_names_agree_with_the_vllm_connector(scheme: str, kv_medium: str) -> None:
     """vllm_medium_names=True spells each medium as the vLLM connector's events do (vLLM
     0.32's offloading connectors: CPU / STORAGE plus a LOCAL / REMOTE locality)."""

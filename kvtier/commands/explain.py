@@ -98,25 +98,20 @@ def read_tokens(path: str) -> list[int]:
 
 async def _open(args: argparse.Namespace) -> TieredStore | int:
     """The store over the URLs, or the exit status: 2 for a URL that does not parse, 1 for
-    tiers that cannot open. Nothing is written: ``file://`` tiers skip their write probe,
-    and closing copies nothing down (``close_flush=False``)."""
+    tiers that cannot open. Nothing is written (:func:`_reader`), and closing copies
+    nothing down (``close_flush=False``)."""
     from kvtier.open import open_store
-    from kvtier.tiers.fsspec import FsspecTier
-    from kvtier.tiers.fsspec_readonly import ProbeMode
-    from kvtier.tiers.registry import tier_from_url
 
     tiers: list[Tier] = []
     try:
         for url in args.urls:
-            tiers.append(tier_from_url(url))
+            tiers.append(_reader(url))
     except (KVTierError, ValueError, TypeError) as exc:
         await _close(tiers)
         print(f"kvtier explain: {exc}")
         return 2
     try:
-        for tier in tiers:
-            if isinstance(tier, FsspecTier):
-                tier.probe = ProbeMode.OFF  # explaining writes nothing, so it needs no write probe
+        for tier in tiers:  # open_store opens only the tiers it builds itself
             opener = getattr(tier, "open", None)
             if opener is not None:
                 await opener()
@@ -125,6 +120,26 @@ async def _open(args: argparse.Namespace) -> TieredStore | int:
         await _close(tiers)
         print(f"kvtier explain: cannot open {mask_secrets(' '.join(args.urls))}: {exc}")
         return 1
+
+
+def _reader(url: str) -> Tier:
+    """The tier of ``url``, made to write nothing: ``lmdb://`` is opened read-only
+    (:class:`~kvtier.tiers.lmdb_readonly.ReadOnlyLMDBTier`: no directory created, no lock
+    taken, and it reads beside the process that owns the directory); a ``file://`` tier
+    skips its write probe and has no fleet member (no use log, no background gc, no
+    watch)."""
+    from kvtier.tiers.fsspec import FsspecTier
+    from kvtier.tiers.fsspec_readonly import ProbeMode
+    from kvtier.tiers.lmdb_readonly import ReadOnlyLMDBTier
+    from kvtier.tiers.registry import tier_from_url
+
+    if url.split("://", 1)[0].lower() == "lmdb":
+        return ReadOnlyLMDBTier.from_url(url)
+    tier = tier_from_url(url)
+    if isinstance(tier, FsspecTier):
+        tier.probe = ProbeMode.OFF
+        tier.fleet = None  # built, never started: its use log and gc write the directory
+    return tier
 
 
 async def _close(tiers: list[Tier]) -> None:

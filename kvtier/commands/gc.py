@@ -16,6 +16,12 @@ The gc holds the directory's lease (:mod:`kvtier.tiers.fleet_lease`) while it ru
 gcs never trim one directory at once; a gc that finds the lease held says by whom and exits
 0. Object stores (``s3://``...) have no use logs and no lease: blocks are ranked by their
 last modification, and one operator runs the gc.
+
+A ``file://`` pass that deleted blocks writes the directory's epoch marker, so running
+tiers (``kvtier serve``) recheck what they hold and report what went in their KV events.
+``lmdb:///DIR`` is one process's directory: the gc trims it itself when nobody has it open,
+and otherwise asks the owner to trim itself and waits ``--wait`` seconds for its answer
+(:mod:`kvtier.tiers.lmdb_gc`).
 """
 
 from __future__ import annotations
@@ -37,14 +43,16 @@ NAME = "gc"
 HELP = ("trim a shared file:// / s3:// tier directory to --capacity by least recent use "
         "(reads logged by the nodes, else modification time); file://: one gc per directory "
         "at a time (a lease), which nodes also run themselves with "
-        "file://DIR?fleet_capacity=SIZE&gc_interval=SECONDS")
+        "file://DIR?fleet_capacity=SIZE&gc_interval=SECONDS; lmdb://DIR: trimmed by its "
+        "owner (kvtier serve) when one has it open")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvtier gc``."""
     parser.add_argument("url", metavar="URL",
                         help="tier URL (file:///mnt/weka/kvtier, s3://bucket/prefix?"
-                             "endpoint_url=...); kvtier options in it are ignored")
+                             "endpoint_url=..., lmdb:///nvme/kvtier); kvtier options in it "
+                             "are ignored")
     parser.add_argument("--capacity", required=True,
                         help="byte budget for the whole directory, e.g. 10TiB")
     parser.add_argument("--dry-run", action="store_true",
@@ -57,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--use-atime", action="store_true",
                         help="also count access times as use (only meaningful on strictatime "
                              "mounts; reads by kvtier are logged instead)")
+    parser.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                        help="lmdb://: how long to wait for the process that has the "
+                             "directory open to trim itself (default 60)")
     parser.add_argument("--lease-ttl", type=float, default=300.0, metavar="SECONDS",
                         help="file://: take over a gc lease not refreshed for this long "
                              "(its holder died; default 300)")
@@ -161,6 +172,59 @@ def _collect_local(root: str, capacity: int, args: argparse.Namespace) -> GcResu
         lease.release()
 
 
+def _gc_lmdb(args: argparse.Namespace, capacity: int) -> int:
+    """Trim an LMDB directory: here when nobody has it open, else by its owner.
+
+    Raises
+    ------
+    ConfigError
+        When the URL names no LMDB environment, or with ``--dry-run``.
+    """
+    import asyncio
+
+    from kvtier.errors import DirectoryLockedError
+    from kvtier.tiers.lmdb import LMDBTier
+    from kvtier.tiers.lmdb_gc import wait_answer, withdraw, write_request
+
+    url = mask_secrets(args.url)
+    if args.dry_run:
+        raise ConfigError("--dry-run: not for lmdb:// (its blocks are evicted by their own "
+                          "recency; kvtier stats shows what it holds)")
+    if not args.wait > 0:
+        raise ConfigError(f"--wait: expected > 0 seconds, got {args.wait}")
+    path = LMDBTier.path_of_url(args.url)
+    if not (path / "data.mdb").is_file():
+        raise ConfigError(f"URL: {url!r}: no LMDB environment in {str(path)!r} (a typo? "
+                          "give the directory the tier writes to)")
+    try:
+        tier = LMDBTier.from_url(args.url, watch=0)
+    except DirectoryLockedError:
+        request = write_request(path, capacity, f"kvtier-gc@{socket.gethostname()}:"
+                                                f"{os.getpid()}")
+        reply = wait_answer(path, request, args.wait)
+        if reply is None:
+            withdraw(path, request)
+            print(f"kvtier gc {url}: the process that has it open did not answer within "
+                  f"{args.wait:g} s (its tier needs watch= > 0, the default)")
+            return 1
+        print(f"kvtier gc {url}: trimmed by the process that has it open: deleted "
+              f"{reply.get('deleted')} blocks ({reply.get('freed')} bytes); capacity "
+              f"{capacity}; {reply.get('remaining')} bytes remain")
+        return 0
+
+    async def trim() -> tuple[int, int, int]:
+        try:
+            deleted, freed = await tier.trim(capacity)
+            return deleted, freed, tier.used
+        finally:
+            await tier.aclose()
+
+    deleted, freed, remaining = asyncio.run(trim())
+    print(f"kvtier gc {url}: deleted {deleted} blocks ({freed} bytes); capacity {capacity}; "
+          f"{remaining} bytes remain")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Scan, plan, delete (unless ``--dry-run``) and report."""
     try:
@@ -169,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--lease-ttl: expected > 0 seconds, got {args.lease_ttl}")
         if not args.use_horizon > 0:
             raise ConfigError(f"--use-horizon: expected > 0 seconds, got {args.use_horizon}")
+        if args.url.lower().startswith("lmdb:"):
+            return _gc_lmdb(args, capacity)
         fs, root, local = _open(args.url)
         _check_listable(fs, root, local, args.url)
     except ConfigError as exc:

@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repair-rate", default="64MiB", metavar="SIZE",
                         help="anti-entropy push budget per second, so a refill cannot starve "
                              "clients (default 64MiB; 0: unpaced)")
+    parser.add_argument("--events", metavar="ENDPOINT",
+                        help="publish the segment's KV events on this ZMQ PUB address in "
+                             "vLLM's wire format with vLLM's medium names (tcp://*:5557; "
+                             "port 0 picks one and prints it; docs/events.md; needs "
+                             "kvtier[events])")
+    parser.add_argument("--events-model", default="", metavar="NAME",
+                        help="model name in the events' topic kv@<node>@<model>")
     parser.add_argument("--versions", metavar="FILE",
                         help="log of the blocks' stamps and tombstones, kept across restarts "
                              "(default: DIR.versions beside the first lmdb:// or file:// "
@@ -238,6 +245,7 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     except BaseException:
         await store.aclose()
         raise
+    events = await _start_events(args, server) if args.events else None
     local = None
     if args.shm is not None:
         local = await _start_local(args, server)
@@ -263,8 +271,31 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
         await close_pool()
     # In-flight requests finish, then the store flushes its write-back queues and closes.
     await server.stop()
+    if events is not None:  # after the store's close: its last events go out
+        await events.aclose()
     print(f"kvtier serve on {bound_host}:{bound_port} stopped", flush=True)
     return 0
+
+
+async def _start_events(args: argparse.Namespace, server: Any) -> Any:
+    """The ``--events`` publisher of the segment store's KV events (kvtier.events_zmq)."""
+    from kvtier.errors import ConfigError
+
+    try:
+        from kvtier.events_zmq import ZmqEventPublisher
+    except ImportError as exc:
+        await server.stop()
+        raise ConfigError(f"--events: needs pyzmq and msgspec (pip install 'kvtier[events]'): "
+                          f"{exc}") from None
+    try:
+        publisher = ZmqEventPublisher(server.segment.event_hub, args.events,
+                                      model=args.events_model, vllm_medium_names=True)
+        await publisher.start()
+    except Exception as exc:  # a bad or busy address (zmq.ZMQError), a malformed endpoint
+        await server.stop()
+        raise ConfigError(f"--events: cannot publish on {args.events}: {exc}") from None
+    print(f"kvtier serve events on {publisher.endpoint}", flush=True)
+    return publisher
 
 
 async def _start_local(args: argparse.Namespace, server: Any) -> Any:

@@ -54,7 +54,8 @@ COUNTER_FIELDS = frozenset({
     "use_log_errors", "vanished", "copies_made", "hedge_wins", "hedged_reads",
     "hints_handed_over", "owners_verified", "puts_under_replicated", "read_repairs",
     "read_repairs_dropped", "walk_hits", "refused_writes", "refused_deletes",
-    "remote_hits", "local_copies", "local_copies_dropped", "hinted_deletes_handed_over"})
+    "remote_hits", "local_copies", "local_copies_dropped", "hinted_deletes_handed_over",
+    "watch_changes", "watch_errors", "wipes"})
 _GAUGE_SUFFIXES = ("_us", "_depth", "_s", "_seconds", "_in_flight")
 _COUNTER_SUFFIXES = ("_requests",)  # a peer tier's per-operation request counts
 

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BATCH_CONCURRENCY",
-    "BatchTier", "Block", "DropCallback", "EvictionCallback", "MissCallback", "Tier",
+    "BatchTier", "Block", "ClearCallback", "DropCallback", "EvictionCallback", "MissCallback",
+    "Tier",
     "check_output_buffer", "check_output_spec", "copy_into", "run_to_end",
 ]
 
@@ -35,6 +36,9 @@ Block = npt.NDArray[np.generic]
 EvictionCallback = Callable[[bytes, Block], Awaitable[None]]
 #: ``on_drop(keys)``: keys a tier dropped on its own (budget eviction), once unreadable.
 DropCallback = Callable[[Sequence[bytes]], None]
+#: ``on_clear()``: the tier holds nothing any more (its directory was wiped or gc-ed away by
+#: another process), after ``on_drop`` named what it held.
+ClearCallback = Callable[[], None]
 #: ``on_miss(keys, reason, detail)``: a read found ``keys`` unusable (``corrupt``, dropped) or
 #: could not ask where they live (``unavailable``), so the store can say why they missed.
 MissCallback = Callable[[Sequence[bytes], MissReason, str], None]
@@ -171,6 +175,7 @@ class Tier(abc.ABC):
         self.name = name or self.scheme
         self.on_evict: EvictionCallback | None = None
         self.on_drop: DropCallback | None = None
+        self.on_clear: ClearCallback | None = None
         self.on_miss: MissCallback | None = None
         self.evictions = 0
         self.eviction_errors = 0
@@ -408,6 +413,12 @@ class Tier(abc.ABC):
         """Tell ``on_drop`` that ``keys`` left the tier on its own (not by a delete)."""
         if self.on_drop is not None:
             self.on_drop(keys)
+
+    def _report_cleared(self) -> None:
+        """Tell ``on_clear`` that the tier was emptied behind its back (a wipe, a gc of
+        another process); call it after :meth:`_report_dropped` named the keys."""
+        if self.on_clear is not None:
+            self.on_clear()
 
     def _report_miss(self, keys: Sequence[bytes], reason: MissReason, detail: str) -> None:
         """Tell ``on_miss`` why reads of ``keys`` here miss although they were stored

@@ -4,19 +4,25 @@
 mounted directory: the use log of its reads (:mod:`kvtier.tiers.fleet_uses`, ``use_log=``)
 and, with ``fleet_capacity=``, the background gc of the whole directory
 (:mod:`kvtier.tiers.fleet_gc`, one node at a time under the lease of
-:mod:`kvtier.tiers.fleet_lease`). The tier calls it at four points: a hit
-(:meth:`FleetMember.note_read`), its ``open`` (:meth:`FleetMember.start`), ``stats`` and
-``aclose``.
+:mod:`kvtier.tiers.fleet_lease`), and the watch on the directory (``watch=SECONDS``,
+:class:`~kvtier.events_watch.DirectoryWatch`): when a gc of another process (``kvtier gc``,
+another node's fleet gc: both write the epoch marker) or a wipe changed the directory, the
+tier rechecks the blocks it holds and reports the ones gone (KV events). The tier calls it
+at four points: a hit (:meth:`FleetMember.note_read`), its ``open``
+(:meth:`FleetMember.start`), ``stats`` and ``aclose``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.events_watch import DEFAULT_WATCH_INTERVAL, EPOCH_NAME, DirectoryWatch
 from kvtier.tiers.fleet_gc import FleetCollector
+from kvtier.tiers.fleet_lease import LEASE_DIR
 from kvtier.tiers.fleet_uses import UseRecorder, writer_name
 from kvtier.urls import parse_bool, parse_number, parse_size
 
@@ -24,15 +30,16 @@ __all__ = ["FLEET_OPTIONS", "LEASE_TTL", "FleetMember", "check_fleet_options",
            "fleet_options"]
 
 #: URL options of a ``file://`` tier handled here.
-FLEET_OPTIONS = frozenset({"use_log", "fleet_capacity", "gc_interval"})
+FLEET_OPTIONS = frozenset({"use_log", "fleet_capacity", "gc_interval", "watch"})
 #: Seconds after which the background gc's lease, not refreshed, is taken over (a pass
 #: refreshes it every ttl / 20 seconds; well above any NFS attribute cache time).
 LEASE_TTL = 300.0
 
 
 def fleet_options(params: Mapping[str, Any]) -> dict[str, Any]:
-    """``use_log``, ``fleet_capacity`` and ``gc_interval`` parsed from URL options (those
-    present only), as keyword arguments of the tier."""
+    """``use_log``, ``fleet_capacity``, ``gc_interval`` and ``watch`` (seconds between looks
+    at the directory, 0: off) parsed from URL options (those present only), as keyword
+    arguments of the tier."""
     out: dict[str, Any] = {}
     if "use_log" in params:
         out["use_log"] = parse_bool(params["use_log"], "use_log")
@@ -40,6 +47,8 @@ def fleet_options(params: Mapping[str, Any]) -> dict[str, Any]:
         out["fleet_capacity"] = parse_size(params["fleet_capacity"], "fleet_capacity")
     if "gc_interval" in params:
         out["gc_interval"] = parse_number(params["gc_interval"], "gc_interval", float, 0.001)
+    if "watch" in params:
+        out["watch"] = parse_number(params["watch"], "watch", float, 0.0)
     return out
 
 
@@ -77,10 +86,20 @@ class FleetMember:
         Seconds between the background gc's passes.
     forget
         Called with the keys a gc pass of this node deleted (the tier fixes its accounting).
+    watch
+        Seconds between looks at the directory's epoch marker and entries (0: no watch).
+    recheck
+        Awaited after the directory changed (the tier forgets what is gone).
     """
 
     def __init__(self, root: str, *, use_log: bool, fleet_capacity: int | None,
-                 gc_interval: float, forget: Callable[[list[bytes]], None]) -> None:
+                 gc_interval: float, forget: Callable[[list[bytes]], None],
+                 watch: float = DEFAULT_WATCH_INTERVAL,
+                 recheck: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.watch: DirectoryWatch | None = None
+        if watch > 0 and recheck is not None:
+            self.watch = DirectoryWatch([root, os.path.join(root, LEASE_DIR, EPOCH_NAME)],
+                                        watch, recheck, name=f"file tier {root}")
         self.uses = UseRecorder(root) if use_log else None
         self.collector: FleetCollector | None = None
         if fleet_capacity is not None:
@@ -97,12 +116,17 @@ class FleetMember:
             self.uses.note(path.rpartition("/")[2].removesuffix(".kvb"))
 
     def start(self) -> None:
-        """Start the background gc, if any (on the loop; idempotent)."""
+        """Start the background gc and the watch, if any (on the loop; idempotent)."""
         if self.collector is not None:
             self.collector.start()
+        if self.watch is not None:
+            self.watch.start()
 
     async def aclose(self) -> None:
-        """Stop the gc (waiting for a pass in progress) and write the pending use log."""
+        """Stop the watch and the gc (waiting for a pass in progress) and write the pending
+        use log."""
+        if self.watch is not None:
+            await self.watch.aclose()
         if self.collector is not None:
             await self.collector.aclose()
         if self.uses is not None:
@@ -110,8 +134,10 @@ class FleetMember:
 
     def stats(self) -> dict[str, Any]:
         """The use log's and the background gc's figures."""
+        watch = {"watch_changes": self.watch.changes, "watch_errors": self.watch.errors} \
+            if self.watch is not None else {}
         return {**(self.uses.stats() if self.uses is not None else {"use_log": False}),
-                **(self.collector.stats() if self.collector is not None else {})}
+                **(self.collector.stats() if self.collector is not None else {}), **watch}
 
 
 def _keys_of(paths: list[str]) -> list[bytes]:

@@ -7,6 +7,10 @@ the latest of its modification time and the reads any node logged
 it and most mounts use ``relatime``/``noatime``). The least recently used blocks go first
 until the total fits, and writers' temp files older than ``tmp_age``.
 
+A pass that deleted blocks writes the directory's epoch marker (``ROOT/.kvtier-gc/epoch``,
+:func:`~kvtier.events_watch.bump_epoch`): the tiers serving the directory in other processes
+recheck what they hold and report what went (KV events).
+
 One gc per directory at a time: a pass holds :class:`~kvtier.tiers.fleet_lease.GcLease`,
 refreshes it as it scans and deletes (every ``ttl / 20`` seconds), and stops when it finds
 it lost. A block rewritten since the scan
@@ -27,6 +31,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.events_watch import bump_epoch
 from kvtier.tiers.base import run_to_end
 from kvtier.tiers.fleet_lease import LEASE_DIR, GcLease
 from kvtier.tiers.fleet_uses import USE_DIR, fold_segments, read_uses
@@ -172,6 +177,14 @@ def collect_local(root: str, capacity: int, lease: GcLease | None, *,
         result.deleted.append(entry.path)
         gone.add(os.path.basename(entry.path)[:-len(_SUFFIX)])
     result.remaining = result.total - result.freed
+    if result.deleted and not dry_run:
+        # The tiers serving this directory (other processes, other nodes) recheck what they
+        # hold and report the blocks gone (kvtier.events_watch).
+        try:
+            bump_epoch(os.path.join(root, LEASE_DIR), f"gc {lease.holder if lease else ''}")
+        except OSError as exc:
+            log.warning("gc of %s: cannot write the epoch marker (%s); serving tiers notice "
+                        "the deletions only when they read those blocks", root, exc)
     if not dry_run and going():
         kept = {os.path.basename(e.path)[:-len(_SUFFIX)] for e in entries if not e.temp}
         kept -= gone

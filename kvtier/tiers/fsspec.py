@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import importlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -47,6 +48,7 @@ from kvtier.codec import (
 )
 from kvtier.deadline import Deadline
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
+from kvtier.events_watch import DEFAULT_WATCH_INTERVAL
 from kvtier.misses import MissReason
 from kvtier.policy import Clock
 from kvtier.tiers.base import Block, run_to_end
@@ -159,6 +161,12 @@ class FsspecTier(BudgetedTier):
         (:mod:`kvtier.tiers.fleet_gc`).
     gc_interval
         Seconds between the background gc's passes (default 300).
+    watch
+        ``file://`` only: seconds between looks at the directory (its gc epoch marker and
+        its entries, :mod:`kvtier.events_watch`; default 2, 0: off). After ``kvtier gc`` or
+        another node's fleet gc deleted blocks, or the directory was wiped, the tier
+        forgets the blocks it counted that are gone and reports them (``BlockRemoved``;
+        ``AllBlocksCleared`` for the tier when none is left).
     policy
         Eviction policy of the budget: ``"lru"`` (default), ``"s3fifo"`` or ``"arc"``.
     clock
@@ -176,7 +184,8 @@ class FsspecTier(BudgetedTier):
                  nowait: bool | str = "auto", timeout: float = 30.0,
                  probe: bool | str | ProbeMode = ProbeMode.AUTO,
                  use_log: bool = True, fleet_capacity: int | None = None,
-                 gc_interval: float = 300.0, policy: str = "lru", clock: Clock = time.monotonic,
+                 gc_interval: float = 300.0, watch: float = DEFAULT_WATCH_INTERVAL,
+                 policy: str = "lru", clock: Clock = time.monotonic,
                  name: str | None = None) -> None:
         if not 0 <= fanout <= 4:
             raise ConfigError(f"fanout: expected 0..4, got {fanout}")
@@ -189,7 +198,7 @@ class FsspecTier(BudgetedTier):
         if nowait_mode and self.protocol not in ("file", "local"):
             raise ConfigError(f"nowait: only for file:// tiers, not {self.protocol}://")
         check_fleet_options(self.protocol, fleet_capacity, gc_interval)
-        self._fleet_settings = (use_log, fleet_capacity, gc_interval)
+        self._fleet_settings = (use_log, fleet_capacity, gc_interval, watch)
         self.fleet: FleetMember | None = None  # file:// only, made with the back end
         super().__init__(name=name or self.protocol)
         self.url = url
@@ -266,10 +275,11 @@ class FsspecTier(BudgetedTier):
                 raise ConfigError(f"url: unknown option(s) {unknown} for file:// (kvtier "
                                   f"options: {', '.join(sorted(_OWN_OPTIONS))})")
             self._decide_nowait(root)
-            use_log, fleet_capacity, gc_interval = self._fleet_settings
+            use_log, fleet_capacity, gc_interval, watch = self._fleet_settings
             self.fleet = FleetMember(
                 root, use_log=use_log, fleet_capacity=fleet_capacity, gc_interval=gc_interval,
-                forget=lambda keys: self._forget(keys, "deleted by this node's fleet gc"))
+                forget=lambda keys: self._forget(keys, "deleted by this node's fleet gc"),
+                watch=watch, recheck=self._recheck)
             return LocalBackend(fsync=self.fsync, nowait=self.nowait), root
         return SyncFsBackend(fs), root
 
@@ -380,6 +390,21 @@ class FsspecTier(BudgetedTier):
         if gone:
             self._report_dropped(gone)
             self._report_miss(gone, MissReason.EVICTED, why)
+
+    async def _recheck(self) -> None:
+        """The directory changed under this tier (its epoch marker moved: a gc of another
+        process; or its entries: a wipe): forget the held blocks whose files are gone
+        (``BlockRemoved``), and report the tier cleared when nothing is left."""
+        keys = list(self._policy.lru_order())
+        if not keys:
+            return
+        paths = [self.path_of(key) for key in keys]
+        present = await asyncio.to_thread(lambda: [os.path.exists(p) for p in paths])
+        gone = [k for k, there in zip(keys, present, strict=True) if not there]
+        self._forget(gone, "deleted by another process (kvtier gc, another node's fleet gc, "
+                           "or a wipe of the directory)")
+        if gone and not len(self._policy) and not self._eviction_state.leaving_count:
+            self._report_cleared()
 
     @property
     def root(self) -> str:

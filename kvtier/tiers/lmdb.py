@@ -44,6 +44,7 @@ from kvtier.errors import (
     TierError,
     TierFullError,
 )
+from kvtier.events_watch import DEFAULT_WATCH_INTERVAL
 from kvtier.misses import MissReason
 from kvtier.policy import Clock, RecencyPolicy
 from kvtier.tasks import TaskSet
@@ -56,8 +57,9 @@ from kvtier.tiers.lmdb_dir import (
     preallocate,
 )
 from kvtier.tiers.lmdb_env import BlockEnv, Durability, NotResident, PendingPut
+from kvtier.tiers.lmdb_gc import OwnerWatch
 from kvtier.tiers.residency import mincore_available
-from kvtier.urls import merge_options, parse_bool, parse_size, parse_tier_url
+from kvtier.urls import merge_options, parse_bool, parse_number, parse_size, parse_tier_url
 
 __all__ = ["DEFAULT_OVERHEAD_FIXED", "INLINE_READ_BYTES", "DirectoryLockedError", "LMDBTier",
            "default_overhead"]
@@ -121,6 +123,11 @@ class LMDBTier(BudgetedTier):
         Wall-clock time source for recency (persisted, so it must survive restarts).
     touch_flush
         Persist recency after this many hits without a write transaction.
+    watch
+        Seconds between looks at the directory once :meth:`open` ran (0: off): answers
+        ``kvtier gc`` run from another process (:mod:`kvtier.tiers.lmdb_gc`) and notices
+        ``data.mdb`` removed (a wiped directory); what the tier drops then is reported
+        (KV events: ``BlockRemoved``, and ``AllBlocksCleared`` when it emptied the tier).
     name
         Label in stats.
 
@@ -137,7 +144,8 @@ class LMDBTier(BudgetedTier):
                  compress_level: int | None = None, shuffle: bool = False,
                  sync: Durability = "0", writemap: bool = False, overhead: int | None = None,
                  policy: str = "lru", clock: Clock = time.time, touch_flush: int = 1024,
-                 inline_reads: bool = True, name: str | None = None) -> None:
+                 inline_reads: bool = True, watch: float = DEFAULT_WATCH_INTERVAL,
+                 name: str | None = None) -> None:
         super().__init__(name=name)
         if sync not in ("0", "meta", "1"):
             raise ConfigError(f"sync: expected '0', 'meta' or '1', got {sync!r}")
@@ -145,6 +153,11 @@ class LMDBTier(BudgetedTier):
             raise ConfigError(f"overhead: expected >= 0, got {overhead}")
         if touch_flush < 1:
             raise ValueError(f"touch_flush: expected >= 1, got {touch_flush}")
+        if not watch >= 0:
+            raise ConfigError(f"watch: expected >= 0 seconds, got {watch!r}")
+        self.watch = watch
+        self._owner_watch: OwnerWatch | None = None
+        self._data_inode = 0
         self._policy = make_policy(policy, capacity, clock)
         self.path = Path(path)
         try:
@@ -183,17 +196,13 @@ class LMDBTier(BudgetedTier):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
         """``lmdb:///DIR?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&sync=0|meta|1
-        &writemap=0&overhead=SIZE&inline_reads=1&name=LABEL``."""
+        &writemap=0&overhead=SIZE&inline_reads=1&watch=SECONDS&name=LABEL``."""
         parsed = parse_tier_url(url)
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"url: lmdb:// takes an absolute path (lmdb:///dir), got {url!r}")
-        path = unquote(parsed.path)
-        if path in ("", "/"):
-            raise ConfigError(f"url: lmdb:// needs a directory, e.g. lmdb:///nvme/kvtier, got "
-                              f"{url!r}")
+        path = cls.path_of_url(url)
         opts = merge_options(parsed, options, {"capacity", "compress", "shuffle", "sync",
                                                "writemap", "overhead", "name", "clock",
-                                               "touch_flush", "policy", "inline_reads"})
+                                               "touch_flush", "policy", "inline_reads",
+                                               "watch"})
         capacity = opts.get("capacity")
         overhead = opts.get("overhead")
         sync_text = str(opts.get("sync", "0")).strip().lower()
@@ -204,6 +213,8 @@ class LMDBTier(BudgetedTier):
             extra["clock"] = opts["clock"]
         if "touch_flush" in opts:
             extra["touch_flush"] = int(str(opts["touch_flush"]))
+        if "watch" in opts:
+            extra["watch"] = parse_number(opts["watch"], "watch", float, 0.0)
         return cls(
             path,
             capacity=None if capacity in (None, "") else parse_size(capacity),  # type: ignore[arg-type]
@@ -217,6 +228,24 @@ class LMDBTier(BudgetedTier):
             name=str(opts["name"]) if "name" in opts else None,
             **extra,
         )
+
+    @staticmethod
+    def path_of_url(url: str) -> Path:
+        """The directory an ``lmdb://`` URL names.
+
+        Raises
+        ------
+        ConfigError
+            When it names none (a host, no path, the root).
+        """
+        parsed = parse_tier_url(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"url: lmdb:// takes an absolute path (lmdb:///dir), got {url!r}")
+        path = unquote(parsed.path)
+        if path in ("", "/"):
+            raise ConfigError(f"url: lmdb:// needs a directory, e.g. lmdb:///nvme/kvtier, got "
+                              f"{url!r}")
+        return Path(path)
 
     async def open(self) -> None:
         """Open the environment now (``open_store`` calls this), so ``stats()`` shows the
@@ -232,6 +261,9 @@ class LMDBTier(BudgetedTier):
         except lmdb.Error as exc:
             raise ConfigError(f"path: LMDB cannot open {str(self.path)!r}: {exc}; change the "
                               "path (a writable local directory)") from exc
+        if self.watch > 0 and self._owner_watch is None:
+            self._owner_watch = OwnerWatch(self, self.watch, self._data_inode)
+            self._owner_watch.start()
 
     async def _ready(self) -> BlockEnv:
         if self._env is not None:
@@ -264,6 +296,7 @@ class LMDBTier(BudgetedTier):
             self.discarded_after_os_crash = True
         env = BlockEnv(self.path, map_size=self.map_size, durability=self.sync,
                        writemap=self.writemap)
+        self._data_inode = (self.path / "data.mdb").stat().st_ino  # what a wipe replaces
         if self.writemap:
             try:
                 preallocate(self.path, self.map_size)
@@ -487,6 +520,8 @@ class LMDBTier(BudgetedTier):
         self._touched.update(k for k in keys if k in self._policy)
 
     async def _aclose(self) -> None:
+        if self._owner_watch is not None:
+            await self._owner_watch.aclose()
         while self._inflight or self._eviction_state.committing:
             await self._inflight.wait()
             await self._commits_done()
@@ -500,6 +535,20 @@ class LMDBTier(BudgetedTier):
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
+
+    async def trim(self, capacity: int) -> tuple[int, int]:
+        """Evict least recently used blocks until the tier holds at most ``capacity``
+        bytes (``kvtier gc``), through the eviction template: demoted to the tier below
+        when there is one, reported dropped; pinned blocks stay. A tier emptied this way is
+        also reported cleared (``AllBlocksCleared``). Returns ``(blocks, bytes)`` evicted.
+        """
+        await self._ready()
+        held, before = len(self._policy), self.used
+        if before > capacity:
+            await self._evict_more(before - capacity)
+        if held and not len(self._policy) and not self._eviction_state.leaving_count:
+            self._report_cleared()
+        return held - len(self._policy), before - self.used
 
     # ------------------------------------------------------------ write path
     def _touch_records(self) -> list[tuple[bytes, int, float]]:
@@ -626,4 +675,5 @@ class LMDBTier(BudgetedTier):
                 "sync": self.sync, "compress_level": self.compress_level,
                 "discarded_after_os_crash": self.discarded_after_os_crash,
                 "reads_inline": self.reads_inline,
+                **(self._owner_watch.stats() if self._owner_watch is not None else {}),
                 "read_slots_reused": self._env.read_slots_reused if self._env is not None else 0}

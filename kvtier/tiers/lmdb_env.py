@@ -142,24 +142,34 @@ class BlockEnv:
         full fsync per commit.
     writemap
         Write through the shared memory map instead of ``pwrite`` (faster puts).
+    read_only
+        Open an existing environment for reading only (``kvtier explain``): nothing is
+        created or written; ``lmdb.Error`` if there is none. With ``lock=False`` LMDB's lock
+        file is not touched either (only safe while no process writes the environment).
     """
 
     def __init__(self, path: Path, *, map_size: int, durability: Durability = "0",
-                 writemap: bool = False, max_readers: int = 126) -> None:
+                 writemap: bool = False, max_readers: int = 126, read_only: bool = False,
+                 lock: bool = True) -> None:
         sync, metasync = _DURABILITY[durability]
         self.path = path
+        self.read_only = read_only
         self.env = lmdb.open(
             str(path), map_size=map_size, subdir=True, max_dbs=4, sync=sync,
             metasync=metasync, writemap=writemap, readahead=False, meminit=False,
-            max_readers=max_readers, lock=True)
+            max_readers=max_readers, lock=lock, readonly=read_only, create=not read_only)
         self._buffers = HostArena(READ_BUFFER_BYTES, hugepages=True)
-        # Free reader slots of processes that died holding them (after a crash/SIGKILL).
-        self.env.reader_check()
-        with self.env.begin(write=True) as txn:
-            self.header = self.env.open_db(b"header", txn=txn)
-            self.payload = self.env.open_db(b"payload", txn=txn)
-            self.recency = self.env.open_db(b"recency", txn=txn)
-            self.meta = self.env.open_db(b"meta", txn=txn)
+        if not read_only:
+            # Free reader slots of processes that died holding them (after a crash/SIGKILL).
+            self.env.reader_check()
+        names = (b"header", b"payload", b"recency", b"meta")
+        if read_only:  # each handle opened in its own read transaction, committed
+            self.header, self.payload, self.recency, self.meta = (
+                self.env.open_db(name, create=False) for name in names)
+        else:
+            with self.env.begin(write=True) as txn:
+                self.header, self.payload, self.recency, self.meta = (
+                    self.env.open_db(name, txn=txn) for name in names)
 
     def load_index(self) -> list[tuple[bytes, int, float]]:
         """``(key, frame bytes, last access)`` of every block, oldest access first."""
@@ -294,7 +304,14 @@ class BlockEnv:
                 total += (self.path / name).stat().st_blocks * 512
         return total
 
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key has a stored frame (one read transaction, nothing copied)."""
+        with self.env.begin(buffers=True) as txn:
+            return [txn.get(key, db=self.header) is not None for key in keys]
+
     def close(self) -> None:
-        """Flush (whatever the durability setting) and close."""
-        self.env.sync(True)
+        """Flush (whatever the durability setting; a read-only one has nothing to flush)
+        and close."""
+        if not self.read_only:
+            self.env.sync(True)
         self.env.close()
