@@ -10,9 +10,11 @@ warm memory). Cases: the default (``prefault=background``), ``prefault=0``,
 ``--delay`` seconds after open (the prefault done by then). Baselines in the same round:
 ``np.copyto`` of the same blocks into warm memory (``memcpy``), and the kernel zeroing a
 fresh huge-page mapping of the capacity (``madvise(MADV_POPULATE_WRITE)``), the work any
-put into fresh memory waits for. Cases run in a rotated order each round (the memory one
-case frees is what the next one maps). Prints medians over the rounds, in MiB/s and as a
-ratio to memcpy (higher is better), and ``uptime`` before and after.
+put into fresh memory waits for. The last row is a fill's bound when no other core is free
+to zero pages while the puts copy: the zeroing plus the default case's refill. Cases run in
+a rotated order each round (the memory one case frees is what the next one maps). Prints
+medians over the rounds, in MiB/s and as a ratio to memcpy (higher is better), and
+``uptime`` before and after.
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ async def main() -> None:
         fill, refill, read = (statistics.median(s[i] for s in samples) for i in range(3))
         print(f"{case:<34}{total / fill:>11.0f}{base / fill:>9.2f}{base / refill:>9.2f}"
               f"{base / read:>7.2f}")
+    # A fill with no free core to zero pages on: each put waits for the kernel to zero its
+    # pages, then copies at the steady-state (refill) rate of the default case.
+    serial = zero + statistics.median(s[1] for s in times[cases[0]])
+    print(f"{'bound, no free core: zero + refill':<34}{total / serial:>11.0f}"
+          f"{base / serial:>9.2f}")
     print(_uptime())
 
 

@@ -15,16 +15,16 @@ what its memory cgroup still allows: :mod:`kvtier.tiers.host_memory`), so a capa
 than what is free neither pushes the host into swap nor gets a container OOM-killed; it
 stops at close.
 
-It walks upwards from where slots are carved, so the next fresh slots are the populated
-ones, and it never faults a page a put already carved. It stands aside while puts carve
-fresh slots (for ``PREFAULT_PAUSE`` after the last one): a put into pages the thread has
-not reached faults them in through its own copy (one fault per huge page), and the thread
-resumes once the burst is over. Why: a fresh page must be zeroed by the kernel whoever
-faults it, and zeroing on the other core while the puts copy made the fill slower, not
-faster, on the 2-core benchmark box (the two share the memory bandwidth and the CPUs), and
-slower than no prefault at all (``docs/performance.md``, "Filling right after open"). A
-kernel zeroes a huge page in the CPU cache just before the copy overwrites it, so a put
-that faults its own huge pages pays the zeroing once and no second trip to memory.
+It walks upwards from where slots are carved, one huge page per call, so the next fresh
+slots are the populated ones, and it never faults a page a put already carved. While it
+stays ahead, puts copy into mapped pages and the kernel's zeroing runs on another core. A
+put that goes past it (the thread fell behind: no free core, or no memory bandwidth to
+spare) faults its own pages through its copy, and the thread stands aside until no put
+has gone past it for ``PREFAULT_PAUSE``: zeroing in the thread while the puts fault and
+copy made a fill right after open slower than no prefault at all on the 2-core benchmark
+box (the two share the CPUs and the memory bandwidth; ``docs/performance.md``, "Filling
+right after open"). A put that lands in the chunk in flight races the thread over at most
+that one huge page.
 
 Close: :meth:`HostArena.close` unmaps the arena at once when no block of it is referenced
 any more (else when the last reference goes), so a closed tier's memory does not wait for
@@ -73,15 +73,13 @@ _PAGE = mmap.PAGESIZE
 _HUGE_PAGE = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value (5.14+)
 #: Bytes faulted in per madvise call by the background prefault (one GIL-free call each):
-#: small enough that a burst of puts waits for at most one chunk in flight (a few ms).
-PREFAULT_CHUNK = 8 << 20
-#: Seconds the background prefault stands aside after a put carved a fresh slot (module
-#: notes): longer than the gaps inside a burst of puts, short against an idle period.
+#: one huge page, so a put that lands in the chunk in flight races it over at most one
+#: page, and a daemon's request handling waits little for the mmap lock each call holds
+#: (a malloc that maps memory takes it too).
+PREFAULT_CHUNK = _HUGE_PAGE
+#: Seconds the background prefault stands aside after a put went past it (module notes):
+#: longer than the gaps inside a burst of puts, short against an idle period.
 PREFAULT_PAUSE = 0.05
-#: The same for a shared arena (the host daemon's): each call holds the process's mmap lock,
-#: which its request handling then waits for (a malloc that maps memory), so a daemon serving
-#: engines while it prefaults takes small steps.
-SHARED_PREFAULT_CHUNK = 2 << 20
 #: Arenas up to this size are faulted in at construction even in background mode: it takes
 #: about a millisecond, less than starting a thread.
 PREFAULT_INLINE_MAX = 4 << 20
@@ -234,7 +232,6 @@ class HostArena:
         self.prefault_error: str | None = None
         self._prefault_done = prefault != "background"
         self._stop_prefault = threading.Event()
-        self._prefault_chunk = PREFAULT_CHUNK if backing is None else SHARED_PREFAULT_CHUNK
         self._top = 0  # slots are carved from [_top, nbytes)
         self._free: dict[int, list[int]] = {}
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -245,9 +242,9 @@ class HostArena:
         self._unregister: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._prefault_thread: threading.Thread | None = None
-        # The background prefault has faulted in [_top, _front) where _front > _top, and
-        # stands aside until _carved_at + PREFAULT_PAUSE (module notes).
-        self._front = 0
+        # The background prefault has faulted in (or is faulting in) [_top, _ahead) where
+        # _ahead > _top, and stands aside until _carved_at + PREFAULT_PAUSE (module notes).
+        self._ahead = 0
         self._carved_at = float("-inf")
         self._closed = False
         if prefault == "background":
@@ -278,13 +275,14 @@ class HostArena:
         with self._lock:
             # Never below the carve point: those pages are the puts' (faulted by their
             # copies), and the next fresh slots start there.
-            start = max(self._front, -(-self._top // _PAGE) * _PAGE)
+            start = max(self._ahead, -(-self._top // _PAGE) * _PAGE)
             if start >= limit:
                 return None
             quiet = time.monotonic() - self._carved_at
             if quiet < PREFAULT_PAUSE:
                 return PREFAULT_PAUSE - quiet
-            end = min(limit, start + self._prefault_chunk)
+            end = min(limit, start + PREFAULT_CHUNK)
+            self._ahead = end  # a put into this chunk is not past the thread
         base = self.buffer.__array_interface__["data"][0]
         if _MADVISE(base + start, end - start, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
@@ -292,7 +290,6 @@ class HostArena:
                 if err == errno.EINVAL else f"madvise: {errno.errorcode.get(err, err)}"
             return None
         with self._lock:
-            self._front = end
             self.prefaulted_bytes += end - start
         return 0.0
 
@@ -340,8 +337,8 @@ class HostArena:
             elif self._top + size <= self.nbytes:
                 offset = self._top
                 self._top += size
-                if offset + size > self._front:  # pages the prefault has not reached:
-                    self._carved_at = time.monotonic()  # it stands aside (module notes)
+                if offset + size > self._ahead:  # past the prefault: it stands aside
+                    self._carved_at = time.monotonic()  # (module notes)
             else:
                 self.overflow += 1
                 return None
