@@ -133,6 +133,12 @@ async def main() -> None:
     serial = zero + statistics.median(s[1] for s in times[cases[0]])
     print(f"{'bound, no free core: zero + refill':<34}{total / serial:>11.0f}"
           f"{base / serial:>9.2f}")
+    # The two fills of one round ran within seconds of each other, so their ratio cancels
+    # most of the box's drift between rounds.
+    paired = sorted(off[0] / default[0] for default, off in
+                    zip(times[cases[0]], times[cases[1]], strict=True))
+    print(f"default fill / prefault=0 fill, paired per round: median "
+          f"{statistics.median(paired):.2f} (min {paired[0]:.2f}, max {paired[-1]:.2f})")
     print(_uptime())
 
 
