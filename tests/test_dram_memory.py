@@ -178,6 +178,20 @@ def test_puts_ahead_of_the_prefault_fill_their_own_slots() -> None:
         arena.close()
 
 
+def test_a_put_past_the_prefault_on_4kib_pages_populates_its_slot_in_one_call() -> None:
+    arena = HostArena(256 * MiB, prefault="background", hugepages=False)
+    arena.stop_prefault()  # at most its first chunk lands: the later slots are past it
+    slots = []
+    try:
+        slots = [arena.allocate(MiB) for _ in range(16)]
+        # Mapped before anything is written (on huge pages the copy faults them instead).
+        assert all(s is not None and all(_resident(arena, i * MiB, (i + 1) * MiB))
+                   for i, s in enumerate(slots))
+    finally:
+        del slots
+        arena.close()
+
+
 def _vm_flags(address: int) -> list[str]:
     """The ``VmFlags`` of the mapping holding ``address`` (``/proc/self/smaps``)."""
     inside = False

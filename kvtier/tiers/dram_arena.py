@@ -19,12 +19,13 @@ It walks upwards from where slots are carved, one huge page per call, so the nex
 slots are the populated ones, and it never faults a page a put already carved. While it
 stays ahead, puts copy into mapped pages and the kernel's zeroing runs on another core. A
 put that goes past it (the thread fell behind: no free core, or no memory bandwidth to
-spare) faults its own pages through its copy, and the thread stands aside until no put
-has gone past it for ``PREFAULT_PAUSE``: zeroing in the thread while the puts fault and
-copy made a fill right after open slower than no prefault at all on the 2-core benchmark
-box (the two share the CPUs and the memory bandwidth; ``docs/performance.md``, "Filling
-right after open"). A put that lands in the chunk in flight races the thread over at most
-that one huge page.
+spare) faults its own pages: through its copy, one fault per huge page (on 4 KiB pages in
+one ``madvise`` over its slot first, rather than 256 faults per MiB). The thread then
+stands aside until no put has gone past it for ``PREFAULT_PAUSE``: zeroing in the thread
+while the puts fault and copy made a fill right after open slower than no prefault at all
+on the 2-core benchmark box (the two share the CPUs and the memory bandwidth;
+``docs/performance.md``, "Filling right after open"). A put that lands in the chunk in
+flight races the thread over at most that one huge page.
 
 Close: :meth:`HostArena.close` unmaps the arena at once when no block of it is referenced
 any more (else when the last reference goes), so a closed tier's memory does not wait for
@@ -324,6 +325,7 @@ class HostArena:
         when no slot of its class is free and the unused end is too short (the caller
         falls back to the heap). The slot is free again once the array is garbage."""
         size = slot_bytes(nbytes)
+        own = False  # populate a fresh slot of 4 KiB pages here, in one call
         with self._lock:
             if self._closed or self._map is None:
                 return None
@@ -339,6 +341,7 @@ class HostArena:
                 self._top += size
                 if offset + size > self._ahead:  # past the prefault: it stands aside
                     self._carved_at = time.monotonic()  # (module notes)
+                    own = self.prefault_mode == "background" and not self.hugepages
             else:
                 self.overflow += 1
                 return None
@@ -346,6 +349,8 @@ class HostArena:
         # the first array whose base is not an array, so every view of this slot (and of
         # the block typed over it) keeps exactly this array alive.
         raw = np.frombuffer(mapping, np.uint8, nbytes, offset)
+        if own:
+            populate(raw)  # no write: a shared arena's pages may be an engine's too
         self._refs[offset] = weakref.ref(raw, functools.partial(_released, self._freed,
                                                                 size, offset))
         return raw
