@@ -183,6 +183,8 @@ def test_a_put_past_the_prefault_on_4kib_pages_populates_its_slot_in_one_call() 
     arena.stop_prefault()  # at most its first chunk lands: the later slots are past it
     slots = []
     try:
+        while not arena.stats()["prefaulted"]:  # the thread's chunk in flight has landed
+            time.sleep(0.001)
         slots = [arena.allocate(MiB) for _ in range(16)]
         # Mapped before anything is written (on huge pages the copy faults them instead).
         assert all(s is not None and all(_resident(arena, i * MiB, (i + 1) * MiB))
@@ -256,20 +258,19 @@ def test_the_prefault_stands_aside_while_puts_carve_and_skips_their_pages() -> N
     chunk = dram_arena.PREFAULT_CHUNK
     try:
         assert arena._populate_chunk(arena.nbytes) == 0.0  # [0, chunk)
-        taken = [arena.allocate(MiB) for _ in range(chunk // MiB)]  # the populated slots
-        assert arena._populate_chunk(arena.nbytes) == 0.0  # not fresh: no pause
-        taken += [arena.allocate(MiB) for _ in range(chunk // MiB + 2)]  # two past it
+        taken = [arena.allocate(MiB)]  # a populated slot: puts are carving
         pause = arena._populate_chunk(arena.nbytes)
         assert pause is not None and 0 < pause <= dram_arena.PREFAULT_PAUSE
-        assert arena.stats()["prefaulted_bytes"] == 2 * chunk  # stood aside
-        time.sleep(pause + 0.01)
+        assert arena.stats()["prefaulted_bytes"] == chunk  # stood aside
+        taken += [arena.allocate(MiB) for _ in range(chunk // MiB + 1)]  # two past it
+        time.sleep(dram_arena.PREFAULT_PAUSE + 0.01)
         assert arena._populate_chunk(arena.nbytes) == 0.0
-        top = 2 * chunk + 2 * MiB
-        # The carved slots' pages are left to the puts' copies (never faulted twice over);
-        # the thread goes on from the carve point.
-        assert not any(_resident(arena, 2 * chunk, top))
+        top = chunk + 2 * MiB
+        # The slots past it are left to the puts (never faulted twice over); the thread
+        # goes on from the carve point.
+        assert not any(_resident(arena, chunk, top))
         assert all(_resident(arena, top, top + chunk))
-        assert arena.stats()["prefaulted_bytes"] == 3 * chunk
+        assert arena.stats()["prefaulted_bytes"] == 2 * chunk
     finally:
         del taken
         arena.close()

@@ -16,16 +16,19 @@ than what is free neither pushes the host into swap nor gets a container OOM-kil
 stops at close.
 
 It walks upwards from where slots are carved, one huge page per call, so the next fresh
-slots are the populated ones, and it never faults a page a put already carved. While it
-stays ahead, puts copy into mapped pages and the kernel's zeroing runs on another core. A
-put that goes past it (the thread fell behind: no free core, or no memory bandwidth to
-spare) faults its own pages: through its copy, one fault per huge page (on 4 KiB pages in
-one ``madvise`` over its slot first, rather than 256 faults per MiB). The thread then
-stands aside until no put has gone past it for ``PREFAULT_PAUSE``: zeroing in the thread
-while the puts fault and copy made a fill right after open slower than no prefault at all
-on the 2-core benchmark box (the two share the CPUs and the memory bandwidth;
-``docs/performance.md``, "Filling right after open"). A put that lands in the chunk in
-flight races the thread over at most that one huge page.
+slots are the populated ones, and it never faults a page a put already carved. It stands
+aside while puts carve fresh slots (until none has for ``PREFAULT_PAUSE``): they take the
+populated slots first, and a put past what the thread did faults its own pages, through
+its copy, one fault per huge page (on 4 KiB pages in one ``madvise`` over its slot first,
+rather than 256 faults per MiB). Why not zero ahead of the puts on another core: on the
+2-core benchmark box that made a fill right after open slower than no prefault at all,
+even with the thread staying ahead of nearly every put (the two share the CPUs and the
+memory bandwidth, and a copy into pages zeroed earlier reads them back from memory, while
+a copy that faults a huge page in finds its zeroed lines in the CPU cache;
+``docs/performance.md``, "Filling right after open"). So a fill runs as fast as with no
+prefault, faster by the slots populated before it, and puts after an idle moment copy into
+populated pages. A put that lands in the chunk in flight races the thread over at most
+that one huge page.
 
 Close: :meth:`HostArena.close` unmaps the arena at once when no block of it is referenced
 any more (else when the last reference goes), so a closed tier's memory does not wait for
@@ -78,8 +81,8 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value
 #: page, and a daemon's request handling waits little for the mmap lock each call holds
 #: (a malloc that maps memory takes it too).
 PREFAULT_CHUNK = _HUGE_PAGE
-#: Seconds the background prefault stands aside after a put went past it (module notes):
-#: longer than the gaps inside a burst of puts, short against an idle period.
+#: Seconds the background prefault stands aside after a put carved a fresh slot (module
+#: notes): longer than the gaps inside a burst of puts, short against an idle period.
 PREFAULT_PAUSE = 0.05
 #: Arenas up to this size are faulted in at construction even in background mode: it takes
 #: about a millisecond, less than starting a thread.
@@ -339,9 +342,9 @@ class HostArena:
             elif self._top + size <= self.nbytes:
                 offset = self._top
                 self._top += size
-                if offset + size > self._ahead:  # past the prefault: it stands aside
-                    self._carved_at = time.monotonic()  # (module notes)
-                    own = self.prefault_mode == "background" and not self.hugepages
+                self._carved_at = time.monotonic()  # the prefault stands aside (module notes)
+                own = offset + size > self._ahead and not self.hugepages and \
+                    self.prefault_mode == "background"
             else:
                 self.overflow += 1
                 return None
