@@ -131,8 +131,8 @@ class DRAMTier(BudgetedTier):
         ``"background"``: in a background thread from construction on (``open`` does not
         wait; at most half the memory available then, the memory cgroup's limit included;
         progress in ``stats()``: ``prefaulted_bytes``, ``prefaulted``). It stands aside
-        while puts go past it, so a fill right after open runs as with ``False``
-        (:mod:`kvtier.tiers.dram_arena`). ``True``: at construction, which takes about
+        while puts carve fresh slots, so a fill right after open runs at least as fast as
+        with ``False`` (:mod:`kvtier.tiers.dram_arena`). ``True``: at construction, which takes about
         capacity / a few GB/s. ``False``: pages fault in on each block's first put (a fill
         right after open then runs at about half the speed of a copy into warm memory:
         the kernel zeroes each page first; ``docs/performance.md``).
