@@ -286,7 +286,7 @@ class HostArena:
             if quiet < PREFAULT_PAUSE:
                 return PREFAULT_PAUSE - quiet
             end = min(limit, start + PREFAULT_CHUNK)
-            self._ahead = end  # a put into this chunk is not past the thread
+            self._ahead = end  # a put into this chunk leaves its pages to the thread
         base = self.buffer.__array_interface__["data"][0]
         if _MADVISE(base + start, end - start, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
