@@ -130,10 +130,12 @@ class DRAMTier(BudgetedTier):
         Fault the arena's pages in so no put pays a page fault. ``None`` (default) or
         ``"background"``: in a background thread from construction on (``open`` does not
         wait; at most half the memory available then, the memory cgroup's limit included;
-        progress in ``stats()``:
-        ``prefaulted_bytes``, ``prefaulted``). ``True``: at construction, which takes about
-        capacity / a few GB/s. ``False``: pages fault in on each block's first put (a fill
-        then ran at 0.06-0.4x memcpy, ``docs/performance.md``).
+        progress in ``stats()``: ``prefaulted_bytes``, ``prefaulted``). It stands aside
+        while puts carve fresh slots, so a fill right after open runs at least as fast as
+        with ``False`` (:mod:`kvtier.tiers.dram_arena`). ``True``: at construction, which
+        takes about capacity / a few GB/s. ``False``: pages fault in on each block's first
+        put (a fill right after open then runs at about half the speed of a copy into warm
+        memory: the kernel zeroes each page first; ``docs/performance.md``).
     hugepages
         Ask for transparent huge pages for the arena (``madvise(MADV_HUGEPAGE)``; default:
         on with an arena). Copies into 4 KiB pages that are not in the TLB ran at half the

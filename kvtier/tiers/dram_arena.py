@@ -15,12 +15,20 @@ what its memory cgroup still allows: :mod:`kvtier.tiers.host_memory`), so a capa
 than what is free neither pushes the host into swap nor gets a container OOM-killed; it
 stops at close.
 
-Puts do not race it over the same pages: slots are carved upwards from the start of the
-arena while the thread faults chunks downwards from its end, and a put whose fresh slot
-lies below what the thread has done populates its own range in one ``madvise`` call before
-copying (rather than page-faulting through the copy while the thread faults those pages).
-Filled right after open, the puts and the thread fault disjoint halves on two cores, and
-the puts that reach the thread's part copy into ready pages.
+It walks upwards from where slots are carved, one huge page per call, so the next fresh
+slots are the populated ones, and it never faults a page a put already carved. It stands
+aside while puts carve fresh slots (until none has for ``PREFAULT_PAUSE``): they take the
+populated slots first, and a put past what the thread did faults its own pages, through
+its copy, one fault per huge page (on 4 KiB pages in one ``madvise`` over its slot first,
+rather than 256 faults per MiB). Why not zero ahead of the puts on another core: on the
+2-core benchmark box that made a fill right after open slower than no prefault at all,
+even with the thread staying ahead of nearly every put (the two share the CPUs and the
+memory bandwidth, and a copy into pages zeroed earlier reads them back from memory, while
+a copy that faults a huge page in finds its zeroed lines in the CPU cache;
+``docs/performance.md``, "Filling right after open"). So a fill runs as fast as with no
+prefault, faster by the slots populated before it, and puts after an idle moment copy into
+populated pages. A put that lands in the chunk in flight races the thread over at most
+that one huge page.
 
 Close: :meth:`HostArena.close` unmaps the arena at once when no block of it is referenced
 any more (else when the last reference goes), so a closed tier's memory does not wait for
@@ -51,6 +59,7 @@ import errno
 import functools
 import mmap
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -67,12 +76,14 @@ _ALIGN = 64  # a cache line: copies into a slot never share a line with a neighb
 _PAGE = mmap.PAGESIZE
 _HUGE_PAGE = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's value (5.14+)
-#: Bytes faulted in per madvise call by the background prefault (one GIL-free call each).
-PREFAULT_CHUNK = 64 << 20
-#: The same for a shared arena (the host daemon's): each call holds the process's mmap lock,
-#: which its request handling then waits for (a malloc that maps memory), so a daemon serving
-#: engines while it prefaults takes small steps.
-SHARED_PREFAULT_CHUNK = 2 << 20
+#: Bytes faulted in per madvise call by the background prefault (one GIL-free call each):
+#: one huge page, so a put that lands in the chunk in flight races it over at most one
+#: page, and a daemon's request handling waits little for the mmap lock each call holds
+#: (a malloc that maps memory takes it too).
+PREFAULT_CHUNK = _HUGE_PAGE
+#: Seconds the background prefault stands aside after a put carved a fresh slot (module
+#: notes): longer than the gaps inside a burst of puts, short against an idle period.
+PREFAULT_PAUSE = 0.05
 #: Arenas up to this size are faulted in at construction even in background mode: it takes
 #: about a millisecond, less than starting a thread.
 PREFAULT_INLINE_MAX = 4 << 20
@@ -93,21 +104,24 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
 _MADVISE = _libc_madvise()
 
 
-def _populate(ref: weakref.ref[HostArena], limit: int) -> None:
-    """Fault the arena in up to ``limit``, chunk by chunk, until done, stopped, refused,
-    or the arena is gone."""
+def _populate(ref: weakref.ref[HostArena], limit: int, stop: threading.Event) -> None:
+    """Fault the arena in up to ``limit``, chunk by chunk, standing aside while puts carve
+    fresh slots, until done, stopped, refused, or the arena is gone."""
     while True:
         arena = ref()
         if arena is None:
             return
         try:
-            if not arena._populate_chunk(limit):
-                arena._prefault_done = True
-                return
+            pause = arena._populate_chunk(limit)
         except BaseException:
             arena._prefault_done = True
             raise
-        del arena  # not held between chunks
+        if pause is None:
+            arena._prefault_done = True
+            return
+        del arena  # not held between chunks, nor while standing aside
+        if pause > 0:
+            stop.wait(pause)  # a close wakes it at once
 
 
 def fault_in(buffer: npt.NDArray[np.uint8]) -> None:
@@ -222,7 +236,6 @@ class HostArena:
         self.prefault_error: str | None = None
         self._prefault_done = prefault != "background"
         self._stop_prefault = threading.Event()
-        self._prefault_chunk = PREFAULT_CHUNK if backing is None else SHARED_PREFAULT_CHUNK
         self._top = 0  # slots are carved from [_top, nbytes)
         self._free: dict[int, list[int]] = {}
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -233,8 +246,10 @@ class HostArena:
         self._unregister: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._prefault_thread: threading.Thread | None = None
-        # The background prefault has faulted in [_low, _limit) (module notes).
-        self._low = self._limit = 0
+        # The background prefault has faulted in (or is faulting in) [_top, _ahead) where
+        # _ahead > _top, and stands aside until _carved_at + PREFAULT_PAUSE (module notes).
+        self._ahead = 0
+        self._carved_at = float("-inf")
         self._closed = False
         if prefault == "background":
             self._start_prefault()
@@ -242,42 +257,45 @@ class HostArena:
     def _start_prefault(self) -> None:
         memory = available_memory()
         limit = self.nbytes if memory is None else min(self.nbytes, memory // 2 // _PAGE * _PAGE)
-        self._low = self._limit = limit
         if limit <= PREFAULT_INLINE_MAX:
-            _populate(weakref.ref(self), limit)
+            _populate(weakref.ref(self), limit, self._stop_prefault)
             return
         # The thread holds the arena only while one chunk is faulted in: an arena dropped
         # without a close (its tier garbage) is freed, and the prefault stops.
         self._prefault_thread = threading.Thread(
-            target=_populate, args=(weakref.ref(self), limit), name="kvtier-arena-prefault",
-            daemon=True)
+            target=_populate, args=(weakref.ref(self), limit, self._stop_prefault),
+            name="kvtier-arena-prefault", daemon=True)
         self._prefault_thread.start()
 
-    def _populate_chunk(self, limit: int) -> bool:
-        """Fault in the next chunk, walking down from ``limit`` towards the carve point
-        (puts carve upwards from 0, so the two never fault the same pages but where they
-        meet); whether to go on."""
+    def _populate_chunk(self, limit: int) -> float | None:
+        """Fault in the next chunk above the carve point, unless puts are carving fresh
+        slots (module notes): seconds to wait before the next call (``0.0`` after a
+        chunk), ``None`` when done, stopped or refused."""
         if self._stop_prefault.is_set() or self._closed:
-            return False
+            return None
         if _MADVISE is None:
             self.prefault_error = "no libc madvise"
-            return False
+            return None
         with self._lock:
-            top = -(-self._top // _PAGE) * _PAGE
-            if self._low <= top:
-                return False
-            start = max(top, self._low - self._prefault_chunk)
-            size = self._low - start
+            # Never below the carve point: those pages are the puts' (faulted by their
+            # copies), and the next fresh slots start there.
+            start = max(self._ahead, -(-self._top // _PAGE) * _PAGE)
+            if start >= limit:
+                return None
+            quiet = time.monotonic() - self._carved_at
+            if quiet < PREFAULT_PAUSE:
+                return PREFAULT_PAUSE - quiet
+            end = min(limit, start + PREFAULT_CHUNK)
+            self._ahead = end  # a put into this chunk leaves its pages to the thread
         base = self.buffer.__array_interface__["data"][0]
-        if _MADVISE(base + start, size, _MADV_POPULATE_WRITE) != 0:
+        if _MADVISE(base + start, end - start, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             self.prefault_error = "MADV_POPULATE_WRITE unsupported (Linux < 5.14)" \
                 if err == errno.EINVAL else f"madvise: {errno.errorcode.get(err, err)}"
-            return False
+            return None
         with self._lock:
-            self._low = start
-            self.prefaulted_bytes += size
-        return True
+            self.prefaulted_bytes += end - start
+        return 0.0
 
     def stop_prefault(self) -> None:
         """Stop a background prefault after its current chunk (at the tier's close)."""
@@ -310,7 +328,7 @@ class HostArena:
         when no slot of its class is free and the unused end is too short (the caller
         falls back to the heap). The slot is free again once the array is garbage."""
         size = slot_bytes(nbytes)
-        fresh = False  # a slot the background prefault has not reached
+        own = False  # populate a fresh slot of 4 KiB pages here, in one call
         with self._lock:
             if self._closed or self._map is None:
                 return None
@@ -324,10 +342,9 @@ class HostArena:
             elif self._top + size <= self.nbytes:
                 offset = self._top
                 self._top += size
-                # A fresh slot the prefault has not reached: fault it in with one call
-                # here rather than page by page through the copy (module notes).
-                fresh = self.prefault_mode == "background" and \
-                    (offset < self._low or offset + size > self._limit)
+                self._carved_at = time.monotonic()  # the prefault stands aside (module notes)
+                own = offset + size > self._ahead and not self.hugepages and \
+                    self.prefault_mode == "background"
             else:
                 self.overflow += 1
                 return None
@@ -335,7 +352,7 @@ class HostArena:
         # the first array whose base is not an array, so every view of this slot (and of
         # the block typed over it) keeps exactly this array alive.
         raw = np.frombuffer(mapping, np.uint8, nbytes, offset)
-        if fresh:
+        if own:
             populate(raw)  # no write: a shared arena's pages may be an engine's too
         self._refs[offset] = weakref.ref(raw, functools.partial(_released, self._freed,
                                                                 size, offset))
