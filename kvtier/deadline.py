@@ -25,9 +25,10 @@ two. :func:`in_thread` is the one way a tier hands blocking work to a thread und
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -35,7 +36,7 @@ from typing import Any, Self, TypeVar
 from kvtier.errors import KVTierError
 from kvtier.tasks import TaskSet
 
-__all__ = ["Deadline", "DeadlineExceeded", "acquire", "current", "in_thread"]
+__all__ = ["Deadline", "DeadlineExceeded", "acquire", "current", "exempt", "in_thread"]
 
 T = TypeVar("T")
 
@@ -196,8 +197,8 @@ class Deadline:
     @property
     def expired(self) -> bool:
         """Whether the deadline has passed."""
-        return self._fired or (self.at is not None
-                               and asyncio.get_running_loop().time() >= self.at)
+        return self._owner()._fired or (self.at is not None
+                                        and asyncio.get_running_loop().time() >= self.at)
 
     # --------------------------------------------------------------- the scope
     async def __aenter__(self) -> Self:
@@ -266,6 +267,19 @@ class Deadline:
 def current() -> Deadline | None:
     """The innermost deadline the calling task runs under (``None``: none)."""
     return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def exempt() -> Iterator[None]:
+    """Run the block (and the tasks it creates) under no deadline: for cleanup that must
+    happen whatever the caller's deadline says (a victim's file leaves storage once the
+    budget stopped counting it). Shield it from the caller's cancellation too
+    (:func:`kvtier.tiers.base.run_to_end`)."""
+    token = _CURRENT.set(None)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
 async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,

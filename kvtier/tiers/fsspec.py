@@ -45,7 +45,7 @@ from kvtier.codec import (
     frame_size_bound,
     parse_compress,
 )
-from kvtier.deadline import Deadline
+from kvtier.deadline import Deadline, exempt
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.misses import MissReason
 from kvtier.policy import Clock
@@ -521,11 +521,17 @@ class FsspecTier(BudgetedTier):
         return blocks
 
     async def _drop_stored(self, keys: list[bytes]) -> None:
-        for key in keys:
-            try:
-                await self._remove(key)
-            except TierError as exc:  # counted; the file stays until a delete or gc
-                self._warnings.warn(f"{self.name} tier", "victim delete", str(exc))
+        async def drop() -> None:
+            for key in keys:
+                try:
+                    await self._remove(key)
+                except TierError as exc:  # counted; the file stays until a delete or gc
+                    self._warnings.warn(f"{self.name} tier", "victim delete", str(exc))
+
+        # The budget no longer counts the victims: their files go whatever the put's
+        # deadline or cancellation says (else they stay on disk, held but uncounted).
+        with exempt():
+            await run_to_end(asyncio.ensure_future(drop()))
 
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
