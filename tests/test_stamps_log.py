@@ -135,3 +135,14 @@ def test_the_byte_estimate_covers_the_memory_the_entries_take() -> None:
     finally:
         tracemalloc.stop()
     assert taken <= log.nbytes * 1.1, (taken, log.nbytes)
+
+
+async def test_without_wait_a_commit_hands_the_records_over_and_returns(tmp_path: Path) -> None:
+    path = tmp_path / "seg.versions"
+    log = Versions(path, wait=False)  # a volatile data tier (dram://)
+    log.stored(KEY, 10)
+    await log.commit()  # no thread hop awaited: the writer thread has the batch
+    await log.aclose()  # which close writes out in any case
+    again = Versions(path)
+    assert again.stamps == {KEY: 10}
+    again.close()

@@ -231,8 +231,11 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     try:
         # After the store: a tier's own error about its directory comes first.
         try:
+            # A write is answered once its stamps are in the log only when its block
+            # outlives a crash too (kvtier.peer.stamplog).
             versions = Versions(versions_path(args), grace=args.tombstone_grace,
-                                fsync=versions_fsync(args))
+                                fsync=versions_fsync(args),
+                                wait=any(tier.persistent for tier in store.tiers))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--versions: cannot open the stamps log: {exc}") from None
         server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,

@@ -8,15 +8,17 @@ whole queue, and it is bounded because every write request waits for its records
 (:meth:`StampLog.commit`) before it is answered, and the server bounds the requests in
 flight.
 
-Durability, as the data tier's: a write request is answered only once its records are in
-the file (``os.write`` returned: the page cache holds them), so a server process killed
-after the answer loses no acknowledged stamp or tombstone, as an LMDB commit without
-fsync loses nothing to a process crash. With ``fsync`` (the data tier fsyncs its writes:
-``lmdb://...?sync=1|meta``, ``file://...?fsync=1``) each batch is also fsynced before its
-requests are answered, so an OS crash loses no acknowledged record either; without it an
-OS crash may lose the log's tail, as it may lose the data tier's last commits. A record
-cut short by a crash is dropped at the next open (:meth:`Versions._load
-<kvtier.peer.versions.Versions>`); the ones before it stand.
+Durability, as the data tier's: with a persistent data tier a write request is answered
+only once its records are in the file (``os.write`` returned: the page cache holds them),
+so a server process killed after the answer loses no acknowledged stamp or tombstone, as
+an LMDB commit without fsync loses nothing to a process crash. (With a volatile one,
+``dram://`` only, the answer does not wait: a crash loses those blocks anyway, and the
+records follow within one batch; see ``Versions(wait=)``.) With ``fsync`` (the data tier
+fsyncs its writes: ``lmdb://...?sync=1|meta``, ``file://...?fsync=1``) each batch is also
+fsynced before its requests are answered, so an OS crash loses no acknowledged record
+either; without it an OS crash may lose the log's tail, as it may lose the data tier's
+last commits. A record cut short by a crash is dropped at the next open; the ones before
+it stand.
 """
 
 from __future__ import annotations

@@ -133,16 +133,22 @@ class Versions:
         module's docstring).
     fsync
         Whether the log is fsynced before a write is answered (when the data tier fsyncs).
+    wait
+        Whether :meth:`commit` waits until the records are in the file (a persistent data
+        tier, whose blocks outlive a crash of the process) or only hands them to the
+        writer thread (a volatile one: a crash loses its blocks, and with them what their
+        last records said, so answering before the log is written loses nothing more).
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, grace: float = 600.0,
-                 max_bytes: int = 256 << 20, fsync: bool = False) -> None:
+                 max_bytes: int = 256 << 20, fsync: bool = False, wait: bool = True) -> None:
         if not grace >= 0:
             raise ValueError(f"grace: expected >= 0 seconds, got {grace!r}")
         if max_bytes < 1:
             raise ValueError(f"max_bytes: expected >= 1, got {max_bytes!r}")
         self.grace = grace
         self.max_bytes = max_bytes
+        self.wait = wait
         self.clock = HybridClock()
         self.stamps: dict[bytes, int] = {}
         #: key -> (stamp, wall time it settled: every owner held it; 0.0 not yet).
@@ -276,15 +282,20 @@ class Versions:
 
     async def commit(self) -> None:
         """Return once every change made so far is in the log (see
-        :mod:`kvtier.peer.stamplog`); at once without a log or with nothing pending.
+        :mod:`kvtier.peer.stamplog`); at once without a log, with nothing pending, or
+        without ``wait`` (the changes are then handed to the writer thread).
 
         Raises
         ------
         OSError
             If the log could not be written.
         """
-        if self._file is not None:
+        if self._file is None:
+            return
+        if self.wait:
             await self._file.commit()
+        else:
+            self._file.flush()
 
     async def aclose(self) -> None:
         """Write what is pending and close the log."""
