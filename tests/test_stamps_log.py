@@ -3,6 +3,7 @@ an index bounded in bytes whose dropped tombstones raise a floor (kvtier.peer.ve
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import subprocess
@@ -12,6 +13,7 @@ import threading
 import tracemalloc
 from pathlib import Path
 
+from kvtier.commands.serve import versions_fsync
 from kvtier.peer.stamplog import StampLog
 from kvtier.peer.versions import Versions
 
@@ -146,3 +148,13 @@ async def test_without_wait_a_commit_hands_the_records_over_and_returns(tmp_path
     again = Versions(path)
     assert again.stamps == {KEY: 10}
     again.close()
+
+
+def test_the_log_is_fsynced_when_the_data_tier_fsyncs() -> None:
+    def tiers(*urls: str) -> argparse.Namespace:
+        return argparse.Namespace(tier=list(urls))
+
+    assert versions_fsync(tiers("lmdb:///d?sync=1")) and versions_fsync(tiers("file:///d?fsync=1"))
+    assert versions_fsync(tiers("dram://?capacity=1GiB", "lmdb:///d?capacity=1GiB&sync=meta"))
+    assert not versions_fsync(tiers("lmdb:///d?capacity=1GiB"))
+    assert not versions_fsync(tiers("file:///d")) and not versions_fsync(tiers("dram://"))
