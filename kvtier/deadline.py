@@ -124,6 +124,10 @@ class Deadline:
         The operation, for the error message (``"put"``, ``"file:// probe"``).
     """
 
+    __slots__ = ("_cancelling", "_committed", "_fired", "_parent", "_queued", "_started",
+                 "_task", "_task_cancelled", "_timer", "_token", "_within", "at", "awaited",
+                 "cancelled", "what")
+
     def __init__(self, at: float | None, what: str, *, within: Deadline | None = None) -> None:
         self.at = at
         self.what = what

@@ -158,3 +158,22 @@ def test_the_log_is_fsynced_when_the_data_tier_fsyncs() -> None:
     assert versions_fsync(tiers("dram://?capacity=1GiB", "lmdb:///d?capacity=1GiB&sync=meta"))
     assert not versions_fsync(tiers("lmdb:///d?capacity=1GiB"))
     assert not versions_fsync(tiers("file:///d")) and not versions_fsync(tiers("dram://"))
+
+
+async def test_without_wait_a_stalled_log_holds_writes_back_past_its_backlog() -> None:
+    read_end, write_end = os.pipe()  # a log nobody reads: stalled at 64 KiB
+    log = Versions(wait=False)
+    log._file = StampLog(write_end)  # the log of a volatile data tier, on a stalled disk
+    for i in range(200):
+        log.stored(i.to_bytes(16, "big"), 10 + i)
+    await asyncio.wait_for(log.commit(), 5)  # a small backlog: handed over, no wait
+    log._file.append(b"x" * (9 << 20))  # past the 8 MiB bound
+    committed = asyncio.ensure_future(log.commit())
+    await asyncio.sleep(0.2)
+    assert not committed.done()  # the write waits for the log instead of growing its queue
+    got = 0
+    while got < (9 << 20) + 200 * 35:
+        got += len(await asyncio.to_thread(os.read, read_end, 1 << 20))
+    await committed
+    await log.aclose()
+    os.close(read_end)

@@ -4,9 +4,9 @@ The loop only appends a record's bytes to the batch being built (no system call)
 writer thread writes whole batches, so the records of every write request that arrives
 while a batch is being written go out together in the next ``os.write`` (a group commit).
 At most one batch is being written and one being built at any time: that is the writer's
-whole queue, and it is bounded because every write request waits for its records
-(:meth:`StampLog.commit`) before it is answered, and the server bounds the requests in
-flight.
+whole queue, and it is bounded because a write request waits for its records
+(:meth:`StampLog.commit`) before it is answered (without ``Versions(wait=)``: once the
+log owes more than a few MiB), and the server bounds the requests in flight.
 
 Durability, as the data tier's: with a persistent data tier a write request is answered
 only once its records are in the file (``os.write`` returned: the page cache holds them),
@@ -48,9 +48,16 @@ class StampLog:
         self._building = bytearray()
         self._waiting: list[asyncio.Future[None]] = []  # commits of the batch being built
         self._writing: concurrent.futures.Future[None] | None = None
+        self._writing_bytes = 0
         self._written: list[asyncio.Future[None]] = []  # commits of the batch being written
         self._thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-stamps-log")
+
+    @property
+    def backlog(self) -> int:
+        """Bytes appended and not yet written (the batch being built and the one being
+        written)."""
+        return len(self._building) + self._writing_bytes
 
     def append(self, record: bytes) -> None:
         """Add ``record`` to the batch being built (on the loop: no system call)."""
@@ -70,6 +77,7 @@ class StampLog:
         data, waiters = self._take(), self._waiting
         self._waiting = []
         self._written = waiters
+        self._writing_bytes = len(data)
         self._writing = self._thread.submit(self._write, data)
         self._writing.add_done_callback(
             lambda done: loop.call_soon_threadsafe(self._batch_done, done))
@@ -114,6 +122,7 @@ class StampLog:
 
     def _batch_done(self, done: concurrent.futures.Future[None]) -> None:
         waiters, self._written, self._writing = self._written, [], None
+        self._writing_bytes = 0
         error = done.exception()
         for waiter in waiters:
             if waiter.done():

@@ -51,6 +51,9 @@ _VALUE, _TOMB, _FORGET, _FLOOR = 1, 2, 3, 4
 # objects) and a tombstone (plus its tuple and float); measured with tracemalloc on
 # CPython 3.11-3.12 for 32-byte keys, rounded up.
 _STAMP_COST, _TOMB_COST = 128, 208
+# Without ``wait``, the most bytes of records the log may owe before a write waits for it
+# (the writer's queue stays bounded when the disk stalls).
+_MAX_BACKLOG = 8 << 20
 _COMPACT_FACTOR = 4  # the log is rewritten at open once it holds this many records per entry
 
 #: The stamp of the client write in progress in this task (set by :func:`stamped`): every
@@ -283,7 +286,8 @@ class Versions:
     async def commit(self) -> None:
         """Return once every change made so far is in the log (see
         :mod:`kvtier.peer.stamplog`); at once without a log, with nothing pending, or
-        without ``wait`` (the changes are then handed to the writer thread).
+        without ``wait`` (the changes are then handed to the writer thread), unless the
+        log owes more than 8 MiB of records then (a stalled disk).
 
         Raises
         ------
@@ -292,7 +296,7 @@ class Versions:
         """
         if self._file is None:
             return
-        if self.wait:
+        if self.wait or self._file.backlog > _MAX_BACKLOG:
             await self._file.commit()
         else:
             self._file.flush()
