@@ -328,7 +328,8 @@ class Versions:
                     self.stored(key, stamp)
                 elif kind == _TOMB:
                     self.deleted(key, stamp)
-                    self.tombs[key] = (self.tombs[key][0], when)
+                    if key in self.tombs:  # (else dropped at max_bytes right away)
+                        self.tombs[key] = (self.tombs[key][0], when)
                 elif kind == _FLOOR:
                     self.floor = max(self.floor, stamp)
                 else:
