@@ -291,7 +291,8 @@ class FsspecTier(BudgetedTier):
                     self.url, asynchronous=True, loop=asyncio.get_running_loop(),
                     skip_instance_cache=True, **self.storage_options)
                 if hasattr(fs, "set_session"):
-                    await asyncio.wait_for(fs.set_session(), self.timeout)
+                    async with Deadline.after(self.timeout, f"{self.name} session"):
+                        await fs.set_session()
                 self._root = root
                 self._backend = AsyncFsBackend(fs)
         return self._backend
