@@ -25,7 +25,7 @@ is this process. Cells, for 64 KiB / 1 MiB / 4 MiB blocks at concurrency 1 / 8 /
   ``mooncake.store`` is missing).
 
 Usage: ``python -m benchmarks.bench_peer [--quick] [--json FILE] [--profile] [--sizes 1MiB,..]
-[--mooncake auto|off|PATH] [--baseline DIR]``.
+[--mooncake auto|off|PATH] [--baseline DIR] [--stamps-log]``.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ class _Profiler:
 
 async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
                    server_loop: str = "auto", mooncake: Path | None = None,
-                   baseline: Path | None = None) -> list[Result]:
+                   baseline: Path | None = None, stamps_log: bool = False) -> list[Result]:
     """All servers up at once; for each size and concurrency the systems run back to back,
     round robin for 3 repetitions (the median is kept), so every ratio compares cells
     measured seconds apart (the machine drifts up to 2x between periods). The Mooncake
@@ -286,16 +286,21 @@ async def _run_all(quick: bool, profile: bool, sizes: dict[str, int],
             # Runs last in the stack: after the server has exited and written its profile.
             stack.callback(lambda: server_prof.exists() and _print_profile(
                 "server (kvtier serve)", pstats.Stats(str(server_prof))))
-        proc, line = stack.enter_context(_child(serve, "listening on"))
+        def log(name: str) -> list[str]:  # each server its own stamps log (--stamps-log)
+            return ["--versions", str(Path(tmp) / f"{name}.versions")] if stamps_log else []
+
+        proc, line = stack.enter_context(_child([*serve, *log("main")], "listening on"))
         member = line.split("listening on ")[1].split()[0]
         server_pid = {"": proc.pid}
         # The same server with the data plane off: every request through aiohttp.
-        proc, line = stack.enter_context(_child([*serve, "--no-data-plane"], "listening on"))
+        proc, line = stack.enter_context(_child([*serve, "--no-data-plane", *log("aiohttp")],
+                                                "listening on"))
         server_pid[", aiohttp server"] = proc.pid
         aio_member = line.split("listening on ")[1].split()[0]
         base_member = None
         if baseline is not None:  # the same server from another source tree
-            proc, line = stack.enter_context(_child(serve, "listening on", baseline))
+            proc, line = stack.enter_context(_child([*serve, *log("baseline")], "listening on",
+                                                    baseline))
             server_pid[", baseline server"] = proc.pid
             base_member = line.split("listening on ")[1].split()[0]
         proc, line = stack.enter_context(_child([*module, "_serve_raw"], "READY"))
@@ -492,16 +497,17 @@ def _targets(results: list[Result]) -> list[str]:
 
 def run(quick: bool = False, profile: bool = False, sizes: dict[str, int] | None = None,
         server_loop: str = "auto", mooncake: str = "auto",
-        baseline: Path | None = None) -> list[Result]:
+        baseline: Path | None = None, stamps_log: bool = False) -> list[Result]:
     """Run every cell (for ``sizes``, default all of SIZES; ``kvtier serve --loop
     server_loop``; the Mooncake cells per ``mooncake``: ``auto``, ``off`` or the path of
     ``bench_mooncake.py``; ``baseline``: a source tree whose ``kvtier serve`` the baseline
-    server cells run against) and return the results (ratios attached)."""
+    server cells run against; ``stamps_log``: the servers keep a stamps log) and return
+    the results (ratios attached)."""
     script, why = mooncake_baseline.resolve(mooncake)
     if script is None:
         print(f"mooncake baseline: skipped: {why}")
     results = asyncio.run(_run_all(quick, profile, SIZES if sizes is None else sizes,
-                                   server_loop, script, baseline))
+                                   server_loop, script, baseline, stamps_log))
     _attach_ratios(results)
     return results
 
@@ -509,7 +515,7 @@ def run(quick: bool = False, profile: bool = False, sizes: dict[str, int] | None
 def _report(args: argparse.Namespace) -> tuple[list[Result], int]:
     sizes = {label: SIZES[label] for label in args.sizes}
     results = run(args.quick, args.profile, sizes, args.server_loop, args.mooncake,
-                  args.baseline)
+                  args.baseline, args.stamps_log)
     for label in sizes:
         rows = sorted((r for r in results if r.size == label),
                       key=lambda r: (r.concurrency, r.case))
@@ -538,6 +544,9 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
                         help="also run the peer get/put cells against a kvtier serve from "
                              "this source tree (e.g. git archive main | tar -x -C DIR)")
+    parser.add_argument("--stamps-log", action="store_true",
+                        help="every server keeps a stamps log (kvtier serve --versions), as "
+                             "beside an lmdb:// or file:// segment")
 
 
 def _sizes(text: str) -> list[str]:

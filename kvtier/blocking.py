@@ -6,6 +6,14 @@ to it with :func:`asyncio.run_coroutine_threadsafe`; the calling thread waits (b
 per-call timeout) on the returned future. The store is only ever touched on its own loop, so
 any number of threads may call at once. It is not a set of generated sync twins of the async
 methods, and never ``asyncio.run`` per call.
+
+A call's timeout is one :class:`~kvtier.deadline.Deadline` with its rule (cancel what has
+not started, wait for what has, say which): counted from when the thread called, it is the
+store's deadline for the operation (or, for a verb without one, a ``Deadline`` entered on the
+loop around it); a call the loop had not started by then is cancelled there and then (it
+never runs, :class:`~kvtier.deadline.DeadlineExceeded` says so); one it had started is
+waited for, and the store ends it at the deadline. So a call that returned or raised never
+acts later: no read fills a caller's buffer, no write lands, after it.
 """
 
 from __future__ import annotations
@@ -13,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from kvtier.deadline import Deadline, DeadlineExceeded
 from kvtier.errors import ClosedError
 from kvtier.events import Subscription
 from kvtier.explain import Explanation
@@ -30,10 +40,30 @@ __all__ = ["BlockingStore"]
 
 T = TypeVar("T")
 
-# Read calls hand their timeout to the store (a slow tier becomes a miss); the calling thread
-# waits this much longer before it gives up, so the store's own deadline normally wins.
-_READ_GRACE_S = 1.0
 _UNSET: Any = object()
+
+
+class _Start:
+    """Whether a call handed to the loop starts there or is cancelled first: starting and
+    cancelling take one lock, so exactly one of them wins."""
+
+    __slots__ = ("lock", "state")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.state = "queued"
+
+    def start(self) -> bool:
+        with self.lock:
+            if self.state == "queued":
+                self.state = "running"
+            return self.state == "running"
+
+    def cancel(self) -> bool:
+        with self.lock:
+            if self.state == "queued":
+                self.state = "cancelled"
+            return self.state == "cancelled"
 
 
 class BlockingStore:
@@ -44,15 +74,15 @@ class BlockingStore:
     urls
         Tier URLs (or tier objects), top first, as for :func:`kvtier.open_store`.
     timeout
-        Default per-call timeout in seconds (``None``: wait forever). Read calls (``get``,
-        ``get_many``, ``get_many_into``, ``contains``, ``lookup_prefix``) pass it to the store
-        as its deadline, so a tier slower than that counts as a miss; they, and the other
-        calls but the writes, also stop waiting after it (plus one second of grace for
-        reads), cancel the operation (which leaves its full effect or none) and raise
-        :class:`TimeoutError`. Writes (``put``, ``put_many``, ``delete``) pass it to the
-        store as their deadline and wait for its answer: the store raises ``TimeoutError``
-        once nothing the write started can still act (a worker thread reading the value may
-        keep it a little past the deadline).
+        Default per-call timeout in seconds (``None``: wait forever), one deadline counted
+        from the call (see the module's docstring). Reads (``get``, ``get_many``,
+        ``get_many_into``, ``contains``, ``lookup_prefix``, ``explain``) pass what is left of
+        it to the store as their deadline, so a tier slower than that counts as a miss;
+        writes (``put``, ``put_many``, ``delete``) too, and the store raises
+        ``TimeoutError`` once nothing the write started can still act. The other calls run
+        under a deadline on the loop (cancelled at it: their full effect or none). A call
+        the loop had not started by the deadline is cancelled without running, and raises
+        :class:`~kvtier.deadline.DeadlineExceeded` (a ``TimeoutError``).
     close_timeout
         How long :meth:`close` waits for calls in flight and for the store to flush.
     loop_factory
@@ -168,72 +198,83 @@ class BlockingStore:
         with self._lock:
             self._inflight.discard(future)
 
-    def _wait(self, future: concurrent.futures.Future[T], timeout: float | None) -> T:
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"kvtier call did not finish within {timeout} s") from None
-
     def _timeout_of(self, timeout: float | None) -> float | None:
         return self._timeout if timeout is _UNSET else check_timeout(timeout)
 
-    def _read(self, fn: Callable[[TieredStore, float | None], Awaitable[T]],
-              timeout: float | None) -> T:
+    def _call(self, what: str, fn: Callable[[TieredStore, float | None], Awaitable[T]],
+              timeout: float | None, *, store_deadline: bool = True) -> T:
+        """``fn(store, seconds left)`` on the loop under the call's deadline: the store's
+        (``store_deadline``: ``fn`` hands it the seconds left) or a :class:`Deadline` around
+        ``fn``. Cancelled if the loop has not started it by the deadline, else waited for:
+        the deadline ends it there."""
         seconds = self._timeout_of(timeout)
-        wait = None if seconds is None else seconds + _READ_GRACE_S
-        return self._wait(self.submit(lambda s: fn(s, seconds)), wait)
+        called = time.monotonic()
+        start = _Start()
 
-    def _write(self, fn: Callable[[TieredStore], Awaitable[T]], timeout: float | None) -> T:
-        return self._wait(self.submit(fn), self._timeout_of(timeout))
+        async def run(store: TieredStore) -> T:
+            if not start.start():
+                raise asyncio.CancelledError(f"{what}: cancelled before it started")
+            left = None if seconds is None else \
+                max(seconds - (time.monotonic() - called), 1e-9)  # > 0: the store's rule
+            if store_deadline:
+                return await fn(store, left)
+            async with Deadline.after(left, what):
+                return await fn(store, left)
 
-    def _store_write(self, fn: Callable[[TieredStore, float | None], Awaitable[T]],
-                     timeout: float | None) -> T:
-        # The store applies the deadline and raises TimeoutError only once nothing the write
-        # started can act any more (read the caller's value, land over a later put); giving
-        # up here first would hand the caller back its buffer while a thread still reads it.
-        seconds = self._timeout_of(timeout)
-        return self._wait(self.submit(lambda s: fn(s, seconds)), None)
+        future = self.submit(run)
+        try:
+            return future.result(seconds)
+        except concurrent.futures.TimeoutError:
+            if start.cancel():
+                future.cancel()
+                raise DeadlineExceeded(
+                    f"{what}: did not finish within {seconds:.3g} s; cancelled 1 call(s) "
+                    f"that had not started (the store's loop had not run it)",
+                    cancelled=(what,)) from None
+        return future.result()  # started: it ends at the deadline (or after a started call)
 
     # ------------------------------------------------------------------ reads
     def get(self, key: bytes, *, timeout: float | None = _UNSET) -> Block | None:
         """:meth:`TieredStore.get`: the block, or ``None`` on a miss."""
-        return self._read(lambda s, t: s.get(key, timeout=t), timeout)
+        return self._call("get", lambda s, t: s.get(key, timeout=t), timeout)
 
     def get_many(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET
                  ) -> list[Block | None]:
         """:meth:`TieredStore.get_many`: blocks or ``None``, in key order."""
-        return self._read(lambda s, t: s.get_many(keys, timeout=t), timeout)
+        return self._call("get_many", lambda s, t: s.get_many(keys, timeout=t), timeout)
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                       timeout: float | None = _UNSET) -> list[bool]:
         """:meth:`TieredStore.get_many_into`: fill caller buffers; ``False`` where missing."""
-        return self._read(lambda s, t: s.get_many_into(keys, outs, timeout=t), timeout)
+        return self._call("get_many_into",
+                          lambda s, t: s.get_many_into(keys, outs, timeout=t), timeout)
 
     def contains(self, key: bytes, *, timeout: float | None = _UNSET) -> bool:
         """:meth:`TieredStore.contains` (refreshes no recency)."""
-        return self._read(lambda s, t: s.contains(key, timeout=t), timeout)
+        return self._call("contains", lambda s, t: s.contains(key, timeout=t), timeout)
 
     def contains_many(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET
                       ) -> list[bool]:
         """:meth:`TieredStore.contains_many`: whether some tier holds each key."""
-        return self._read(lambda s, t: s.contains_many(keys, timeout=t), timeout)
+        return self._call("contains_many", lambda s, t: s.contains_many(keys, timeout=t),
+                          timeout)
 
     def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET) -> int:
         """:meth:`TieredStore.lookup_prefix`: how many leading keys some tier holds."""
-        return self._read(lambda s, t: s.lookup_prefix(keys, timeout=t), timeout)
+        return self._call("lookup_prefix", lambda s, t: s.lookup_prefix(keys, timeout=t),
+                          timeout)
 
     def explain(self, keys: Sequence[bytes], *, timeout: float | None = _UNSET
                 ) -> list[Explanation]:
         """:meth:`TieredStore.explain`: where each key was looked for and why it missed."""
-        return self._read(lambda s, t: s.explain(keys, timeout=t), timeout)
+        return self._call("explain", lambda s, t: s.explain(keys, timeout=t), timeout)
 
     def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None
                       ) -> PrefixLocation:
         """:meth:`TieredStore.locate_prefix`; ``timeout`` is its deadline for the members'
         answers (default: the store's, else 0.05 s), not this facade's call timeout."""
-        return self._wait(self.submit(lambda s: s.locate_prefix(keys, timeout=timeout)),
-                          self._timeout)
+        return self._call("locate_prefix", lambda s, _: s.locate_prefix(keys, timeout=timeout),
+                          _UNSET, store_deadline=False)
 
     def route(self, keys: Sequence[bytes], candidates: Sequence[str],
               load: Mapping[str, float] | None = None) -> str:
@@ -241,19 +282,19 @@ class BlockingStore:
         the store's loop, which owns the pool's placement state; no network request)."""
         async def route(store: TieredStore) -> str:
             return store.route(keys, candidates, load)
-        return self._write(route, _UNSET)
+        return self._call("route", lambda s, _: route(s), _UNSET, store_deadline=False)
 
     def events(self, *, buffer: int | None = None) -> Subscription:
         """:meth:`TieredStore.events`, subscribed on the store's loop. A thread polls it with
         ``Subscription.drain_nowait()`` (never blocks); ``sub.close()`` ends it."""
         async def subscribe(store: TieredStore) -> Subscription:
             return store.events(buffer=buffer)
-        return self._write(subscribe, _UNSET)
+        return self._call("events", lambda s, _: subscribe(s), _UNSET, store_deadline=False)
 
     # ------------------------------------------------------------------ writes
     def put(self, key: bytes, value: object, *, timeout: float | None = _UNSET) -> None:
         """:meth:`TieredStore.put` with ``timeout`` as its deadline."""
-        self._store_write(lambda s, t: s.put(key, value, timeout=t), timeout)
+        self._call("put", lambda s, t: s.put(key, value, timeout=t), timeout)
 
     def put_many(self, items: Iterable[tuple[bytes, object]], *,
                  timeout: float | None = _UNSET, parent: bytes | None = None) -> None:
@@ -261,28 +302,30 @@ class BlockingStore:
         materialised on the calling thread; ``parent``: the key before the chain, for KV
         events)."""
         pairs = list(items)
-        self._store_write(lambda s, t: s.put_many(pairs, parent=parent, timeout=t), timeout)
+        self._call("put_many", lambda s, t: s.put_many(pairs, parent=parent, timeout=t),
+                   timeout)
 
     def delete(self, key: bytes, *, timeout: float | None = _UNSET) -> bool:
         """:meth:`TieredStore.delete` with ``timeout`` as its deadline: whether some tier
         held ``key``."""
-        return self._store_write(lambda s, t: s.delete(key, timeout=t), timeout)
+        return self._call("delete", lambda s, t: s.delete(key, timeout=t), timeout)
 
     def pin(self, keys: Sequence[bytes], *, tier: int | None = None,
             timeout: float | None = _UNSET) -> None:
         """:meth:`TieredStore.pin`."""
-        self._write(lambda s: s.pin(keys, tier=tier), timeout)
+        self._call("pin", lambda s, _: s.pin(keys, tier=tier), timeout, store_deadline=False)
 
     def unpin(self, keys: Sequence[bytes], *, tier: int | None = None,
               timeout: float | None = _UNSET) -> None:
         """:meth:`TieredStore.unpin`."""
-        self._write(lambda s: s.unpin(keys, tier=tier), timeout)
+        self._call("unpin", lambda s, _: s.unpin(keys, tier=tier), timeout,
+                   store_deadline=False)
 
     def stats(self, *, timeout: float | None = _UNSET) -> dict[str, Any]:
         """:meth:`TieredStore.stats`, read on the store's loop."""
         async def read(store: TieredStore) -> dict[str, Any]:
             return store.stats()
-        return self._write(read, timeout)
+        return self._call("stats", lambda s, _: read(s), timeout, store_deadline=False)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

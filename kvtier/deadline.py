@@ -25,9 +25,10 @@ two. :func:`in_thread` is the one way a tier hands blocking work to a thread und
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -35,7 +36,7 @@ from typing import Any, Self, TypeVar
 from kvtier.errors import KVTierError
 from kvtier.tasks import TaskSet
 
-__all__ = ["Deadline", "DeadlineExceeded", "acquire", "current", "in_thread"]
+__all__ = ["Deadline", "DeadlineExceeded", "acquire", "current", "exempt", "in_thread"]
 
 T = TypeVar("T")
 
@@ -59,6 +60,18 @@ class DeadlineExceeded(KVTierError, TimeoutError):
         super().__init__(message)
         self.cancelled = cancelled
         self.awaited = awaited
+
+    @property
+    def which(self) -> str:
+        """What it cancelled and what it waited for, in words (``""``: no call)."""
+        parts = []
+        if self.cancelled:
+            parts.append(f"cancelled {len(self.cancelled)} call(s) that had not started "
+                         f"({', '.join(sorted(set(self.cancelled)))})")
+        if self.awaited:
+            parts.append(f"waited for {len(self.awaited)} call(s) that had started "
+                         f"({', '.join(sorted(set(self.awaited)))})")
+        return "; ".join(parts)
 
 
 def _not_started(what: str, why: str) -> asyncio.CancelledError:
@@ -111,15 +124,23 @@ class Deadline:
         The operation, for the error message (``"put"``, ``"file:// probe"``).
     """
 
-    def __init__(self, at: float | None, what: str) -> None:
+    __slots__ = ("_cancelling", "_committed", "_fired", "_parent", "_queued", "_started",
+                 "_task", "_task_cancelled", "_timer", "_token", "_within", "at", "awaited",
+                 "cancelled", "what")
+
+    def __init__(self, at: float | None, what: str, *, within: Deadline | None = None) -> None:
         self.at = at
         self.what = what
+        # A scope that ends with the deadline it is nested in (``within``) sets no timer:
+        # that one fires, and its calls are that one's, so one error says what it did.
+        self._within = within
         #: Calls cancelled before they started, and calls waited for after the deadline.
         self.cancelled: list[str] = []
         self.awaited: list[str] = []
         # Calls made under it and not finished: their future, and whether a cancelled
         # caller waits for them once started.
-        self._queued: dict[_Call, tuple[asyncio.Future[Any], bool]] = {}
+        self._queued: dict[_Call, tuple[asyncio.Future[Any], bool]] = \
+            {} if within is None else within._queued
         self._parent: Deadline | None = None
         self._task: asyncio.Task[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -135,10 +156,15 @@ class Deadline:
         """A deadline ``seconds`` from now (``None``: none), never later than the one the
         caller runs under."""
         loop = asyncio.get_running_loop()
-        at = None if seconds is None else loop.time() + seconds
+        return cls.until(None if seconds is None else loop.time() + seconds, what)
+
+    @classmethod
+    def until(cls, at: float | None, what: str) -> Deadline:
+        """A deadline at loop time ``at`` (``None``: none), never later than the one the
+        caller runs under."""
         outer = current()
-        if outer is not None and outer.at is not None and (at is None or outer.at < at):
-            at = outer.at
+        if outer is not None and outer.at is not None and (at is None or outer.at <= at):
+            return cls(outer.at, what, within=outer)
         return cls(at, what)
 
     def remaining(self) -> float | None:
@@ -160,13 +186,23 @@ class Deadline:
     @property
     def cancels(self) -> bool:
         """Whether the deadline has passed and still cancels what has not started."""
-        return self.expired and not self._committed
+        return self.expired and not self.committed
+
+    @property
+    def committed(self) -> bool:
+        """Whether :meth:`commit` was called on it or a deadline it is nested in."""
+        deadline: Deadline | None = self
+        while deadline is not None:
+            if deadline._committed:
+                return True
+            deadline = deadline._parent
+        return False
 
     @property
     def expired(self) -> bool:
         """Whether the deadline has passed."""
-        return self._fired or (self.at is not None
-                               and asyncio.get_running_loop().time() >= self.at)
+        return self._owner()._fired or (self.at is not None
+                                        and asyncio.get_running_loop().time() >= self.at)
 
     # --------------------------------------------------------------- the scope
     async def __aenter__(self) -> Self:
@@ -176,7 +212,7 @@ class Deadline:
         self._parent = current()
         self._token = _CURRENT.set(self)
         self._started = loop.time()
-        if self.at is not None:
+        if self.at is not None and self._within is None:
             self._timer = loop.call_at(self.at, self._expire)
         return self
 
@@ -189,8 +225,8 @@ class Deadline:
         if self._parent is not None:
             self._parent.cancelled += self.cancelled
             self._parent.awaited += self.awaited
-        if not self._fired or self._task is None:
-            return
+        if not self._fired or self._task is None or self._within is not None:
+            return  # (nested: the deadline it ends with raises, once the body unwound)
         # Our own cancellation is absorbed here, whatever the body did with it; a call the
         # deadline refused to start (it had passed, the timer not run yet) raised one too.
         pending = self._task.uncancel() if self._task_cancelled else self._task.cancelling()
@@ -203,12 +239,19 @@ class Deadline:
         started ones that will be waited for."""
         self._fired = True
         for call, (future, wait_started) in list(self._queued.items()):
-            if not self._committed and call.cancel():
+            if not self.committed and call.cancel():
                 self.cancelled.append(call.what)
                 future.cancel()
             elif wait_started:
                 self.awaited.append(call.what)
         self._queued.clear()
+
+    def _owner(self) -> Deadline:
+        """The deadline whose timer ends this one (itself unless nested ``within``)."""
+        deadline = self
+        while deadline._within is not None:
+            deadline = deadline._within
+        return deadline
 
     def _expire(self) -> None:
         self._cancel_queued()
@@ -219,21 +262,28 @@ class Deadline:
     def error(self) -> DeadlineExceeded:
         """The :class:`DeadlineExceeded` that says what this deadline did."""
         seconds = 0.0 if self.at is None else self.at - self._started
-        parts = [f"{self.what}: did not finish within {seconds:.3g} s"]
-        if self.cancelled:
-            parts.append(f"cancelled {len(self.cancelled)} call(s) that had not started "
-                         f"({', '.join(sorted(set(self.cancelled)))})")
-        if self.awaited:
-            parts.append(f"waited for {len(self.awaited)} call(s) that had started "
-                         f"({', '.join(sorted(set(self.awaited)))})")
-        if not self.cancelled and not self.awaited:
-            parts.append("no worker-thread call was in flight")
-        return DeadlineExceeded("; ".join(parts), tuple(self.cancelled), tuple(self.awaited))
+        error = DeadlineExceeded("", tuple(self.cancelled), tuple(self.awaited))
+        error.args = (f"{self.what}: did not finish within {seconds:.3g} s; "
+                      f"{error.which or 'no worker-thread call was in flight'}",)
+        return error
 
 
 def current() -> Deadline | None:
     """The innermost deadline the calling task runs under (``None``: none)."""
     return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def exempt() -> Iterator[None]:
+    """Run the block (and the tasks it creates) under no deadline: for cleanup that must
+    happen whatever the caller's deadline says (a victim's file leaves storage once the
+    budget stopped counting it). Shield it from the caller's cancellation too
+    (:func:`kvtier.tiers.base.run_to_end`)."""
+    token = _CURRENT.set(None)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
 async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
@@ -264,6 +314,7 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
     """
     deadline = current()
     if deadline is not None and deadline.cancels:
+        deadline = deadline._owner()  # it raises, once the caller unwound
         deadline._cancel_queued()
         deadline.cancelled.append(what)
         raise _not_started(what, "its deadline had passed")
@@ -283,7 +334,7 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
                     raise _not_started(what, "cancelled before it started") from None
                 if future.done():
                     raise
-                if (deadline is None or not deadline._committed) and call.cancel():
+                if (deadline is None or not deadline.committed) and call.cancel():
                     future.cancel()
                     if deadline is not None:
                         deadline.cancelled.append(what)
@@ -305,7 +356,7 @@ async def acquire(lock: asyncio.Lock, what: str) -> None:
     not having started, so a deadline that passes meanwhile gives up the wait
     (:class:`asyncio.CancelledError`, counted as cancelled)."""
     deadline = current()
-    if deadline is None or deadline.at is None or deadline._committed:
+    if deadline is None or deadline.at is None or deadline.committed:
         await lock.acquire()
         return
     try:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from kvtier.deadline import DeadlineExceeded
 from kvtier.misses import MissReason, Trouble
 from kvtier.promotion import Promotion
 from kvtier.singleflight import Flight, KeyRegistry, KeyState, LeaderGone
@@ -125,12 +126,12 @@ class ReadPath:
         try:
             if deadline is None:
                 return await fn(*args)  # one coroutine frame less (TierChain.bounded's)
-            return await TierChain.bounded(deadline, fn, *args)
+            return await TierChain.bounded(deadline, fn, *args, what=op)
         except passthrough:
             raise
-        except TimeoutError:
+        except TimeoutError as exc:
             self._chain.tier_counters[index].timeouts += 1
-            return self._out_of_time(index)
+            return self._out_of_time(index, exc)
         except Exception as exc:
             return self._failed(index, op, exc)
 
@@ -139,9 +140,11 @@ class ReadPath:
         return Trouble(index, MissReason.UNAVAILABLE,
                        f"{self._chain.tiers[index].name} failed: {type(exc).__name__}: {exc}")
 
-    def _out_of_time(self, index: int) -> Trouble:
-        return Trouble(index, MissReason.DEADLINE, f"the call's deadline ran out before "
-                                                   f"{self._chain.tiers[index].name} answered")
+    def _out_of_time(self, index: int, exc: BaseException | None = None) -> Trouble:
+        detail = f"the call's deadline ran out before {self._chain.tiers[index].name} answered"
+        if isinstance(exc, DeadlineExceeded) and exc.which:
+            detail += f": it {exc.which}"
+        return Trouble(index, MissReason.DEADLINE, detail)
 
     async def fetch_lower(self, key: bytes, deadline: float | None) -> Block | Trouble | None:
         """Below the top tier, with single flight: one fetch per key at a time. A miss is

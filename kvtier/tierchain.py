@@ -14,6 +14,7 @@ import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
+from kvtier.deadline import Deadline
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.event_order import OwedStored
 from kvtier.events import EventHub, medium_of
@@ -191,13 +192,17 @@ class TierChain:
         return None if seconds is None else asyncio.get_running_loop().time() + seconds
 
     @staticmethod
-    async def bounded(deadline: float | None, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Await ``fn(*args)`` within ``deadline``; ``TimeoutError`` if none is left."""
+    async def bounded(deadline: float | None, fn: Callable[..., Awaitable[T]], *args: Any,
+                      what: str = "read") -> T:
+        """Await ``fn(*args)`` within ``deadline`` (a :class:`~kvtier.deadline.Deadline`:
+        the tier's worker-thread calls still queued at it are cancelled, the started ones
+        that can still act waited for); ``TimeoutError`` if none is left, else the
+        :class:`~kvtier.deadline.DeadlineExceeded` that says which calls it cancelled."""
         if deadline is None:
             return await fn(*args)
         if asyncio.get_running_loop().time() >= deadline:
             raise TimeoutError
-        async with asyncio.timeout_at(deadline):
+        async with Deadline.until(deadline, what):
             return await fn(*args)
 
     def error(self, index: int, op: str, exc: BaseException) -> None:

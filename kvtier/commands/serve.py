@@ -131,6 +131,21 @@ def versions_path(args: argparse.Namespace) -> str | None:
     return None
 
 
+def versions_fsync(args: argparse.Namespace) -> bool:
+    """Whether the stamps log is fsynced: when the first persistent tier fsyncs its writes
+    (``lmdb://...?sync=1|meta``, ``file://...?fsync=1``), so the log is as durable."""
+    from urllib.parse import parse_qs, urlsplit
+
+    for url in args.tier:
+        parts = urlsplit(str(url))
+        query = {k.lower(): v[-1].strip().lower() for k, v in parse_qs(parts.query).items()}
+        if parts.scheme == "lmdb":
+            return query.get("sync", "0") in ("1", "meta", "true", "on", "yes")
+        if parts.scheme == "file":
+            return query.get("fsync", "0") in ("1", "true", "yes", "on")
+    return False
+
+
 def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop]]:
     """The event loop ``--loop`` asks for, as ``(name, factory)``.
 
@@ -223,7 +238,11 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
     try:
         # After the store: a tier's own error about its directory comes first.
         try:
-            versions = Versions(versions_path(args), grace=args.tombstone_grace)
+            # A write is answered once its stamps are in the log only when its block
+            # outlives a crash too (kvtier.peer.stamplog).
+            versions = Versions(versions_path(args), grace=args.tombstone_grace,
+                                fsync=versions_fsync(args),
+                                wait=any(tier.persistent for tier in store.tiers))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--versions: cannot open the stamps log: {exc}") from None
         server = PeerServer(store, token=token, host=host, port=port, node_id=args.node_id,

@@ -377,6 +377,7 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
             stored = await server.put_stamped(request.key, block, request.stamp, False)
         if stored:  # else what this server holds is newer (kvtier.peer.versions)
             server.stored((request.key,))
+            await server.versions.commit()  # answered once its stamp is in the log
             if server.holder is not None:  # placement=local: registered before the answer
                 await server.holder.stored((request.key,))
         transport = self._transport

@@ -381,7 +381,7 @@ class PeerServer:
         if runner is not None:
             await runner.cleanup()
         self._bodies.clear()
-        self.versions.close()
+        await self.versions.aclose()
         if self._close_segment:
             await self.segment.aclose()
 
@@ -601,6 +601,7 @@ class PeerServer:
             if not landed:
                 return web.Response(status=204)  # the value (or delete) held here is newer
         self.stored((key,))
+        await self.versions.commit()  # answered once its stamp is in the log
         if self.holder is not None:
             await self.holder.stored((key,))
         self._note_abandoned(request)
@@ -621,7 +622,7 @@ class PeerServer:
                 if not fill:
                     out.append(versions.clock.next())
                     continue
-                verdict = None if key not in versions.tombs else False
+                verdict = versions.admits_fill(key)
                 stamp = 0
             else:
                 verdict = versions.admits(key, stamp)
@@ -671,7 +672,7 @@ class PeerServer:
         self.frames.forget(key)
         async with self.write_order.turn((key,)):
             found = await self.delete_stamped(key, None if stamps is None else stamps[0])
-            self.versions.flush()
+        await self.versions.commit()  # answered once its tombstone is in the log
         if found and self.holder is not None:
             await self.holder.deleted((key,))
         if found:
@@ -727,9 +728,9 @@ class PeerServer:
                 for (key, _), stamp in zip(decoded, (s for s in landed if s is not None),
                                            strict=True):
                     self.versions.stored(key, stamp)
-                self.versions.flush()
         if decoded:
             self.stored(k for k, _ in decoded)
+            await self.versions.commit()
             if self.holder is not None:
                 await self.holder.stored([k for k, _ in decoded], age)
             self._note_abandoned(request)
@@ -749,7 +750,7 @@ class PeerServer:
         async with self.write_order.turn(keys):
             flags = [await self.delete_stamped(k, None if stamps is None else stamps[i])
                      for i, k in enumerate(keys)]
-            self.versions.flush()
+        await self.versions.commit()
         if self.holder is not None and any(flags):
             await self.holder.deleted([k for k, f in zip(keys, flags, strict=True) if f])
         return await self._send(request, [proto.encode_flags(flags)])

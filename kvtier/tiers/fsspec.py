@@ -46,7 +46,7 @@ from kvtier.codec import (
     frame_size_bound,
     parse_compress,
 )
-from kvtier.deadline import Deadline
+from kvtier.deadline import Deadline, exempt
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
 from kvtier.events_watch import DEFAULT_WATCH_INTERVAL
 from kvtier.misses import MissReason
@@ -301,7 +301,8 @@ class FsspecTier(BudgetedTier):
                     self.url, asynchronous=True, loop=asyncio.get_running_loop(),
                     skip_instance_cache=True, **self.storage_options)
                 if hasattr(fs, "set_session"):
-                    await asyncio.wait_for(fs.set_session(), self.timeout)
+                    async with Deadline.after(self.timeout, f"{self.name} session"):
+                        await fs.set_session()
                 self._root = root
                 self._backend = AsyncFsBackend(fs)
         return self._backend
@@ -420,15 +421,14 @@ class FsspecTier(BudgetedTier):
         return self.path_of(key)
 
     # ---------------------------------------------------------------- contract
-    async def _io(self, op: Callable[[Backend], Awaitable[T]], *, changes: bool = False) -> T:
-        """``op`` within :attr:`timeout`. Except an ``op`` that ``changes`` storage in a
-        worker thread: no timeout stops a thread, so one that gave up would see its write
-        land later (after a newer one, uncounted) or its delete remove a newer block. It is
-        waited for to its end, even by a cancelled caller."""
+    async def _io(self, op: Callable[[Backend], Awaitable[T]], what: str) -> T:
+        """``op`` under :attr:`timeout`, a :class:`~kvtier.deadline.Deadline` (within the
+        caller's): a worker-thread call still queued at it is cancelled; one that started
+        and changes storage is waited for (no timeout stops a thread: a write left running
+        would land after a newer one, uncounted, a delete remove a newer block), as it is
+        by a cancelled caller; the ``TimeoutError`` says which."""
         backend = await self._ready()
-        if changes and not backend.cancellable:
-            return await run_to_end(asyncio.ensure_future(op(backend)))
-        async with asyncio.timeout(self.timeout):
+        async with Deadline.after(self.timeout, f"{self.name} {what}"):
             return await op(backend)
 
     async def _read(self, key: bytes) -> Block | None:
@@ -436,13 +436,13 @@ class FsspecTier(BudgetedTier):
         counted and raised as :class:`TierError` (the store turns it into a miss)."""
         path = await self._path(key)
         try:
-            return await self._io(lambda b: b.read(path, decode_frame))
+            return await self._io(lambda b: b.read(path, decode_frame), "read")
         except CorruptBlockError as exc:
             self.corrupt += 1
             log.warning("%s tier: corrupt block %s deleted: %s", self.name, path, exc)
             self._report_miss((key,), MissReason.CORRUPT, str(exc))
             try:
-                await self._io(lambda b: b.delete(path), changes=True)
+                await self._io(lambda b: b.delete(path), "delete")
             except _IO_ERRORS as del_exc:  # a read-only mount cannot delete it: still a miss
                 log.warning("%s tier: cannot delete corrupt %s: %s", self.name, path, del_exc)
             self._policy.remove(key)
@@ -475,7 +475,7 @@ class FsspecTier(BudgetedTier):
             return False
         path = await self._path(key)
         try:
-            return await self._io(lambda b: b.exists(path))
+            return await self._io(lambda b: b.exists(path), "exists")
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: exists({path}) failed: {exc!r}") from exc
@@ -492,7 +492,7 @@ class FsspecTier(BudgetedTier):
         if ask:
             paths = [await self._path(keys[i]) for i in ask]
             try:
-                async with asyncio.timeout(self.timeout):
+                async with Deadline.after(self.timeout, f"{self.name} exists"):
                     found = await backend.exists_many(paths)
             except _IO_ERRORS as exc:
                 self.io_errors += 1
@@ -529,7 +529,7 @@ class FsspecTier(BudgetedTier):
             return frames[-1]
 
         try:
-            await self._io(lambda b: b.write(path, encode), changes=True)
+            await self._io(lambda b: b.write(path, encode), "write")
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
@@ -547,16 +547,22 @@ class FsspecTier(BudgetedTier):
         return blocks
 
     async def _drop_stored(self, keys: list[bytes]) -> None:
-        for key in keys:
-            try:
-                await self._remove(key)
-            except TierError as exc:  # counted; the file stays until a delete or gc
-                self._warnings.warn(f"{self.name} tier", "victim delete", str(exc))
+        async def drop() -> None:
+            for key in keys:
+                try:
+                    await self._remove(key)
+                except TierError as exc:  # counted; the file stays until a delete or gc
+                    self._warnings.warn(f"{self.name} tier", "victim delete", str(exc))
+
+        # The budget no longer counts the victims: their files go whatever the put's
+        # deadline or cancellation says (else they stay on disk, held but uncounted).
+        with exempt():
+            await run_to_end(asyncio.ensure_future(drop()))
 
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
         try:
-            found = await self._io(lambda b: b.delete(path), changes=True)
+            found = await self._io(lambda b: b.delete(path), "delete")
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: delete of {path} failed: {exc!r}") from exc

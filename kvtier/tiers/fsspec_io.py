@@ -49,10 +49,6 @@ _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 class Backend(Protocol):
     """What the tier needs from a storage back end."""
 
-    #: Whether cancelling an operation stops it (a coroutine) rather than only the wait for
-    #: it (a worker thread, which runs on regardless).
-    cancellable: bool
-
     async def read(self, path: str, decode: Decode) -> Block | None:
         """Read and decode one object; ``None`` if it does not exist."""
 
@@ -85,8 +81,6 @@ class LocalBackend:
         disk with a warm directory tree but waits for the server on NFS: the tier turns it
         on for local filesystems only (``nowait=auto``, :mod:`kvtier.tiers.mounts`).
     """
-
-    cancellable = False
 
     def __init__(self, *, fsync: bool = False, nowait: bool = False) -> None:
         self.fsync = fsync
@@ -223,7 +217,7 @@ class LocalBackend:
         return True
 
     async def exists(self, path: str) -> bool:
-        return await asyncio.to_thread(os.path.exists, path)
+        return await in_thread(os.path.exists, path, what="file exists", wait_started=False)
 
     async def exists_many(self, paths: list[str]) -> list[bool]:
         """:meth:`exists` for many paths in one go: on the loop with ``nowait`` (a ``stat`` of
@@ -231,7 +225,7 @@ class LocalBackend:
         hop per path), else in one worker thread."""
         if self.nowait:
             return self._exist(paths)
-        return await asyncio.to_thread(self._exist, paths)
+        return await in_thread(self._exist, paths, what="file exists", wait_started=False)
 
     @staticmethod
     def _exist(paths: list[str]) -> list[bool]:
@@ -243,8 +237,6 @@ class LocalBackend:
 
 class SyncFsBackend:
     """A synchronous fsspec filesystem, called from worker threads."""
-
-    cancellable = False
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
@@ -283,8 +275,6 @@ class SyncFsBackend:
 class AsyncFsBackend:
     """An async fsspec filesystem (created with ``asynchronous=True`` on the running loop)."""
 
-    cancellable = True
-
     def __init__(self, fs: Any) -> None:
         self.fs = fs
 
@@ -294,11 +284,12 @@ class AsyncFsBackend:
         except FileNotFoundError:
             return None
         if len(data) > _INLINE_BYTES:
-            return await asyncio.to_thread(decode, data)
+            return await in_thread(decode, data, what="fsspec decode", wait_started=False)
         return decode(data)
 
     async def write(self, path: str, encode: Encode) -> None:
-        frame = await asyncio.to_thread(encode)
+        # Encoding reads the caller's block: once started it is waited for.
+        frame = await in_thread(encode, what="fsspec encode")
         await self.fs._pipe_file(path, frame.to_bytes())
 
     async def delete(self, path: str) -> bool:

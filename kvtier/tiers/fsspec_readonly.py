@@ -12,12 +12,12 @@ A location that cannot be read either is always a ``ConfigError``.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import os
 from enum import StrEnum
 
+from kvtier.deadline import Deadline, in_thread
 from kvtier.errors import ConfigError
 from kvtier.tiers.fsspec_io import AsyncFsBackend, Backend, LocalBackend, SyncFsBackend
 from kvtier.warnsummary import WarningSummary
@@ -122,14 +122,14 @@ class ReadOnlyGuard:
 async def check_readable(backend: Backend | None, root: str, seconds: float) -> str | None:
     """``None`` when the directory ``root`` can be listed through ``backend`` within
     ``seconds``, else why not (missing, no permission, the back end failing)."""
-    try:
-        async with asyncio.timeout(seconds):
+    try:  # under the probe's one deadline: a listing still queued at it never runs
+        async with Deadline.after(seconds, "read probe"):
             if isinstance(backend, LocalBackend):
-                await asyncio.to_thread(os.listdir, root)
+                await in_thread(os.listdir, root, what="listdir", wait_started=False)
             elif isinstance(backend, AsyncFsBackend):
                 await backend.fs._ls(root)
             elif isinstance(backend, SyncFsBackend):
-                await asyncio.to_thread(backend.fs.ls, root)
+                await in_thread(backend.fs.ls, root, what="fsspec ls", wait_started=False)
             else:
                 return "no back end to read it with"
     except Exception as exc:  # whatever the back end raises, it cannot be read
