@@ -107,14 +107,15 @@ def _dram_bytes(member: str, token: str) -> int:
 
 
 _METRIC = re.compile(r"^(kvtier_peer_repair_\w+?|kvtier_store_evictions|kvtier_store_blocks"
-                     r"|kvtier_peer_local_(?:forwarded|dropped_oldest|stale_holders))"
+                     r"|kvtier_peer_local_(?:forwarded|dropped_oldest|stale_holders|spares_reclaimed))"
                      r"(?:_total)?(?:\{[^}]*scheme=\"dram\"[^}]*\})? (\S+)$", re.M)
 #: Per-server figures the soak reads from ``/metrics``: the DRAM tier's evictions and blocks,
 #: the anti-entropy counters, and under placement=local the last copies forwarded, the
-#: copies dropped as the oldest anywhere (the pool's budget) and the stale directory
-#: entries found.
+#: copies dropped as the oldest anywhere (the pool's budget), the stale directory entries
+#: found and the spare copies dropped to make room.
 FIGURES = ("evictions", "blocks", "passes", "checked", "pushed", "failed", "under_replicated",
-           "standins_pruned", "forwarded", "dropped_oldest", "stale_holders")
+           "standins_pruned", "forwarded", "dropped_oldest", "stale_holders",
+           "spares_reclaimed")
 
 
 def _figures(member: str, token: str) -> dict[str, float]:

@@ -592,6 +592,8 @@ class PeerServer:
         body = await self._read_body(request, self.limits.max_frame_bytes,
                                      _MAX_FRAME_NAME)
         stamps = _stamps(request, 1)
+        if self.holder is not None and not _fills(request):  # placement=local: spare
+            await self.holder.make_room(len(body))  # copies here go before a needed one
         async with self.write_order.turn((key,)):
             block = await self.decode(key, body)
             del body
@@ -602,7 +604,7 @@ class PeerServer:
                 return web.Response(status=204)  # the value (or delete) held here is newer
         self.stored((key,))
         if self.holder is not None:
-            await self.holder.stored((key,))
+            await self.holder.stored((key,), spare=_fills(request))
         self._note_abandoned(request)
         return web.Response(status=204)
 
@@ -706,6 +708,12 @@ class PeerServer:
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
         stamps = _stamps(request, len(entries))
         age = parse_age(request.query.get(AGE_QUERY))  # a forwarded last copy's age
+        # placement=local: a fill without an age (a read's copy home, a repair push) is a
+        # spare copy, which never displaces a last copy; spare copies here go before a
+        # needed one.
+        spare = _fills(request) and age is None
+        if self.holder is not None and not spare:
+            await self.holder.make_room(len(body))
         async with self.write_order.turn(k for k, _ in entries):
             # Every frame is verified before anything is stored: a bad batch changes nothing.
             decoded: list[tuple[bytes, object]] = []
@@ -720,9 +728,7 @@ class PeerServer:
             decoded = [item for item, stamp in zip(decoded, landed, strict=True)
                        if stamp is not None]
             if decoded:
-                # placement=local: a fill without an age (a read's copy home, a repair push)
-                # is a spare copy, which never displaces a last copy.
-                with spare_copies(_fills(request) and age is None):
+                with spare_copies(spare):
                     await self.segment.put_many(decoded)
                 for (key, _), stamp in zip(decoded, (s for s in landed if s is not None),
                                            strict=True):
@@ -731,7 +737,7 @@ class PeerServer:
         if decoded:
             self.stored(k for k, _ in decoded)
             if self.holder is not None:
-                await self.holder.stored([k for k, _ in decoded], age)
+                await self.holder.stored([k for k, _ in decoded], age, spare)
             self._note_abandoned(request)
         return web.Response(status=204)
 
