@@ -79,3 +79,22 @@ def test_a_read_copy_home_never_displaces_a_last_copy(tmp_path: Path) -> None:
         keys = on_a + on_b
         lost = _unreadable([a, b], b, keys, blocks)
         assert lost == [], f"{len(lost)} of {len(keys)} acked blocks unreadable"
+
+
+def test_an_overwrite_through_another_home_supersedes_the_old_copy(tmp_path: Path) -> None:
+    """``replicas=1``: a client of home A writes 10 blocks, a client of home B overwrites
+    them (B's copies, not A's). A's older copies are deleted before the overwrite is
+    acknowledged, so a client of home A reads the new values, not its home's old ones."""
+    opts = {**POOL, "replicas": 1}
+    with pool_processes(tmp_path, 2, lambda i: _dram(50), opts) as (procs, _):
+        a, b = [p.member for p in procs]
+        time.sleep(0.5)
+        keys = [key_of(9500 + i) for i in range(10)]
+        with _client([a, b], a, replicas=1) as writer:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        new = {k: sample_block(100 + i) for i, k in enumerate(keys)}
+        with _client([a, b], b, replicas=1) as writer:
+            writer.put_many(list(new.items()))
+        stale = _unreadable([a, b], a, keys, new)
+        assert stale == [], f"{len(stale)} of {len(keys)} overwrites read at their first value"
+        assert _held(a, keys) == [False] * 10

@@ -5,6 +5,10 @@ directory, and forwards a block's last copy by global age when its segment evict
   read's local copy, a repair push) is registered with the key's directory owners (its
   first ``replicas`` live ring members, see :mod:`kvtier.peer.directory`) before the store
   is acknowledged, one request per directory owner for a batch; a delete deregisters.
+* **An overwrite supersedes.** A client's write through another home lands on other members
+  than the value before it: the registration answers the key's holders, and with more than
+  ``replicas`` of them the others are asked to drop a copy older than the write whose
+  content differs (no tombstone), before the write is acknowledged (``superseded``).
 * **Forward by global age** (the Global Memory Service, Feeley et al., SOSP 1995; N-chance
   forwarding, Dahlin et al., OSDI 1994). When the segment's last tier evicts a block for
   good, this member first takes itself off the key's directory entry, which answers the
@@ -56,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.codec import encode_frame
 from kvtier.errors import TierFullError
+from kvtier.peer.directory import frame_digest
 from kvtier.tiers.base import Block, Tier
 
 if TYPE_CHECKING:
@@ -169,11 +174,28 @@ class LocalHolder:
             log.debug("directory update at %s failed: %s", member, exc)
             return None
 
-    async def register(self, keys: Sequence[bytes]) -> None:
+    async def _register_at(self, member: str, keys: Sequence[bytes]) -> list[list[str]] | None:
+        """Register ``keys`` at directory owner ``member``; per key, its holders there after
+        the update (``None`` when it did not answer)."""
+        if member == self.me:
+            self.server.directory.update(self.me, keys, ())
+            return self.server.directory.lookup(keys)
+        try:
+            return await self.pool.members.client(member).dir_register(self.me, keys)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # that owner is refilled by the next anti-entropy pass
+            self.counts["directory_failed"] += 1
+            log.debug("directory update at %s failed: %s", member, exc)
+            return None
+
+    async def register(self, keys: Sequence[bytes], supersede: bool = False) -> None:
         """Tell the directory owners of ``keys`` that this member holds them: returns once
         each key's entry is recorded at one of its owners (a reader walks the owners), or
         every owner failed; the other owners' updates finish in the background, so a frozen
-        owner does not stall puts until it is taken out of the path."""
+        owner does not stall puts until it is taken out of the path. ``supersede`` (a
+        client's write landed here): the older values other holders the directory names
+        keep are dropped first (:meth:`_supersede`)."""
         plan: dict[str, list[bytes]] = defaultdict(list)
         firsts: dict[bytes, list[str]] = {}
         for key in keys:
@@ -181,18 +203,64 @@ class LocalHolder:
             firsts[key] = owners
             for owner in owners:
                 plan[owner].append(key)
-        tasks = {asyncio.ensure_future(self._update(m, ks, ())): ks for m, ks in plan.items()}
+        tasks = {asyncio.ensure_future(self._register_at(m, ks)): ks for m, ks in plan.items()}
         for task in tasks:
             self._updates.add(task)
             task.add_done_callback(self._updates.discard)
         pending = set(tasks)
         unrecorded = {k for k, owners in firsts.items() if owners}
+        holders: dict[bytes, set[str]] = defaultdict(set)
         while pending and unrecorded:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task.result() is not None:
+                answer = task.result()
+                if answer is not None:
                     unrecorded.difference_update(tasks[task])
+                    for key, found in zip(tasks[task], answer, strict=True):
+                        holders[key].update(found)
         self.counts["registered"] += len(keys)
+        if supersede:
+            # More holders than copies a write makes: some hold a value from before it.
+            await self._supersede({k: found - {self.me} for k, found in holders.items()
+                                   if len(found) > self.pool.replicas})
+
+    async def _supersede(self, others: dict[bytes, set[str]]) -> None:
+        """A client's write of each key of ``others`` landed here: drop the older values the
+        members of ``others`` hold (a write through another home goes to other members
+        than the one before it, so the older copies would stay readable). Each member
+        drops its copy only where it is older than this write's stamp and its content
+        differs (an equal block, as two hosts that computed one prefix hold, stays a copy),
+        and leaves no tombstone; one request per member, within the pool's timeout, before
+        the write is acknowledged."""
+        if not others:
+            return
+        stamps = self.server.versions.stamps
+        keys = list(others)
+        blocks = await self.server.segment.get_many(keys)
+        plan: dict[str, list[tuple[bytes, int, int]]] = defaultdict(list)
+        for key, block in zip(keys, blocks, strict=True):
+            stamp = stamps.get(key, 0)
+            if block is None or stamp <= 0:
+                continue  # evicted or written again meanwhile: nothing of this write to keep
+            digest = frame_digest(self.server.frames.encode(key, block).header)
+            for member in others[key]:
+                if self.pool.members.reachable(member):
+                    plan[member].append((key, stamp - 1, digest))
+
+        async def drop(member: str, items: list[tuple[bytes, int, int]]) -> None:
+            try:
+                flags = await asyncio.wait_for(self.pool.members.client(member).drop_superseded(
+                    [k for k, _, _ in items], [s for _, s, _ in items],
+                    [d for _, _, d in items]), self.pool.timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # its older copy stays until a read or write finds it
+                self.counts["supersede_failed"] += len(items)
+                log.debug("dropping superseded copies at %s failed: %s", member, exc)
+                return
+            self.counts["superseded"] += sum(flags)
+
+        await asyncio.gather(*(drop(m, items) for m, items in plan.items()))
 
     async def unregister(self, keys: Sequence[bytes]) -> list[tuple[int, set[str]]]:
         """Take this member off the directory entries of ``keys``; per key, the fewest
@@ -286,7 +354,7 @@ class LocalHolder:
                 self._spare_hints[key] = None
         while len(self._spare_hints) > _SPARE_HINTS:
             del self._spare_hints[next(iter(self._spare_hints))]
-        await self.register(keys)
+        await self.register(keys, supersede=age is None and not spare)
 
     async def deleted(self, keys: Sequence[bytes]) -> None:
         """Keys deleted here: off the directory."""
@@ -384,7 +452,7 @@ class LocalHolder:
         if not keys:
             return []
         replicas = self.pool.replicas
-        holders = await self.pool.directory_holders(keys)
+        holders = await self._all_holders(keys)
         listed = {k: {m for m in found if m != self.me}
                   for k, found in zip(keys, holders, strict=True)}
         listed = {k: others for k, others in listed.items() if len(others) >= replicas}
@@ -457,9 +525,18 @@ class LocalHolder:
                 continue
             done["checked"] += len(chunk)
             await self.register(chunk)
-            holders = await self.pool.directory_holders(chunk)
+            holders = await self._all_holders(chunk)
             await self._restore_copies(chunk, holders, done)
         return dict(done)
+
+    async def _all_holders(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Every holder of each key its directory owners know together
+        (:meth:`kvtier.peer.localreads.LocalReads.all_holders`)."""
+        reads = self.pool.local_reads
+        if reads is None:  # not a placement=local pool: directory_holders says so
+            return await self.pool.directory_holders(keys)
+        await self.pool._start()
+        return await reads.all_holders(keys)
 
     async def _restore_copies(self, keys: list[bytes], holders: list[list[str]],
                               done: dict[str, int]) -> None:

@@ -31,13 +31,17 @@ from kvtier.peer.answers import BatchAnswer, batch_get_answer, failure_of
 from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.dataplane import RECV_SCRATCH, DataPlaneProtocol
 from kvtier.peer.directory import (
+    ADDED_QUERY,
     AGE_QUERY,
     DIR_LOOKUP_PATH,
     DIR_UPDATE_PATH,
     MAX_MEMBER_BYTES,
+    SUPERSEDED_QUERY,
     Directory,
+    decode_superseded,
     decode_update,
     encode_holders,
+    frame_digest,
     parse_age,
 )
 from kvtier.peer.guards import (
@@ -747,6 +751,8 @@ class PeerServer:
         return await self._send(request, [proto.encode_flags(flags)])
 
     async def _batch_delete(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get(SUPERSEDED_QUERY.partition("=")[0]) is not None:
+            return await self._drop_superseded(request)
         keys = await self._read_keys(request)
         stamps = _stamps(request, len(keys))
         for key in keys:
@@ -759,6 +765,40 @@ class PeerServer:
         if self.holder is not None and any(flags):
             await self.holder.deleted([k for k, f in zip(keys, flags, strict=True) if f])
         return await self._send(request, [proto.encode_flags(flags)])
+
+    async def _drop_superseded(self, request: web.Request) -> web.StreamResponse:
+        """placement=local: drop the copies older than a client's write that landed on
+        another member, where their content differs (``?superseded=1``, see
+        :meth:`kvtier.peer.client.PeerClient.drop_superseded`)."""
+        body = await self._read_body(request, self.key_list_limit() + 8 * self.limits.max_batch,
+                                     _KEY_LIST_NAME)
+        keys, digests = decode_superseded(body, self.limits.max_batch)
+        stamps = _stamps(request, len(keys))
+        if stamps is None:
+            raise proto.ProtocolError(f"{SUPERSEDED_QUERY}: needs the stamps of the newer write")
+        async with self.write_order.turn(keys):
+            flags = [await self._drop_older(k, s, d)
+                     for k, s, d in zip(keys, stamps, digests, strict=True)]
+            self.versions.flush()
+        if self.holder is not None and any(flags):
+            await self.holder.deleted([k for k, f in zip(keys, flags, strict=True) if f])
+        return await self._send(request, [proto.encode_flags(flags)])
+
+    async def _drop_older(self, key: bytes, stamp: int, digest: int) -> bool:
+        """Drop this server's copy of ``key`` if it is older than ``stamp`` and its content
+        differs from ``digest`` (an equal block is a copy of the newer write: it stays); no
+        tombstone, the key lives on elsewhere. Whether it was dropped (call in its turn)."""
+        if self.versions.stamps.get(key, 0) > stamp:
+            return False
+        block = await self.segment.get(key)
+        if block is None or frame_digest(self.frames.encode(key, block).header) == digest:
+            return False
+        self.frames.forget(key)
+        if not await self.segment.delete(key):
+            return False
+        self.stored_keys.pop(key, None)
+        self.versions.forget(key)
+        return True
 
     async def _batch_stamps(self, request: web.Request) -> web.StreamResponse:
         keys = await self._read_keys(request)
@@ -776,8 +816,10 @@ class PeerServer:
     async def _dir_update(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request, 2 + MAX_MEMBER_BYTES + 2 * self.key_list_limit())
         holder, add, remove = decode_update(body, self.limits.max_batch)
-        return await self._send(request, [encode_holders(self.directory.update(holder, add,
-                                                                               remove))])
+        left = self.directory.update(holder, add, remove)
+        if request.query.get(ADDED_QUERY.partition("=")[0]) is not None:
+            left = self.directory.lookup(add) + left  # the holders of each added key first
+        return await self._send(request, [encode_holders(left)])
 
     def health(self) -> dict[str, Any]:
         """The ``/v1/health`` document."""
