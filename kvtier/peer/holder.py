@@ -452,7 +452,7 @@ class LocalHolder:
         if not keys:
             return []
         replicas = self.pool.replicas
-        holders = await self._all_holders(keys)
+        holders = await self.pool.directory_holders(keys)
         listed = {k: {m for m in found if m != self.me}
                   for k, found in zip(keys, holders, strict=True)}
         listed = {k: others for k, others in listed.items() if len(others) >= replicas}
@@ -525,18 +525,9 @@ class LocalHolder:
                 continue
             done["checked"] += len(chunk)
             await self.register(chunk)
-            holders = await self._all_holders(chunk)
+            holders = await self.pool.directory_holders(chunk)
             await self._restore_copies(chunk, holders, done)
         return dict(done)
-
-    async def _all_holders(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """Every holder of each key its directory owners know together
-        (:meth:`kvtier.peer.localreads.LocalReads.all_holders`)."""
-        reads = self.pool.local_reads
-        if reads is None:  # not a placement=local pool: directory_holders says so
-            return await self.pool.directory_holders(keys)
-        await self.pool._start()
-        return await reads.all_holders(keys)
 
     async def _restore_copies(self, keys: list[bytes], holders: list[list[str]],
                               done: dict[str, int]) -> None:

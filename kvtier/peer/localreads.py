@@ -91,33 +91,6 @@ class LocalReads:
         found, _ = await self._directory(keys)
         return found
 
-    async def all_holders(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """Per key, every holder its live directory owners (its first ``replicas`` live
-        members) know together, one request per owner for the batch; a key none of them
-        knows a holder of is looked up as :meth:`directory_holders` does (past the owners).
-        A directory owner restarted empty knows only what registered since, so the first
-        owner's answer alone can miss holders: the repair pass and the spare check, which
-        count copies, ask them all."""
-        tier = self.tier
-        groups: dict[str, list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
-            for owner in tier.members.live_owners(key, tier.replicas):
-                groups[owner].append(i)
-        replies = await asyncio.gather(*(
-            tier._call(m, "directory", partial(self._lookup, m, [keys[i] for i in idx]),
-                       len(idx)) for m, idx in groups.items()))
-        found: list[dict[str, None]] = [{} for _ in keys]
-        for idx, reply in zip(groups.values(), replies, strict=True):
-            if isinstance(reply, list):
-                for i, holders in zip(idx, cast(list[list[str]], reply), strict=True):
-                    found[i].update(dict.fromkeys(holders))
-        unknown = [i for i, f in enumerate(found) if not f]
-        if unknown:
-            for i, holders in zip(unknown, await self.directory_holders(
-                    [keys[i] for i in unknown]), strict=True):
-                found[i].update(dict.fromkeys(holders))
-        return [list(f) for f in found]
-
     async def _directory(self, keys: Sequence[bytes]) -> tuple[list[list[str]], list[set[str]]]:
         """:meth:`directory_holders`, and per key the members that answered."""
         tier = self.tier
