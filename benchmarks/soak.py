@@ -107,14 +107,15 @@ def _dram_bytes(member: str, token: str) -> int:
 
 
 _METRIC = re.compile(r"^(kvtier_peer_repair_\w+?|kvtier_store_evictions|kvtier_store_blocks"
-                     r"|kvtier_peer_local_(?:forwarded|dropped_oldest|stale_holders))"
+                     r"|kvtier_peer_local_(?:forwarded|dropped_oldest|stale_holders|spares_reclaimed))"
                      r"(?:_total)?(?:\{[^}]*scheme=\"dram\"[^}]*\})? (\S+)$", re.M)
 #: Per-server figures the soak reads from ``/metrics``: the DRAM tier's evictions and blocks,
 #: the anti-entropy counters, and under placement=local the last copies forwarded, the
-#: copies dropped as the oldest anywhere (the pool's budget) and the stale directory
-#: entries found.
+#: copies dropped as the oldest anywhere (the pool's budget), the stale directory entries
+#: found and the spare copies dropped to make room.
 FIGURES = ("evictions", "blocks", "passes", "checked", "pushed", "failed", "under_replicated",
-           "standins_pruned", "forwarded", "dropped_oldest", "stale_holders")
+           "standins_pruned", "forwarded", "dropped_oldest", "stale_holders",
+           "spares_reclaimed")
 
 
 def _figures(member: str, token: str) -> dict[str, float]:
@@ -239,6 +240,7 @@ class Tally:
 async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namespace, until: float,
                    rng: random.Random) -> None:
     keys: list[bytes] = []
+    reading: dict[bytes, int] = {}  # key -> gets of it in flight (never overwritten meanwhile)
     interval = args.concurrency / args.rate
     counter = iter(range(1 << 62))
 
@@ -251,8 +253,11 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
             if args.chain > 1:
                 await _chain_op(store, tally, args, rng, next(counter))
             elif keys and rng.random() < args.overwrites + args.deletes:
-                # Taken out of the read pool first: no get races its change mid-run.
+                # Taken out of the read pool first, and never one a get is reading: no get
+                # races its change mid-run (a get in flight would read the new value).
                 i = rng.randrange(len(keys))
+                if keys[i] in reading:
+                    continue
                 key, keys[i] = keys[i], keys[-1]
                 keys.pop()
                 overwrite = rng.random() * (args.overwrites + args.deletes) < args.overwrites
@@ -285,12 +290,17 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
             else:
                 key = rng.choice(keys)
                 t0 = time.perf_counter()
+                reading[key] = reading.get(key, 0) + 1
                 try:
                     got = await store.get(key)  # type: ignore[attr-defined]
                 except Exception as exc:
                     tally.get_errors += 1
                     tally.errors.append(f"get: {exc!r}"[:300])
                     continue
+                finally:
+                    reading[key] -= 1
+                    if not reading[key]:
+                        del reading[key]
                 tally.get_lat.append(time.perf_counter() - t0)
                 tally.gets += 1
                 if got is None:

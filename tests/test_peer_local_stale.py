@@ -5,6 +5,7 @@ only real copy as a "spare". Against real `kvtier serve` processes."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,50 @@ def test_a_read_copy_home_never_displaces_a_last_copy(tmp_path: Path) -> None:
         keys = on_a + on_b
         lost = _unreadable([a, b], b, keys, blocks)
         assert lost == [], f"{len(lost)} of {len(keys)} acked blocks unreadable"
+
+
+def test_an_overwrite_through_another_home_supersedes_the_old_copy(tmp_path: Path) -> None:
+    """``replicas=1``: a client of home A writes 10 blocks, a client of home B overwrites
+    them (B's copies, not A's). A's older copies are deleted before the overwrite is
+    acknowledged, so a client of home A reads the new values, not its home's old ones."""
+    opts = {**POOL, "replicas": 1}
+    with pool_processes(tmp_path, 2, lambda i: _dram(50), opts) as (procs, _):
+        a, b = [p.member for p in procs]
+        time.sleep(0.5)
+        keys = [key_of(9500 + i) for i in range(10)]
+        with _client([a, b], a, replicas=1) as writer:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        new = {k: sample_block(100 + i) for i, k in enumerate(keys)}
+        with _client([a, b], b, replicas=1) as writer:
+            writer.put_many(list(new.items()))
+        stale = _unreadable([a, b], a, keys, new)
+        assert stale == [], f"{len(stale)} of {len(keys)} overwrites read at their first value"
+        assert _held(a, keys) == [False] * 10
+
+
+def test_a_delete_missed_by_a_frozen_holder_is_handed_over(tmp_path: Path) -> None:
+    """``replicas=1``: 10 blocks through home A live on A only, whatever their ring owners.
+    A is frozen while a client deletes them (A times out); once A answers again the client
+    hands the missed deletes over to it, as to a ring owner, so no deleted block reads
+    back from A."""
+    opts = {**POOL, "replicas": 1}
+    with pool_processes(tmp_path, 3, lambda i: _dram(50), opts) as (procs, _):
+        members = [p.member for p in procs]
+        a = members[0]
+        time.sleep(0.5)
+        keys = [key_of(9700 + i) for i in range(10)]
+        with _client(members, a, replicas=1) as writer:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+        assert _held(a, keys) == [True] * 10
+        with _client(members, members[1], replicas=1, timeout=1, health_interval=0.2) as c:
+            procs[0].signal(signal.SIGSTOP)
+            try:
+                for key in keys:
+                    c.delete(key)
+            finally:
+                procs[0].signal(signal.SIGCONT)
+            deadline = time.monotonic() + 10.0  # A answers health probes again: its
+            while sum(_held(a, keys)) and time.monotonic() < deadline:  # missed deletes go
+                time.sleep(0.5)  # to it, in the background
+        undone = sum(_held(a, keys))
+        assert undone == 0, f"{undone} of {len(keys)} acked deletes still held by A"

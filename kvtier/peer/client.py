@@ -29,10 +29,13 @@ from kvtier.errors import PeerError, PeerStatusError
 from kvtier.peer import protocol as proto
 from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.directory import (
+    ADDED_QUERY,
     AGE_QUERY,
     DIR_LOOKUP_PATH,
     DIR_UPDATE_PATH,
+    SUPERSEDED_QUERY,
     decode_holders,
+    encode_superseded,
     encode_update,
     holders_cap,
 )
@@ -285,6 +288,7 @@ class PeerClient:
             raise PeerError(f"peer {self.member}: {method} failed: {_describe(exc)}") from None
 
     def _answer_cap(self, path: str) -> int:
+        path = path.partition("?")[0]
         if path in (proto.BATCH_EXISTS_PATH, proto.BATCH_DELETE_PATH):
             return 4 + self.limits.max_batch  # a flag list
         if path == proto.BATCH_STAMPS_PATH:
@@ -444,6 +448,34 @@ class PeerClient:
                 holder, add[start:start + step], part))
             left += decode_holders(body or b"", len(part))
         return left
+
+    async def dir_register(self, holder: str, add: Sequence[bytes]) -> list[list[str]]:
+        """Tell the peer's holder directory that ``holder`` holds ``add``; returns, per key,
+        its holders there after the update (``?added=1``)."""
+        out: list[list[str]] = []
+        for part in self._chunks(len(add)):
+            chunk = add[part]
+            body = await self._request("POST", f"{DIR_UPDATE_PATH}?{ADDED_QUERY}", ok=(200,),
+                                       body=encode_update(holder, chunk, ()))
+            out += decode_holders(body or b"", len(chunk))
+        return out
+
+    async def drop_superseded(self, keys: Sequence[bytes], stamps: Sequence[int],
+                              digests: Sequence[int]) -> list[bool]:
+        """Drop the peer's copies of ``keys`` older than ``stamps`` whose content differs
+        from ``digests`` (:func:`~kvtier.peer.directory.frame_digest`; one each per key),
+        leaving no tombstone (``placement=local``: values a newer write elsewhere
+        superseded); which were dropped."""
+        out: list[bool] = []
+        step = min(self.limits.max_batch, _STAMPS_PER_REQUEST)
+        for start in range(0, len(keys), step):
+            part = slice(start, start + step)
+            body = await self._request(
+                "POST", f"{proto.BATCH_DELETE_PATH}?{SUPERSEDED_QUERY}", ok=(200,),
+                body=encode_superseded(keys[part], digests[part]),
+                headers={STAMP_HEADER: format_stamps(list(stamps[part]))})
+            out += proto.decode_flags(body or b"", len(keys[part]))
+        return out
 
     async def health(self, limit_s: float | None = None) -> dict[str, Any]:
         """The peer's ``/v1/health`` document (``limit_s`` overrides the timeout)."""

@@ -371,6 +371,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     async def _put(self, request: _Request) -> int:
         server = self._server
         body = self._take_body(request)
+        if server.holder is not None:  # placement=local: spare copies here go first
+            await server.holder.make_room(body.nbytes)
         async with server.write_order.turn((request.key,)):
             block = await server.decode(request.key, body)
             del body

@@ -30,14 +30,21 @@ from collections.abc import Sequence
 
 from kvtier.peer import protocol as proto
 
-__all__ = ["AGE_QUERY", "DIR_LOOKUP_PATH", "DIR_UPDATE_PATH", "MAX_HOLDERS", "MAX_MEMBER_BYTES",
-           "Directory", "decode_holders", "decode_update", "encode_holders", "encode_update",
-           "holders_cap", "parse_age"]
+__all__ = ["ADDED_QUERY", "AGE_QUERY", "DIR_LOOKUP_PATH", "DIR_UPDATE_PATH", "MAX_HOLDERS",
+           "MAX_MEMBER_BYTES", "SUPERSEDED_QUERY", "Directory", "decode_holders",
+           "decode_superseded", "decode_update", "encode_holders", "encode_superseded",
+           "encode_update", "frame_digest", "holders_cap", "parse_age"]
 
 DIR_LOOKUP_PATH = f"{proto.API_PREFIX}/dir/lookup"
 DIR_UPDATE_PATH = f"{proto.API_PREFIX}/dir/update"
 #: Query name of a batch put that forwards evicted last copies: their age in seconds.
 AGE_QUERY = "age"
+#: Query of an update that also answers, first, the holders of each added key after it.
+ADDED_QUERY = "added=1"
+#: Query of a stamped batch delete that drops only values older than its stamps whose
+#: content differs (a digest per key), leaving no tombstone: the older copies a client's
+#: write through another member superseded.
+SUPERSEDED_QUERY = "superseded=1"
 #: Longest member id (``host:port``) a directory accepts.
 MAX_MEMBER_BYTES = 300
 #: Holders a directory keeps per key (the most recent registrations; more copies than this
@@ -46,6 +53,7 @@ MAX_HOLDERS = 16
 
 _COUNT = struct.Struct("<I")
 _LEN = struct.Struct("<H")
+_DIGEST = struct.Struct("<Q")
 
 
 class Directory:
@@ -183,6 +191,34 @@ def _key_list_end(view: memoryview, at: int) -> int:
         if at > len(view):
             raise proto.ProtocolError("key list: truncated")
     return at
+
+
+def frame_digest(header: bytes | memoryview) -> int:
+    """The content digest of a block: its version-2 frame's checksum (the header's last 8
+    bytes: key, header and payload), equal for equal blocks under one key."""
+    return int(_DIGEST.unpack_from(header, len(header) - _DIGEST.size)[0])
+
+
+def encode_superseded(keys: Sequence[bytes], digests: Sequence[int]) -> bytes:
+    """A superseded-copies body: a key list, then one u64 content digest per key."""
+    return proto.encode_keys(keys) + struct.pack(f"<{len(digests)}Q", *digests)
+
+
+def decode_superseded(body: bytes | memoryview, max_keys: int) -> tuple[list[bytes], list[int]]:
+    """``(keys, digests)`` of a superseded-copies body.
+
+    Raises
+    ------
+    ProtocolError
+        If the key list is malformed or the digests are not one u64 per key.
+    """
+    view = memoryview(body)
+    end = _key_list_end(view, 0)
+    keys = proto.decode_keys(view[:end], max_keys)
+    if len(view) - end != _DIGEST.size * len(keys):
+        raise proto.ProtocolError(f"superseded copies: expected {len(keys)} digests of "
+                                  f"{_DIGEST.size} bytes, got {len(view) - end} bytes")
+    return keys, list(struct.unpack_from(f"<{len(keys)}Q", view, end))
 
 
 def holders_cap(max_batch: int) -> int:

@@ -5,6 +5,10 @@ directory, and forwards a block's last copy by global age when its segment evict
   read's local copy, a repair push) is registered with the key's directory owners (its
   first ``replicas`` live ring members, see :mod:`kvtier.peer.directory`) before the store
   is acknowledged, one request per directory owner for a batch; a delete deregisters.
+* **An overwrite supersedes.** A client's write through another home lands on other members
+  than the value before it: the registration answers the key's holders, and with more than
+  ``replicas`` of them the others are asked to drop a copy older than the write whose
+  content differs (no tombstone), before the write is acknowledged (``superseded``).
 * **Forward by global age** (the Global Memory Service, Feeley et al., SOSP 1995; N-chance
   forwarding, Dahlin et al., OSDI 1994). When the segment's last tier evicts a block for
   good, this member first takes itself off the key's directory entry, which answers the
@@ -26,6 +30,12 @@ directory, and forwards a block's last copy by global age when its segment evict
 * **Spare copies never displace a last copy.** A fill put without an age (a read's copy
   home, a repair push: :func:`spare_copies`) takes free room or evicts spare copies only;
   a last copy it would evict stays and the put is refused (``spare_refused``).
+* **Spare copies go first.** A put that needs room this member's segment lacks (a
+  client's put, a forwarded last copy) first drops spare copies held here: blocks that at
+  least ``replicas`` other members hold, each of them asked (:meth:`LocalHolder.make_room`,
+  ``spares_reclaimed``), so the segment's eviction does not forward or drop a needed copy,
+  or drop the oldest block anywhere, while a duplicate sits here. Spare stores are checked
+  first, then the oldest blocks.
 * Two members dropping their copies of one block at once each take themselves off the
   entry in one step of every directory owner, so one of them sees the other gone and
   forwards; with several directory owners the smallest count answered decides (an owner
@@ -39,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -49,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.codec import encode_frame
 from kvtier.errors import TierFullError
+from kvtier.peer.directory import frame_digest
 from kvtier.tiers.base import Block, Tier
 
 if TYPE_CHECKING:
@@ -60,6 +72,10 @@ __all__ = ["LocalHolder", "spare_copies"]
 log = logging.getLogger("kvtier.peer.holder")
 _FORWARD_TRIES = 3  # older members a last copy is offered to before it stays here
 _REPAIR_BATCH = 512
+_RECLAIM_SCAN = 128  # keys checked for a spare copy per reclaim (spare stores, then oldest)
+_RECLAIM_MIN = 8  # blocks of room a reclaim frees at least (one lookup serves many puts)
+_RECLAIM_IDLE = 0.5  # seconds a reclaim that found no spare is not tried again
+_SPARE_HINTS = 1 << 16  # keys stored here as spare copies, remembered to check first
 # Set while this member stores spare copies (a fill put without an age: a read's copy
 # home, a repair push), whose evictions must not cost another block its last copy.
 _SPARE: ContextVar[bool] = ContextVar("kvtier_peer_spare_copies", default=False)
@@ -102,6 +118,10 @@ class LocalHolder:
         self._victim: tuple[float, float] | None = None  # (age, when) of the last victim
         self.counts: dict[str, int] = defaultdict(int)
         self._updates: set[asyncio.Future[Any]] = set()  # in background
+        self._last: Tier = server.segment  # type: ignore[assignment]  # set by attach
+        self._spare_hints: dict[bytes, None] = {}  # stored as spare copies, oldest first
+        self._reclaim = asyncio.Lock()
+        self._no_spares_until = 0.0
 
     def attach(self) -> None:
         """Hook this holder into the server (registration on stores and deletes, the age in
@@ -112,6 +132,7 @@ class LocalHolder:
         tiers = getattr(segment, "tiers", None)
         last: Tier = tiers[-1] if isinstance(tiers, list) and tiers else segment  # type: ignore[assignment]
         last.on_evict = self.evicted
+        self._last = last
 
     # ------------------------------------------------------------------ ages
     def evict_age(self) -> float | None:
@@ -153,11 +174,28 @@ class LocalHolder:
             log.debug("directory update at %s failed: %s", member, exc)
             return None
 
-    async def register(self, keys: Sequence[bytes]) -> None:
+    async def _register_at(self, member: str, keys: Sequence[bytes]) -> list[list[str]] | None:
+        """Register ``keys`` at directory owner ``member``; per key, its holders there after
+        the update (``None`` when it did not answer)."""
+        if member == self.me:
+            self.server.directory.update(self.me, keys, ())
+            return self.server.directory.lookup(keys)
+        try:
+            return await self.pool.members.client(member).dir_register(self.me, keys)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # that owner is refilled by the next anti-entropy pass
+            self.counts["directory_failed"] += 1
+            log.debug("directory update at %s failed: %s", member, exc)
+            return None
+
+    async def register(self, keys: Sequence[bytes], supersede: bool = False) -> None:
         """Tell the directory owners of ``keys`` that this member holds them: returns once
         each key's entry is recorded at one of its owners (a reader walks the owners), or
         every owner failed; the other owners' updates finish in the background, so a frozen
-        owner does not stall puts until it is taken out of the path."""
+        owner does not stall puts until it is taken out of the path. ``supersede`` (a
+        client's write landed here): the older values other holders the directory names
+        keep are dropped first (:meth:`_supersede`)."""
         plan: dict[str, list[bytes]] = defaultdict(list)
         firsts: dict[bytes, list[str]] = {}
         for key in keys:
@@ -165,18 +203,64 @@ class LocalHolder:
             firsts[key] = owners
             for owner in owners:
                 plan[owner].append(key)
-        tasks = {asyncio.ensure_future(self._update(m, ks, ())): ks for m, ks in plan.items()}
+        tasks = {asyncio.ensure_future(self._register_at(m, ks)): ks for m, ks in plan.items()}
         for task in tasks:
             self._updates.add(task)
             task.add_done_callback(self._updates.discard)
         pending = set(tasks)
         unrecorded = {k for k, owners in firsts.items() if owners}
+        holders: dict[bytes, set[str]] = defaultdict(set)
         while pending and unrecorded:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task.result() is not None:
+                answer = task.result()
+                if answer is not None:
                     unrecorded.difference_update(tasks[task])
+                    for key, found in zip(tasks[task], answer, strict=True):
+                        holders[key].update(found)
         self.counts["registered"] += len(keys)
+        if supersede:
+            # More holders than copies a write makes: some hold a value from before it.
+            await self._supersede({k: found - {self.me} for k, found in holders.items()
+                                   if len(found) > self.pool.replicas})
+
+    async def _supersede(self, others: dict[bytes, set[str]]) -> None:
+        """A client's write of each key of ``others`` landed here: drop the older values the
+        members of ``others`` hold (a write through another home goes to other members
+        than the one before it, so the older copies would stay readable). Each member
+        drops its copy only where it is older than this write's stamp and its content
+        differs (an equal block, as two hosts that computed one prefix hold, stays a copy),
+        and leaves no tombstone; one request per member, within the pool's timeout, before
+        the write is acknowledged."""
+        if not others:
+            return
+        stamps = self.server.versions.stamps
+        keys = list(others)
+        blocks = await self.server.segment.get_many(keys)
+        plan: dict[str, list[tuple[bytes, int, int]]] = defaultdict(list)
+        for key, block in zip(keys, blocks, strict=True):
+            stamp = stamps.get(key, 0)
+            if block is None or stamp <= 0:
+                continue  # evicted or written again meanwhile: nothing of this write to keep
+            digest = frame_digest(self.server.frames.encode(key, block).header)
+            for member in others[key]:
+                if self.pool.members.reachable(member):
+                    plan[member].append((key, stamp - 1, digest))
+
+        async def drop(member: str, items: list[tuple[bytes, int, int]]) -> None:
+            try:
+                flags = await asyncio.wait_for(self.pool.members.client(member).drop_superseded(
+                    [k for k, _, _ in items], [s for _, s, _ in items],
+                    [d for _, _, d in items]), self.pool.timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # its older copy stays until a read or write finds it
+                self.counts["supersede_failed"] += len(items)
+                log.debug("dropping superseded copies at %s failed: %s", member, exc)
+                return
+            self.counts["superseded"] += sum(flags)
+
+        await asyncio.gather(*(drop(m, items) for m, items in plan.items()))
 
     async def unregister(self, keys: Sequence[bytes]) -> list[tuple[int, set[str]]]:
         """Take this member off the directory entries of ``keys``; per key, the fewest
@@ -257,19 +341,26 @@ class LocalHolder:
         task.add_done_callback(self._updates.discard)
 
     # ------------------------------------------------------------------ server hooks
-    async def stored(self, keys: Sequence[bytes], age: float | None = None) -> None:
-        """Keys stored on this member (``age``: a forwarded block's age): registered
-        before the store is acknowledged."""
+    async def stored(self, keys: Sequence[bytes], age: float | None = None,
+                     spare: bool = False) -> None:
+        """Keys stored on this member (``age``: a forwarded block's age; ``spare``: spare
+        copies, see :func:`spare_copies`): registered before the store is acknowledged."""
         now = time.monotonic()
         for key in keys:  # stored again: young again, and last in the insertion order
             self.born.pop(key, None)
             self.born[key] = now - (age or 0.0)
-        await self.register(keys)
+            self._spare_hints.pop(key, None)
+            if spare:
+                self._spare_hints[key] = None
+        while len(self._spare_hints) > _SPARE_HINTS:
+            del self._spare_hints[next(iter(self._spare_hints))]
+        await self.register(keys, supersede=age is None and not spare)
 
     async def deleted(self, keys: Sequence[bytes]) -> None:
         """Keys deleted here: off the directory."""
         for key in keys:
             self.born.pop(key, None)
+            self._spare_hints.pop(key, None)
         await self.unregister(keys)
 
     async def evicted(self, key: bytes, block: Block) -> None:
@@ -278,6 +369,7 @@ class LocalHolder:
         :class:`TierFullError` (the victim stays) when every older member failed."""
         now = time.monotonic()
         born = self.born.pop(key, now)
+        self._spare_hints.pop(key, None)
         age = now - born
         self._victim = (age, now)
         [(count, left)] = await self.unregister([key])
@@ -316,6 +408,102 @@ class LocalHolder:
         await self.register([key])
         raise TierFullError(f"block {key.hex()} stays: no older member took its last copy")
 
+    # ------------------------------------------------------------------ spares first
+    async def make_room(self, nbytes: int) -> None:
+        """Before a put of about ``nbytes`` that is not a spare copy itself: when the
+        segment's last tier lacks the room, drop spare copies held here (blocks that at
+        least ``replicas`` other members hold, each asked), so that the eviction the put
+        sets off does not forward or drop a needed copy, or drop the oldest block anywhere,
+        while a duplicate sits here (the Global Memory Service drops duplicates first).
+        Spare stores are checked first, then the oldest blocks; one reclaim frees room for
+        at least ``_RECLAIM_MIN`` blocks, and one that found no spare is not tried again
+        for ``_RECLAIM_IDLE`` seconds."""
+        if not self._short(nbytes) or time.monotonic() < self._no_spares_until:
+            return
+        async with self._reclaim:  # the puts waiting here find the room it freed
+            if not self._short(nbytes) or time.monotonic() < self._no_spares_until:
+                return
+            block = max(1, self._last.used // max(1, len(self.born)))  # about one block
+            want = max(_RECLAIM_MIN, -(-self._short(nbytes) // block))
+            dropped = await self._drop_spares(self._reclaim_candidates(), want)
+            if not dropped:
+                self._no_spares_until = time.monotonic() + _RECLAIM_IDLE
+
+    def _short(self, nbytes: int) -> int:
+        """Bytes the last tier lacks for ``nbytes`` more (0: it has the room)."""
+        capacity = self._last.capacity
+        return 0 if capacity is None else max(0, self._last.used + nbytes - capacity)
+
+    def _reclaim_candidates(self) -> list[bytes]:
+        """The oldest spare stores, then the oldest blocks here (``_RECLAIM_SCAN`` keys)."""
+        picked = dict.fromkeys(itertools.islice(self._spare_hints, _RECLAIM_SCAN // 2))
+        for key in self.born:
+            if len(picked) >= _RECLAIM_SCAN:
+                break
+            picked[key] = None
+        return list(picked)
+
+    async def _drop_spares(self, keys: list[bytes], want: int) -> list[bytes]:
+        """Drop up to ``want`` of ``keys`` that are spare copies here, oldest first: each
+        listed with at least ``replicas`` other holders that answer they hold it, then
+        taken off its entries in one step of every directory owner (kept, and registered
+        again, where an owner answered fewer holders left: another member dropped its copy
+        meanwhile). A key written here meanwhile is kept."""
+        if not keys:
+            return []
+        replicas = self.pool.replicas
+        holders = await self.pool.directory_holders(keys)
+        listed = {k: {m for m in found if m != self.me}
+                  for k, found in zip(keys, holders, strict=True)}
+        listed = {k: others for k, others in listed.items() if len(others) >= replicas}
+        confirmed = await self._held_by(listed)
+        spares = [k for k in keys if len(confirmed.get(k, ())) >= replicas][:want]
+        if not spares:
+            return []
+        with self.server.watch_writes() as written:
+            left = await self.unregister(spares)
+            drop = [k for k, (count, _) in zip(spares, left, strict=True) if count >= replicas]
+            dropped = await self.server.drop_copies(drop, written)
+        gone = set(dropped)
+        kept = [k for k in spares if k not in gone]
+        if kept:
+            here = await self.server.segment.contains_many(kept)
+            await self.register([k for k, h in zip(kept, here, strict=True) if h])
+        for key in dropped:
+            self.born.pop(key, None)
+            self._spare_hints.pop(key, None)
+        self.counts["spares_reclaimed"] += len(dropped)
+        return dropped
+
+    async def _held_by(self, listed: dict[bytes, set[str]]) -> dict[bytes, set[str]]:
+        """Per key, the members of its ``listed`` set that answer that they hold it (one
+        request per member, within half the pool's timeout; no answer counts as not
+        held)."""
+        members = self.pool.members
+        ask: dict[str, list[bytes]] = defaultdict(list)
+        for key, others in listed.items():
+            for member in others:
+                if members.alive(member):
+                    ask[member].append(key)
+
+        async def flags(member: str, ks: list[bytes]) -> list[bool]:
+            try:
+                return [bool(f) for f in await asyncio.wait_for(
+                    members.client(member).exists_many(ks), self.pool.timeout / 2)]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("presence at %s unknown: %s", member, exc)
+                return [False] * len(ks)
+
+        answers = await asyncio.gather(*(flags(m, ks) for m, ks in ask.items()))
+        held: dict[bytes, set[str]] = defaultdict(set)
+        for (member, ks), got in zip(ask.items(), answers, strict=True):
+            for key, here in zip(ks, got, strict=True):
+                if here:
+                    held[key].add(member)
+        return held
+
     # ------------------------------------------------------------------ repair
     async def repair_pass(self, keys: Sequence[bytes]) -> dict[str, int]:
         """Register every key held here with its current directory owners (a restarted or
@@ -331,6 +519,7 @@ class LocalHolder:
                 if not here:
                     self.server.stored_keys.pop(key, None)
                     self.born.pop(key, None)
+                    self._spare_hints.pop(key, None)
             chunk = [k for k, here in zip(chunk, present, strict=True) if here]
             if not chunk:
                 continue
@@ -407,6 +596,7 @@ class LocalHolder:
         """Counters: ``registered``, ``forwarded``, ``dropped_spare``, ``dropped_oldest``,
         ``forward_failed``, ``directory_failed``, ``stale_holders`` (directory entries found
         naming a member that lacks the block), ``spare_refused`` (spare copies refused
-        rather than drop a last copy); ``directory_keys``; ``evict_age``."""
+        rather than drop a last copy), ``spares_reclaimed`` (spare copies dropped to make
+        room before an eviction); ``directory_keys``; ``evict_age``."""
         return {**self.counts, "directory_keys": len(self.server.directory),
                 "evict_age": self.evict_age()}

@@ -31,13 +31,17 @@ from kvtier.peer.answers import BatchAnswer, batch_get_answer, failure_of
 from kvtier.peer.buffers import BodyBuffers
 from kvtier.peer.dataplane import RECV_SCRATCH, DataPlaneProtocol
 from kvtier.peer.directory import (
+    ADDED_QUERY,
     AGE_QUERY,
     DIR_LOOKUP_PATH,
     DIR_UPDATE_PATH,
     MAX_MEMBER_BYTES,
+    SUPERSEDED_QUERY,
     Directory,
+    decode_superseded,
     decode_update,
     encode_holders,
+    frame_digest,
     parse_age,
 )
 from kvtier.peer.guards import (
@@ -592,6 +596,8 @@ class PeerServer:
         body = await self._read_body(request, self.limits.max_frame_bytes,
                                      _MAX_FRAME_NAME)
         stamps = _stamps(request, 1)
+        if self.holder is not None and not _fills(request):  # placement=local: spare
+            await self.holder.make_room(len(body))  # copies here go before a needed one
         async with self.write_order.turn((key,)):
             block = await self.decode(key, body)
             del body
@@ -603,7 +609,7 @@ class PeerServer:
         self.stored((key,))
         await self.versions.commit()  # answered once its stamp is in the log
         if self.holder is not None:
-            await self.holder.stored((key,))
+            await self.holder.stored((key,), spare=_fills(request))
         self._note_abandoned(request)
         return web.Response(status=204)
 
@@ -707,6 +713,12 @@ class PeerServer:
         entries = proto.decode_blocks(body, self.limits.max_batch, self.limits.max_frame_bytes)
         stamps = _stamps(request, len(entries))
         age = parse_age(request.query.get(AGE_QUERY))  # a forwarded last copy's age
+        # placement=local: a fill without an age (a read's copy home, a repair push) is a
+        # spare copy, which never displaces a last copy; spare copies here go before a
+        # needed one.
+        spare = _fills(request) and age is None
+        if self.holder is not None and not spare:
+            await self.holder.make_room(len(body))
         async with self.write_order.turn(k for k, _ in entries):
             # Every frame is verified before anything is stored: a bad batch changes nothing.
             decoded: list[tuple[bytes, object]] = []
@@ -721,9 +733,7 @@ class PeerServer:
             decoded = [item for item, stamp in zip(decoded, landed, strict=True)
                        if stamp is not None]
             if decoded:
-                # placement=local: a fill without an age (a read's copy home, a repair push)
-                # is a spare copy, which never displaces a last copy.
-                with spare_copies(_fills(request) and age is None):
+                with spare_copies(spare):
                     await self.segment.put_many(decoded)
                 for (key, _), stamp in zip(decoded, (s for s in landed if s is not None),
                                            strict=True):
@@ -732,7 +742,7 @@ class PeerServer:
             self.stored(k for k, _ in decoded)
             await self.versions.commit()
             if self.holder is not None:
-                await self.holder.stored([k for k, _ in decoded], age)
+                await self.holder.stored([k for k, _ in decoded], age, spare)
             self._note_abandoned(request)
         return web.Response(status=204)
 
@@ -742,6 +752,8 @@ class PeerServer:
         return await self._send(request, [proto.encode_flags(flags)])
 
     async def _batch_delete(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get(SUPERSEDED_QUERY.partition("=")[0]) is not None:
+            return await self._drop_superseded(request)
         keys = await self._read_keys(request)
         stamps = _stamps(request, len(keys))
         for key in keys:
@@ -754,6 +766,40 @@ class PeerServer:
         if self.holder is not None and any(flags):
             await self.holder.deleted([k for k, f in zip(keys, flags, strict=True) if f])
         return await self._send(request, [proto.encode_flags(flags)])
+
+    async def _drop_superseded(self, request: web.Request) -> web.StreamResponse:
+        """placement=local: drop the copies older than a client's write that landed on
+        another member, where their content differs (``?superseded=1``, see
+        :meth:`kvtier.peer.client.PeerClient.drop_superseded`)."""
+        body = await self._read_body(request, self.key_list_limit() + 8 * self.limits.max_batch,
+                                     _KEY_LIST_NAME)
+        keys, digests = decode_superseded(body, self.limits.max_batch)
+        stamps = _stamps(request, len(keys))
+        if stamps is None:
+            raise proto.ProtocolError(f"{SUPERSEDED_QUERY}: needs the stamps of the newer write")
+        async with self.write_order.turn(keys):
+            flags = [await self._drop_older(k, s, d)
+                     for k, s, d in zip(keys, stamps, digests, strict=True)]
+            self.versions.flush()
+        if self.holder is not None and any(flags):
+            await self.holder.deleted([k for k, f in zip(keys, flags, strict=True) if f])
+        return await self._send(request, [proto.encode_flags(flags)])
+
+    async def _drop_older(self, key: bytes, stamp: int, digest: int) -> bool:
+        """Drop this server's copy of ``key`` if it is older than ``stamp`` and its content
+        differs from ``digest`` (an equal block is a copy of the newer write: it stays); no
+        tombstone, the key lives on elsewhere. Whether it was dropped (call in its turn)."""
+        if self.versions.stamps.get(key, 0) > stamp:
+            return False
+        block = await self.segment.get(key)
+        if block is None or frame_digest(self.frames.encode(key, block).header) == digest:
+            return False
+        self.frames.forget(key)
+        if not await self.segment.delete(key):
+            return False
+        self.stored_keys.pop(key, None)
+        self.versions.forget(key)
+        return True
 
     async def _batch_stamps(self, request: web.Request) -> web.StreamResponse:
         keys = await self._read_keys(request)
@@ -771,8 +817,10 @@ class PeerServer:
     async def _dir_update(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_body(request, 2 + MAX_MEMBER_BYTES + 2 * self.key_list_limit())
         holder, add, remove = decode_update(body, self.limits.max_batch)
-        return await self._send(request, [encode_holders(self.directory.update(holder, add,
-                                                                               remove))])
+        left = self.directory.update(holder, add, remove)
+        if request.query.get(ADDED_QUERY.partition("=")[0]) is not None:
+            left = self.directory.lookup(add) + left  # the holders of each added key first
+        return await self._send(request, [encode_holders(left)])
 
     def health(self) -> dict[str, Any]:
         """The ``/v1/health`` document."""

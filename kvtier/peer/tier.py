@@ -561,14 +561,18 @@ class PeerTier(Tier):
         return self.ack == "all" and copies >= max(1, need - 1) and copies + hinted >= need
 
     def _hint_missed_deletes(self, keys: Sequence[bytes], failed: set[str]) -> None:
-        """Hint the stamped delete of ``keys`` to each owner out of the path or in
-        ``failed`` (it did not answer): handed over when it is back, so its old copy does
-        not outlive the delete until an anti-entropy pass."""
+        """Hint the stamped delete of ``keys`` to each owner (under ``placement=local``
+        each member) out of the path or in ``failed`` (it did not answer): handed over when
+        it is back, so its old copy does not outlive the delete until an anti-entropy
+        pass."""
         stamp = write_stamp.get()
         if stamp is None:
             return
         for key in keys:
-            for owner in self.members.ring.owners(key, self.replicas):
+            # placement=local: a copy may sit on any member (where it was computed).
+            owners = self.members.members if self.local_reads is not None else \
+                self.members.ring.owners(key, self.replicas)
+            for owner in owners:
                 if owner != self.members.self_id and (owner in failed
                                                       or not self.members.alive(owner)):
                     self._hints.add_delete(owner, key, stamp)
