@@ -31,11 +31,10 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
-from urllib.parse import unquote
 
 import lmdb
 
-from kvtier.codec import encode_frame, frame_size_bound, parse_compress
+from kvtier.codec import encode_frame, frame_size_bound
 from kvtier.deadline import acquire, in_thread
 from kvtier.errors import (
     ConfigError,
@@ -49,7 +48,7 @@ from kvtier.misses import MissReason
 from kvtier.policy import Clock, RecencyPolicy
 from kvtier.tasks import TaskSet
 from kvtier.tiers.base import Block, copy_into, run_to_end
-from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
+from kvtier.tiers.budget import BudgetedTier, make_policy
 from kvtier.tiers.lmdb_dir import (
     check_unclean_shutdown,
     lock_directory,
@@ -58,8 +57,14 @@ from kvtier.tiers.lmdb_dir import (
 )
 from kvtier.tiers.lmdb_env import BlockEnv, Durability, NotResident, PendingPut
 from kvtier.tiers.lmdb_gc import OwnerWatch
+from kvtier.tiers.lmdb_options import (
+    DEFAULT_OVERHEAD_FIXED,
+    default_overhead,
+    map_size,
+    path_of_url,
+    tier_arguments,
+)
 from kvtier.tiers.residency import mincore_available
-from kvtier.urls import merge_options, parse_bool, parse_number, parse_size, parse_tier_url
 
 __all__ = ["DEFAULT_OVERHEAD_FIXED", "INLINE_READ_BYTES", "DirectoryLockedError", "LMDBTier",
            "default_overhead"]
@@ -67,30 +72,16 @@ __all__ = ["DEFAULT_OVERHEAD_FIXED", "INLINE_READ_BYTES", "DirectoryLockedError"
 log = logging.getLogger("kvtier.tiers.lmdb")
 T = TypeVar("T")
 
-DEFAULT_OVERHEAD_FIXED = 8 << 20
 #: Reads of at most this many frame bytes (one 4 MiB block and its header) may run on the
 #: event loop (``inline_reads``).
 INLINE_READ_BYTES = (4 << 20) + 4096
-_UNBOUNDED_MAP_SIZE = 1 << 40
 _MAX_ROOM_ATTEMPTS = 64
 _MAP_FULL_RETRIES = 2
-_SYNC_VALUES = {"0": "0", "false": "0", "off": "0", "no": "0", "meta": "meta",
-                "1": "1", "true": "1", "on": "1", "yes": "1"}
 
 
 class _MapFull(Exception):
     """LMDB has no page left for a commit although the budget has room (its victims are
     deleted; the put evicts more and retries)."""
-
-
-def default_overhead(capacity: int) -> int:
-    """Room ``data.mdb`` gets on top of the budget: 1/8 of it plus 8 MiB.
-
-    It pays for page rounding (a value takes whole 4 KiB pages plus a 16-byte page header:
-    a 64 KiB block uses 17 pages), B-tree and free-list pages, and pages freed by the last two
-    commits, which LMDB cannot reuse yet.
-    """
-    return capacity // 8 + DEFAULT_OVERHEAD_FIXED
 
 
 class LMDBTier(BudgetedTier):
@@ -168,12 +159,7 @@ class LMDBTier(BudgetedTier):
                 f"path: cannot use {str(self.path)!r} as an LMDB directory "
                 f"({type(exc).__name__}: {exc.strerror or exc}); lmdb:// needs a directory "
                 "this process can create and write - change the path") from None
-        page = os.sysconf("SC_PAGE_SIZE")
-        if capacity is None:
-            map_size = _UNBOUNDED_MAP_SIZE
-        else:
-            map_size = capacity + (default_overhead(capacity) if overhead is None else overhead)
-        self.map_size = -(-map_size // page) * page
+        self.map_size = map_size(capacity, overhead)
         self.compress_level = compress_level
         self.shuffle = shuffle
         self.sync = sync
@@ -197,55 +183,10 @@ class LMDBTier(BudgetedTier):
     def from_url(cls, url: str, **options: Any) -> Self:
         """``lmdb:///DIR?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&sync=0|meta|1
         &writemap=0&overhead=SIZE&inline_reads=1&watch=SECONDS&name=LABEL``."""
-        parsed = parse_tier_url(url)
-        path = cls.path_of_url(url)
-        opts = merge_options(parsed, options, {"capacity", "compress", "shuffle", "sync",
-                                               "writemap", "overhead", "name", "clock",
-                                               "touch_flush", "policy", "inline_reads",
-                                               "watch"})
-        capacity = opts.get("capacity")
-        overhead = opts.get("overhead")
-        sync_text = str(opts.get("sync", "0")).strip().lower()
-        if sync_text not in _SYNC_VALUES:
-            raise ConfigError(f"sync: expected 0, meta or 1, got {opts['sync']!r}")
-        extra: dict[str, Any] = {}
-        if "clock" in opts:
-            extra["clock"] = opts["clock"]
-        if "touch_flush" in opts:
-            extra["touch_flush"] = int(str(opts["touch_flush"]))
-        if "watch" in opts:
-            extra["watch"] = parse_number(opts["watch"], "watch", float, 0.0)
-        return cls(
-            path,
-            capacity=None if capacity in (None, "") else parse_size(capacity),  # type: ignore[arg-type]
-            compress_level=parse_compress(opts.get("compress")),
-            shuffle=parse_bool(opts.get("shuffle", False), "shuffle"),  # type: ignore[arg-type]
-            sync=_SYNC_VALUES[sync_text],
-            writemap=parse_bool(opts.get("writemap", False), "writemap"),  # type: ignore[arg-type]
-            inline_reads=parse_bool(opts.get("inline_reads", True), "inline_reads"),  # type: ignore[arg-type]
-            overhead=None if overhead in (None, "") else parse_size(overhead, "overhead"),  # type: ignore[arg-type]
-            policy=parse_policy(opts.get("policy")),
-            name=str(opts["name"]) if "name" in opts else None,
-            **extra,
-        )
+        path, arguments = tier_arguments(url, options)
+        return cls(path, **arguments)
 
-    @staticmethod
-    def path_of_url(url: str) -> Path:
-        """The directory an ``lmdb://`` URL names.
-
-        Raises
-        ------
-        ConfigError
-            When it names none (a host, no path, the root).
-        """
-        parsed = parse_tier_url(url)
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"url: lmdb:// takes an absolute path (lmdb:///dir), got {url!r}")
-        path = unquote(parsed.path)
-        if path in ("", "/"):
-            raise ConfigError(f"url: lmdb:// needs a directory, e.g. lmdb:///nvme/kvtier, got "
-                              f"{url!r}")
-        return Path(path)
+    path_of_url = staticmethod(path_of_url)
 
     async def open(self) -> None:
         """Open the environment now (``open_store`` calls this), so ``stats()`` shows the
