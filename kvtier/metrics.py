@@ -56,7 +56,7 @@ def families(store: TieredStore) -> list[Family]:
         Called from another thread while the store's loop did not get to it within
         :data:`SCRAPE_TIMEOUT` seconds.
     """
-    loop: asyncio.AbstractEventLoop | None = getattr(store, "_loop", None)
+    loop = store._gate.loop
     try:
         on_loop = asyncio.get_running_loop() is loop
     except RuntimeError:

@@ -135,7 +135,7 @@ async def _open(urls: Sequence[str | Tier],
         for tier in owned:
             await tier.aclose()
         raise
-    store._enter()  # the store belongs to the loop that opened it
+    store._gate.enter()  # the store belongs to the loop that opened it
     return store
 
 

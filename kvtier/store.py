@@ -1,9 +1,13 @@
 """``TieredStore``: one async facade over a chain of tiers, fastest first.
 
-The facade validates arguments, checks that the store is open and used from its own event
-loop, and delegates to the parts it builds (see ``docs/architecture.md``):
+The facade validates arguments and delegates to the parts it builds (see
+``docs/architecture.md``):
 
-* :class:`~kvtier.tierchain.TierChain`: the tiers, their counters and guarded calls;
+* :class:`~kvtier.callgate.CallGate`: each call's check that the store is open and used
+  from its own event loop, and the calls in flight that :meth:`TieredStore.aclose` waits
+  for;
+* :class:`~kvtier.tierchain.TierChain`: the tiers, their counters and guarded calls, and
+  closing them;
 * :class:`~kvtier.singleflight.KeyRegistry`: per-key generations, locks and shared fetches;
 * :class:`~kvtier.promotion.Promotion`: the ``promote=`` policy;
 * :class:`~kvtier.readpath.ReadPath`: get, batch and buffer reads, presence, promotion;
@@ -18,17 +22,16 @@ loop, and delegates to the parts it builds (see ``docs/architecture.md``):
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import socket
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Self, TypeVar
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
+from kvtier.callgate import CallGate, in_flight
 from kvtier.closeflush import CloseFlush
 from kvtier.codec import as_block
 from kvtier.deadline import Deadline
-from kvtier.errors import ClosedError, ConfigError, WrongLoopError
-from kvtier.events import RESYNC_KEYS, EventHub, Resident, Subscription
+from kvtier.errors import ConfigError
+from kvtier.events import EventHub, Subscription
 from kvtier.explain import Explanation, explain_keys
 from kvtier.keys import PrefixKeys, validate_key
 from kvtier.lookuplog import open_lookup_log
@@ -54,27 +57,6 @@ __all__ = ["Promote", "TieredStore", "WritePolicy", "open_store"]
 LOCATE_DEADLINE = 0.05
 
 WritePolicy = Literal["write_back", "write_through"]
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _in_flight(method: Callable[Concatenate[TieredStore, _P], Awaitable[_R]]
-               ) -> Callable[Concatenate[TieredStore, _P], Coroutine[Any, Any, _R]]:
-    """Count a call as in flight until it returns: :meth:`TieredStore.aclose` waits for it
-    before it closes the tiers the call may still be using (a demotion, a pool copy)."""
-
-    @functools.wraps(method)
-    async def call(self: TieredStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        self._in_flight += 1
-        try:
-            return await method(self, *args, **kwargs)
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight and self._idle is not None:
-                self._idle.set()
-
-    return call
 
 
 class TieredStore:
@@ -184,13 +166,12 @@ class TieredStore:
             raise ConfigError(f"node: expected a non-empty str, got {node!r}")
         if block_tokens is not None:
             check_positive_int(block_tokens, "block_tokens")
-        self._events = EventHub(node or _default_node(tiers), resident=self._resident)
+        # The chain is built below, before any subscription can ask for a resync.
+        self._events = EventHub(node or _default_node(tiers),
+                                resident=lambda: self._chain.resident())
         self._timeout = check_timeout(timeout)
         self._write_policy: WritePolicy = write_policy
-        self._closed = False
-        self._in_flight = 0  # calls running now (see _in_flight)
-        self._idle: asyncio.Event | None = None  # set when they are done, while closing
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._gate = gate = CallGate()
         misses = MissLedger(len(tiers), check_positive_int(miss_record_size, "miss_record_size"))
         self._chain = chain = TierChain(list(tiers), StoreCounters(), self._events,
                                         block_tokens, misses)
@@ -201,7 +182,7 @@ class TieredStore:
             n_tiers=len(chain), max_items=check_positive_int(write_queue_size, "write_queue_size"),
             max_bytes=check_positive_int(write_queue_bytes, "write_queue_bytes"),
             workers=check_positive_int(write_workers, "write_workers"), counters=chain.counters)
-        self._reads = ReadPath(chain, self._keys, self._promotion, lambda: self._closed)
+        self._reads = ReadPath(chain, self._keys, self._promotion, lambda: gate.closed)
         self._placement = Placement(
             chain, self._keys, self._promotion,
             self._writes if write_policy == "write_through" else None,
@@ -222,7 +203,7 @@ class TieredStore:
     @property
     def closed(self) -> bool:
         """Whether :meth:`aclose` has been called."""
-        return self._closed
+        return self._gate.closed
 
     @property
     def write_policy(self) -> WritePolicy:
@@ -240,39 +221,12 @@ class TieredStore:
         ``kvtier.events_zmq.ZmqEventPublisher`` to publish on ZMQ)."""
         return self._events
 
-    def _resident(self) -> Resident:
-        """What each tier that can list its keys holds now (a subscription's resync)."""
-        out = []
-        for index, tier in enumerate(self._chain.tiers):
-            keys = tier.resident_keys()
-            if keys:
-                out.append((tier.name, self._chain.mediums[index], keys))
-        return out
-
-    def _enter(self) -> None:
-        """Every call's entry check: open, and on the store's own event loop."""
-        if self._closed:
-            raise ClosedError("store is closed")
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._bind(loop)
-
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._loop is None:
-            self._loop = loop
-            return
-        raise WrongLoopError(
-            "TieredStore was opened on another event loop; a store serves only the loop it "
-            "was opened on. From synchronous code or threads use kvtier.BlockingStore(urls), "
-            "which runs the store on its own loop; asyncio code on another loop opens its "
-            "own store.")
-
     def _deadline(self, timeout: float | None) -> float | None:
         seconds = self._timeout if timeout is None else check_timeout(timeout)
         return TierChain.deadline(seconds)
 
     # ------------------------------------------------------------------ reads
-    @_in_flight
+    @in_flight
     async def get(self, key: bytes, *, timeout: float | None = None) -> Block | None:  # noqa: ASYNC109
         """Return the block stored under ``key``, or ``None`` on a miss.
 
@@ -292,12 +246,12 @@ class TieredStore:
         numpy.ndarray or None
             The block (possibly a read-only zero-copy view) or ``None``.
         """
-        self._enter()
+        self._gate.enter()
         validate_key(key)
         deadline = None if timeout is None and self._timeout is None else self._deadline(timeout)
         return await self._reads.get(key, deadline)
 
-    @_in_flight
+    @in_flight
     async def get_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                        ) -> list[Block | None]:
         """Batch :meth:`get`: one batch call per tier for the keys still missing.
@@ -312,11 +266,11 @@ class TieredStore:
         list
             Blocks or ``None``, in the order of ``keys``.
         """
-        self._enter()
+        self._gate.enter()
         key_list = keys_list(keys)
         return await self._reads.get_many(key_list, self._deadline(timeout))
 
-    @_in_flight
+    @in_flight
     async def get_into(self, key: bytes, out: Any, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Copy the block into caller-owned ``out``; ``False`` on a miss.
 
@@ -328,11 +282,11 @@ class TieredStore:
         TypeError, ShapeMismatchError
             If ``out`` does not fit the block; ``out`` is then left untouched.
         """
-        self._enter()
+        self._gate.enter()
         validate_key(key)
         return await self._reads.get_into(key, out, self._deadline(timeout))
 
-    @_in_flight
+    @in_flight
     async def get_many_into(self, keys: Sequence[bytes], outs: Sequence[Any], *,
                             timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
         """Batch :meth:`get_into`; ``outs[i]`` receives ``keys[i]``.
@@ -344,7 +298,7 @@ class TieredStore:
         TypeError, ShapeMismatchError
             If an ``out`` does not fit its block (earlier buffers may have been written).
         """
-        self._enter()
+        self._gate.enter()
         key_list = keys_list(keys)
         if isinstance(outs, bytes | str) or not isinstance(outs, Sequence):
             raise TypeError(f"outs: expected a sequence of buffers, got {type(outs).__name__}")
@@ -353,21 +307,21 @@ class TieredStore:
                              f"got {len(outs)}")
         return await self._reads.get_many_into(key_list, list(outs), self._deadline(timeout))
 
-    @_in_flight
+    @in_flight
     async def contains(self, key: bytes, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Whether any tier holds ``key`` (refreshes no recency)."""
-        self._enter()
+        self._gate.enter()
         validate_key(key)
         return (await self._reads.contains_many([key], self._deadline(timeout)))[0]
 
-    @_in_flight
+    @in_flight
     async def contains_many(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                             ) -> list[bool]:
         """Batch :meth:`contains`: one batch call per tier for the keys not yet found."""
-        self._enter()
+        self._gate.enter()
         return await self._reads.contains_many(keys_list(keys), self._deadline(timeout))
 
-    @_in_flight
+    @in_flight
     async def lookup_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None) -> int:  # noqa: ASYNC109
         """How many leading ``keys`` (a prefix chain) are present in some tier.
 
@@ -375,7 +329,7 @@ class TieredStore:
         key no tier has. The found prefix's recency is then refreshed tail-to-head in every
         tier, so eviction takes chain ends first.
         """
-        self._enter()
+        self._gate.enter()
         key_list = keys_list(keys)
         hit = await self._reads.lookup_prefix(key_list, self._deadline(timeout))
         if self._lookup_log is not None:
@@ -383,7 +337,7 @@ class TieredStore:
             self._lookup_log.record(keys if isinstance(keys, PrefixKeys) else key_list, hit)
         return hit
 
-    @_in_flight
+    @in_flight
     async def explain(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                       ) -> list[Explanation]:
         """Where each key was looked for, and where it hits or why it misses.
@@ -406,12 +360,12 @@ class TieredStore:
         list of kvtier.explain.Explanation
             One per key, in order; ``str()`` of one is a readable report.
         """
-        self._enter()
+        self._gate.enter()
         return await explain_keys(self._chain, self._reads, keys_list(keys),
                                   self._deadline(timeout))
 
     # ------------------------------------------------------------------ writes
-    @_in_flight
+    @in_flight
     async def put(self, key: bytes, value: object, *, timeout: float | None = None  # noqa: ASYNC109
                   ) -> None:
         """Store ``value`` under ``key`` in the top tier that can hold it.
@@ -449,14 +403,14 @@ class TieredStore:
             (never runs), one that had begun has ended (it no longer reads ``value``), and
             none lands over a later put of ``key``; the message says which.
         """
-        self._enter()
+        self._gate.enter()
         seconds = check_timeout(timeout)
         validate_key(key)
         block = as_block(value)
         first = self._placement.first_fitting(block.nbytes, "value")
         await self._within(seconds, "put", self._placement.put(key, block, first))
 
-    @_in_flight
+    @in_flight
     async def put_many(self, items: Iterable[tuple[bytes, object]], *,
                        parent: bytes | None = None,
                        timeout: float | None = None) -> WritesDone:  # noqa: ASYNC109
@@ -494,7 +448,7 @@ class TieredStore:
             If ``timeout`` passed first (as for :meth:`put`: some blocks may be stored,
             nothing acts later).
         """
-        self._enter()
+        self._gate.enter()
         seconds = check_timeout(timeout)
         if parent is not None:
             validate_key(parent, "parent")
@@ -519,17 +473,17 @@ class TieredStore:
         return await self._within(seconds, "put_many",
                                   self._placement.put_many(last, count, parent))
 
-    @_in_flight
+    @in_flight
     async def flush(self) -> None:
         """Wait until every write-through write queued before this call has been attempted.
 
         Writes queued meanwhile are not waited for, so ``flush`` returns under a steady stream
         of puts; to wait for one batch's writes only, await what :meth:`put_many` returned.
         """
-        self._enter()
+        self._gate.enter()
         await self._writes.flush()
 
-    @_in_flight
+    @in_flight
     async def delete(self, key: bytes, *, timeout: float | None = None  # noqa: ASYNC109
                      ) -> bool:
         """Remove ``key`` from every tier; returns whether any tier held it.
@@ -549,16 +503,16 @@ class TieredStore:
             ``TimeoutError`` (:class:`kvtier.deadline.DeadlineExceeded`, saying which), and
             it never removes a later put's block.
         """
-        self._enter()
+        self._gate.enter()
         seconds = check_timeout(timeout)
         validate_key(key)
         return (await self._within(seconds, "delete", self._placement.delete([key])))[0]
 
-    @_in_flight
+    @in_flight
     async def delete_many(self, keys: Sequence[bytes], *,
                           timeout: float | None = None) -> list[bool]:  # noqa: ASYNC109
         """Batch :meth:`delete`; one batch call per tier (``timeout`` as for :meth:`delete`)."""
-        self._enter()
+        self._gate.enter()
         seconds = check_timeout(timeout)
         return await self._within(seconds, "delete_many",
                                   self._placement.delete(keys_list(keys)))
@@ -601,10 +555,10 @@ class TieredStore:
             An async iterator of events (``async for batch in sub.batches()`` takes them in
             batches); ``sub.close()`` ends it, as does :meth:`aclose`.
         """
-        self._enter()
+        self._gate.enter()
         return self._events.subscribe(buffer=buffer, resync=resync)
 
-    @_in_flight
+    @in_flight
     async def locate_prefix(self, keys: Sequence[bytes], *, timeout: float | None = None  # noqa: ASYNC109
                             ) -> PrefixLocation:
         """Where the leading blocks of a prefix can be served without a network fetch.
@@ -631,7 +585,7 @@ class TieredStore:
         """
         from kvtier.peer.locate import locate_in_pool  # aiohttp: only when locating
 
-        self._enter()
+        self._gate.enter()
         key_list = keys_list(keys)
         # An explicit timeout is taken as given (math.inf: no limit, as for every verb).
         seconds = (self._timeout or LOCATE_DEADLINE) if timeout is None \
@@ -680,7 +634,7 @@ class TieredStore:
         """
         from kvtier.routing import route_by_owner  # aiohttp (PeerTier): only when routing
 
-        self._enter()
+        self._gate.enter()
         key_list = keys_list(keys)
         return route_by_owner(self._chain.tiers, key_list, candidates, load or {})
 
@@ -710,9 +664,9 @@ class TieredStore:
         are counted, not raised, as for :meth:`pin`."""
         await self._pin_op("unpin", keys, tier)
 
-    @_in_flight
+    @in_flight
     async def _pin_op(self, op: str, keys: Sequence[bytes], tier: int | None) -> None:
-        self._enter()
+        self._gate.enter()
         key_list = keys_list(keys)
         n = len(self._chain)
         if tier is None:
@@ -767,40 +721,22 @@ class TieredStore:
         flush write-through writes, copy volatile tiers into persistent ones (bounded, see
         ``close_flush``), then close every tier (an ``AllBlocksCleared`` event each) and end
         the :meth:`events` subscriptions. Calling it again does nothing."""
-        if self._closed:
+        if self._gate.closed:
             return
-        loop = asyncio.get_running_loop()
-        if self._loop is not None and loop is not self._loop:
-            self._bind(loop)  # raises WrongLoopError: the tiers' resources live on that loop
-        self._closed = True  # calls from now on raise ClosedError
+        self._gate.close()  # calls from now on raise ClosedError
         try:
-            if self._in_flight:
-                self._idle = asyncio.Event()
-                await self._idle.wait()
+            await self._gate.idle()
             await self._writes.aclose()
             if self._close_flush is not None and self._close_flush.active:
                 await self._close_flush.run()
         finally:
-            for index, tier in enumerate(self._chain.tiers):
-                # Each block leaves by name before the tier's AllBlocksCleared: a router
-                # that ignores AllBlocksCleared (llm-d-kv-cache#593) still ends up right.
-                held = tier.resident_keys() if self._events.subscribers else None
-                try:
-                    await tier.aclose()
-                except Exception as exc:
-                    self._chain.error(index, "aclose", exc)
-                medium = self._chain.mediums[index]
-                for start in range(0, len(held or ()), RESYNC_KEYS):
-                    self._events.removed((held or [])[start:start + RESYNC_KEYS],
-                                         tier=tier.name, medium=medium)
-                self._events.cleared(tier=tier.name, medium=medium)
-            self._chain.warnings.flush()
+            await self._chain.aclose()
             self._events.close()
             if self._lookup_log is not None:
                 self._lookup_log.close()
 
     async def __aenter__(self) -> Self:
-        self._enter()
+        self._gate.enter()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

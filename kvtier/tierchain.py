@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar
 from kvtier.deadline import Deadline
 from kvtier.errors import BlockTooLargeError, ConfigError, TierFullError
 from kvtier.event_order import OwedStored
-from kvtier.events import EventHub, medium_of
+from kvtier.events import RESYNC_KEYS, EventHub, Resident, medium_of
 from kvtier.keys import validate_key
 from kvtier.misses import MissLedger, MissReason
 from kvtier.stats import StoreCounters, TierCounters
@@ -182,6 +182,34 @@ class TierChain:
         def missed(keys: Sequence[bytes], reason: MissReason, detail: str) -> None:
             self.misses.note_many(index, keys, reason, detail)
         return missed
+
+    def resident(self) -> Resident:
+        """What each tier that can list its keys holds now (a subscription's resync)."""
+        out = []
+        for index, tier in enumerate(self.tiers):
+            keys = tier.resident_keys()
+            if keys:
+                out.append((tier.name, self.mediums[index], keys))
+        return out
+
+    async def aclose(self) -> None:
+        """Close every tier (a failure is counted, not raised), each followed by
+        ``BlockRemoved`` for what it held and its ``AllBlocksCleared``; then flush the
+        rate-limited warnings."""
+        for index, tier in enumerate(self.tiers):
+            # Each block leaves by name before the tier's AllBlocksCleared: a router
+            # that ignores AllBlocksCleared (llm-d-kv-cache#593) still ends up right.
+            held = tier.resident_keys() if self.events.subscribers else None
+            try:
+                await tier.aclose()
+            except Exception as exc:
+                self.error(index, "aclose", exc)
+            medium = self.mediums[index]
+            for start in range(0, len(held or ()), RESYNC_KEYS):
+                self.events.removed((held or [])[start:start + RESYNC_KEYS],
+                                    tier=tier.name, medium=medium)
+            self.events.cleared(tier=tier.name, medium=medium)
+        self.warnings.flush()
 
     def __len__(self) -> int:
         return len(self.tiers)

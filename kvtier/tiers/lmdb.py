@@ -4,12 +4,8 @@ URL form: ``lmdb:///nvme/kvtier?capacity=500GiB&compress=zstd:1&shuffle=1&sync=0
 
 - Every LMDB transaction runs start to commit inside one worker-thread call
   (:mod:`kvtier.tiers.lmdb_env`); reads copy out before their transaction ends. Except
-  (``inline_reads``, on by default) a read of at most ``INLINE_READ_BYTES`` whose values
-  are uncompressed and in the page cache (``mincore``): it runs on the event loop, since
-  it then costs a checksum and a memcpy, less than the thread hop (about 65 us on the
-  benchmark machine, ``docs/performance.md``). Its B-tree lookup touches a few pages that
-  every read and write of the tier touches too; were one evicted, that read would take one
-  page fault on the loop.
+  (``inline_reads``, on by default) small reads of uncompressed values in the page cache:
+  they run on the event loop (:mod:`kvtier.tiers.lmdb_reads`).
 - The budget accounts stored frame bytes. ``data.mdb`` can never grow past ``map_size =
   capacity + overhead`` (LMDB refuses with ``MapFullError``, which this tier catches: it
   evicts more and retries), so the directory stays under ``capacity + overhead + 64 KiB``
@@ -28,14 +24,13 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
-from urllib.parse import unquote
 
 import lmdb
 
-from kvtier.codec import encode_frame, frame_size_bound, parse_compress
+from kvtier.codec import encode_frame, frame_size_bound
 from kvtier.deadline import acquire, in_thread
 from kvtier.errors import (
     ConfigError,
@@ -48,18 +43,25 @@ from kvtier.events_watch import DEFAULT_WATCH_INTERVAL
 from kvtier.misses import MissReason
 from kvtier.policy import Clock, RecencyPolicy
 from kvtier.tasks import TaskSet
-from kvtier.tiers.base import Block, copy_into, run_to_end
-from kvtier.tiers.budget import BudgetedTier, make_policy, parse_policy
+from kvtier.tiers.base import Block, run_to_end
+from kvtier.tiers.budget import BudgetedTier, make_policy
 from kvtier.tiers.lmdb_dir import (
     check_unclean_shutdown,
     lock_directory,
     mark_clean_close,
     preallocate,
 )
-from kvtier.tiers.lmdb_env import BlockEnv, Durability, NotResident, PendingPut
+from kvtier.tiers.lmdb_env import BlockEnv, Durability, PendingPut
 from kvtier.tiers.lmdb_gc import OwnerWatch
+from kvtier.tiers.lmdb_options import (
+    DEFAULT_OVERHEAD_FIXED,
+    default_overhead,
+    map_size,
+    path_of_url,
+    tier_arguments,
+)
+from kvtier.tiers.lmdb_reads import INLINE_READ_BYTES, EnvReader
 from kvtier.tiers.residency import mincore_available
-from kvtier.urls import merge_options, parse_bool, parse_number, parse_size, parse_tier_url
 
 __all__ = ["DEFAULT_OVERHEAD_FIXED", "INLINE_READ_BYTES", "DirectoryLockedError", "LMDBTier",
            "default_overhead"]
@@ -67,30 +69,13 @@ __all__ = ["DEFAULT_OVERHEAD_FIXED", "INLINE_READ_BYTES", "DirectoryLockedError"
 log = logging.getLogger("kvtier.tiers.lmdb")
 T = TypeVar("T")
 
-DEFAULT_OVERHEAD_FIXED = 8 << 20
-#: Reads of at most this many frame bytes (one 4 MiB block and its header) may run on the
-#: event loop (``inline_reads``).
-INLINE_READ_BYTES = (4 << 20) + 4096
-_UNBOUNDED_MAP_SIZE = 1 << 40
 _MAX_ROOM_ATTEMPTS = 64
 _MAP_FULL_RETRIES = 2
-_SYNC_VALUES = {"0": "0", "false": "0", "off": "0", "no": "0", "meta": "meta",
-                "1": "1", "true": "1", "on": "1", "yes": "1"}
 
 
 class _MapFull(Exception):
     """LMDB has no page left for a commit although the budget has room (its victims are
     deleted; the put evicts more and retries)."""
-
-
-def default_overhead(capacity: int) -> int:
-    """Room ``data.mdb`` gets on top of the budget: 1/8 of it plus 8 MiB.
-
-    It pays for page rounding (a value takes whole 4 KiB pages plus a 16-byte page header:
-    a 64 KiB block uses 17 pages), B-tree and free-list pages, and pages freed by the last two
-    commits, which LMDB cannot reuse yet.
-    """
-    return capacity // 8 + DEFAULT_OVERHEAD_FIXED
 
 
 class LMDBTier(BudgetedTier):
@@ -168,20 +153,13 @@ class LMDBTier(BudgetedTier):
                 f"path: cannot use {str(self.path)!r} as an LMDB directory "
                 f"({type(exc).__name__}: {exc.strerror or exc}); lmdb:// needs a directory "
                 "this process can create and write - change the path") from None
-        page = os.sysconf("SC_PAGE_SIZE")
-        if capacity is None:
-            map_size = _UNBOUNDED_MAP_SIZE
-        else:
-            map_size = capacity + (default_overhead(capacity) if overhead is None else overhead)
-        self.map_size = -(-map_size // page) * page
+        self.map_size = map_size(capacity, overhead)
         self.compress_level = compress_level
         self.shuffle = shuffle
         self.sync = sync
         self.writemap = writemap
         self._clock = clock
         self._touch_flush = touch_flush
-        self.inline_reads = inline_reads and mincore_available()
-        self.reads_inline = 0  # reads served on the loop (resident, uncompressed)
         self._env: BlockEnv | None = None
         self._opening: asyncio.Future[BlockEnv] | None = None
         # Serialises write transactions (LMDB has one writer anyway); never held across a
@@ -189,6 +167,8 @@ class LMDBTier(BudgetedTier):
         self._lock = asyncio.Lock()
         self._touched: set[bytes] = set()
         self._inflight = TaskSet()
+        self._reader = EnvReader(inline=inline_reads and mincore_available(),
+                                 frame_bytes=self._frame_bytes, track=self._inflight)
         self.hits = self.misses = self.corrupt = self.io_errors = self.map_full = 0
         self.discarded_after_os_crash = False
 
@@ -197,55 +177,10 @@ class LMDBTier(BudgetedTier):
     def from_url(cls, url: str, **options: Any) -> Self:
         """``lmdb:///DIR?capacity=SIZE&policy=lru&compress=zstd:1&shuffle=1&sync=0|meta|1
         &writemap=0&overhead=SIZE&inline_reads=1&watch=SECONDS&name=LABEL``."""
-        parsed = parse_tier_url(url)
-        path = cls.path_of_url(url)
-        opts = merge_options(parsed, options, {"capacity", "compress", "shuffle", "sync",
-                                               "writemap", "overhead", "name", "clock",
-                                               "touch_flush", "policy", "inline_reads",
-                                               "watch"})
-        capacity = opts.get("capacity")
-        overhead = opts.get("overhead")
-        sync_text = str(opts.get("sync", "0")).strip().lower()
-        if sync_text not in _SYNC_VALUES:
-            raise ConfigError(f"sync: expected 0, meta or 1, got {opts['sync']!r}")
-        extra: dict[str, Any] = {}
-        if "clock" in opts:
-            extra["clock"] = opts["clock"]
-        if "touch_flush" in opts:
-            extra["touch_flush"] = int(str(opts["touch_flush"]))
-        if "watch" in opts:
-            extra["watch"] = parse_number(opts["watch"], "watch", float, 0.0)
-        return cls(
-            path,
-            capacity=None if capacity in (None, "") else parse_size(capacity),  # type: ignore[arg-type]
-            compress_level=parse_compress(opts.get("compress")),
-            shuffle=parse_bool(opts.get("shuffle", False), "shuffle"),  # type: ignore[arg-type]
-            sync=_SYNC_VALUES[sync_text],
-            writemap=parse_bool(opts.get("writemap", False), "writemap"),  # type: ignore[arg-type]
-            inline_reads=parse_bool(opts.get("inline_reads", True), "inline_reads"),  # type: ignore[arg-type]
-            overhead=None if overhead in (None, "") else parse_size(overhead, "overhead"),  # type: ignore[arg-type]
-            policy=parse_policy(opts.get("policy")),
-            name=str(opts["name"]) if "name" in opts else None,
-            **extra,
-        )
+        path, arguments = tier_arguments(url, options)
+        return cls(path, **arguments)
 
-    @staticmethod
-    def path_of_url(url: str) -> Path:
-        """The directory an ``lmdb://`` URL names.
-
-        Raises
-        ------
-        ConfigError
-            When it names none (a host, no path, the root).
-        """
-        parsed = parse_tier_url(url)
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"url: lmdb:// takes an absolute path (lmdb:///dir), got {url!r}")
-        path = unquote(parsed.path)
-        if path in ("", "/"):
-            raise ConfigError(f"url: lmdb:// needs a directory, e.g. lmdb:///nvme/kvtier, got "
-                              f"{url!r}")
-        return Path(path)
+    path_of_url = staticmethod(path_of_url)
 
     async def open(self) -> None:
         """Open the environment now (``open_store`` calls this), so ``stats()`` shows the
@@ -314,13 +249,6 @@ class LMDBTier(BudgetedTier):
             raise TierError(f"lmdb tier {self.name}: environment is not open")
         return self._env
 
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        # asyncio.to_thread without its Task wrapper (one loop hop less per read). Shielded
-        # and tracked: a cancelled caller does not drop the future while its thread is still
-        # inside the environment, and aclose() waits for it.
-        return await in_thread(fn, *args, what="lmdb read", wait_started=False,
-                               track=self._inflight)
-
     def _frame_bytes(self, key: bytes) -> int:
         """Stored bytes of a held block: from the policy, or from its eviction while it is
         leaving (out of the policy, still readable)."""
@@ -329,34 +257,6 @@ class LMDBTier(BudgetedTier):
             entry = self._eviction_state.leaving_entry(key)
             size = entry.size if entry is not None else INLINE_READ_BYTES + 1
         return size
-
-    async def _read_blocks(self, env: BlockEnv, keys: list[bytes]) -> list[Any]:
-        """``env.read(keys)``: resident groups of at most ``INLINE_READ_BYTES`` on the loop,
-        yielding between groups (a batch holds the loop no longer than a single inline get
-        does), and the rest, from the first group that is not resident, in one thread hop.
-        A batch of 16 x 1 MiB read in one thread ran at 0.93x its single gets per byte."""
-        out: list[Any] = []
-        start = 0
-        while self.inline_reads and start < len(keys):
-            end, size = start, 0
-            while end < len(keys):
-                grown = size + self._frame_bytes(keys[end])
-                if grown > INLINE_READ_BYTES:
-                    break
-                size, end = grown, end + 1
-            if end == start:
-                break  # the next block alone is too large to read on the loop
-            try:
-                out += env.read(keys[start:end], resident_only=True)
-            except NotResident:
-                break
-            self.reads_inline += 1
-            start = end
-            if start < len(keys):
-                await asyncio.sleep(0)
-        if start < len(keys):
-            out += await self._in_thread(env.read, keys[start:])
-        return out
 
     async def _locked(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` under the writer lock as a tracked task that a cancelled caller
@@ -389,7 +289,7 @@ class LMDBTier(BudgetedTier):
         found: dict[bytes, Block] = {}
         if wanted:
             try:
-                results = await self._read_blocks(env, wanted)
+                results = await self._reader.read(env, wanted)
             except lmdb.Error as exc:
                 self.io_errors += 1
                 raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
@@ -425,7 +325,7 @@ class LMDBTier(BudgetedTier):
             self.misses += 1
             return False
         try:
-            res = await self._read_into(env, key, out)
+            res = await self._reader.read_into(env, key, out)
         except lmdb.Error as exc:
             self.io_errors += 1
             raise TierError(f"lmdb tier {self.name}: read failed: {exc}") from exc
@@ -443,28 +343,6 @@ class LMDBTier(BudgetedTier):
         self._touched.add(key)
         if len(self._touched) >= self._touch_flush:
             await self._locked(self._flush_touches_locked())
-        return True
-
-    async def _read_into(self, env: BlockEnv, key: bytes, out: Block
-                         ) -> bool | CorruptBlockError:
-        """Copy ``key`` into ``out``: straight from the map when it can be read on the loop;
-        else a worker thread reads it into memory of the tier's own (a read-arena slot) and
-        the copy into ``out`` happens here, after the await, so a caller that gave up (a
-        store deadline) never finds ``out`` written later."""
-        if self.inline_reads and self._frame_bytes(key) <= INLINE_READ_BYTES:
-            try:
-                found = env.read_into(key, out, resident_only=True)
-            except NotResident:
-                pass
-            else:
-                self.reads_inline += 1
-                return found
-        res = (await self._in_thread(env.read, [key]))[0]
-        if res is None:
-            return False
-        if isinstance(res, CorruptBlockError):
-            return res
-        copy_into(res, out)  # checks ``out`` first: a mismatch raises before any write
         return True
 
     async def _contains(self, key: bytes) -> bool:
@@ -588,7 +466,7 @@ class LMDBTier(BudgetedTier):
     # ------------------------------------------------- eviction template hooks
     async def _read_leaving(self, keys: list[bytes]) -> list[Block | None]:
         env = self._live_env()
-        results = await self._in_thread(env.read, keys)
+        results = await self._reader.in_thread(env.read, keys)
         blocks: list[Block | None] = []
         for key, res in zip(keys, results, strict=True):
             if isinstance(res, CorruptBlockError):
@@ -674,6 +552,6 @@ class LMDBTier(BudgetedTier):
                 "map_size": self.map_size, "disk_bytes": disk, "path": str(self.path),
                 "sync": self.sync, "compress_level": self.compress_level,
                 "discarded_after_os_crash": self.discarded_after_os_crash,
-                "reads_inline": self.reads_inline,
+                "reads_inline": self._reader.reads_inline,
                 **(self._owner_watch.stats() if self._owner_watch is not None else {}),
                 "read_slots_reused": self._env.read_slots_reused if self._env is not None else 0}
