@@ -425,6 +425,11 @@ async def _read_back(store: object, batches: list[list[bytes]], nbytes: int
     return good, wrong
 
 
+def _failed_requests(store: object) -> int:
+    """Requests of ``store``'s pool tier that failed so far (timed out, refused, 5xx)."""
+    return int(store.tiers[0].counts["errors"])  # type: ignore[attr-defined]
+
+
 async def _stale_and_undone(store: object, tally: Tally, nbytes: int) -> tuple[int, int, int]:
     """``(overwrites read at their first value, deletes read back, overwrites unreadable)``
     through ``store``."""
@@ -535,8 +540,11 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
             batches = tally.chains if args.chain > 1 else [
                 keys[start:start + 64] for start in range(0, len(keys), 64)]
             # Long-lived clients first, then a fresh one, all servers up (but the one left).
+            failed_before = sum(_failed_requests(s) for s in stores)
             long_lived = [await _read_back(store, batches, args.block_bytes)
                           for store in stores]
+            # Their requests that failed (timed out, refused, 5xx) while they read back.
+            long_failures = sum(_failed_requests(s) for s in stores) - failed_before
         finally:
             for store in stores:
                 await store.aclose()
@@ -554,7 +562,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
             fresh, wrong_end = await _read_back(reader, batches, args.block_bytes)
             # Requests of the fresh read-back that failed (timed out, refused, 5xx): a key
             # whose every holder failed its request is unreadable though held.
-            read_failures = int(reader.tiers[0].counts["errors"])  # type: ignore[attr-defined]
+            read_failures = _failed_requests(reader)
             stale, undone, over_missing = await _stale_and_undone(reader, tally,
                                                                   args.block_bytes)
         behind = sum(len(fresh - good) for good, _ in long_lived)
@@ -619,6 +627,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "args": args, "tally": tally, "wall": wall, "rss_start": rss_start, "rss_end": rss_end,
         "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
+        "long_failures": long_failures,
         "full_disk": disk is not None, "losses": losses, "dropped": dropped,
         "on_full_disk": on_full_disk, "t0": t0, "budget": len(budget),
         "stale": stale, "undone": undone, "over_missing": over_missing,
@@ -669,7 +678,8 @@ def table(r: dict[str, object]) -> str:
          f"{len(t.overwritten)} / {len(t.deleted)} ({t.write_errors})"),
         ("acked overwrites read stale / unreadable at end; acked deletes read back",
          f"{r['stale']} / {r['over_missing']}; {r['undone']}"),
-        ("keys long-lived clients missed that a fresh client read", f"{r['behind']}"),
+        ("keys long-lived clients missed that a fresh client read (their failed requests "
+         "then)", f"{r['behind']} ({r['long_failures']})"),
         ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
         ("put latency p50 / p99 / max (ms)",
          f"{_pct(t.put_lat, 0.5):.1f} / {_pct(t.put_lat, 0.99):.1f} / "
