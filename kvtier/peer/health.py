@@ -79,8 +79,8 @@ class MemberHealth:
     started: StartEstimate | None = None
     #: The last failure in words (``timed out after 0.50 s``, ``ConnectionRefusedError: ...``).
     last_error: str = ""
-    #: Whether the last failure was a timeout: the member may be frozen or only busy, and
-    #: it still holds its blocks (a refused connection or a wrong answer clears it).
+    #: Whether the last failure was a timeout: the member may be frozen or only busy, with
+    #: its blocks still held (a refused connection or a wrong answer clears it).
     timed_out: bool = False
 
 
