@@ -22,7 +22,11 @@ the LMDB kept), skipped where a tmpfs cannot be mounted.
 
 At the end every server is up (but the one `--grow-shrink` removed); every long-lived client
 and a fresh client read back every acknowledged key, and the table counts the keys a
-long-lived client missed that the fresh one read. An unreadable key counts as "replication
+long-lived client missed that the fresh one read (with the long-lived clients' failed
+requests meanwhile), and of those the keys still missed when read again batch by batch
+beside a fresh client (a difference of view, not of the load; the exit status counts these).
+An unreadable key that a second fresh client reads, a few keys a request, was held all
+along (the first read-back's requests failed) and is not lost. An unreadable key counts as "replication
 could not help" when `replicas` distinct servers were killed (or removed) after its put was
 acknowledged, each within `--repair-grace` seconds of the previous (no anti-entropy pass could
 have re-replicated in between); one all of whose owners' DRAM tiers were evicting at the end
@@ -545,6 +549,18 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                           for store in stores]
             # Their requests that failed (timed out, refused, 5xx) while they read back.
             long_failures = sum(_failed_requests(s) for s in stores) - failed_before
+            # What they missed, read again batch by batch beside a fresh client (each batch
+            # through the long-lived client, then at once the fresh one): a key still missed
+            # there that the fresh client reads is a difference of view, not of the load.
+            async with await kvtier.open_store([pool]) as beside:
+                still_behind = 0
+                for store, (good, _) in zip(stores, long_lived, strict=True):
+                    missed = [k for k in keys if k not in good]
+                    for start in range(0, len(missed), 64):
+                        chunk = [missed[start:start + 64]]
+                        reread, _ = await _read_back(store, chunk, args.block_bytes)
+                        fresh_read, _ = await _read_back(beside, chunk, args.block_bytes)
+                        still_behind += len(fresh_read - reread)
         finally:
             for store in stores:
                 await store.aclose()
@@ -627,7 +643,7 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "args": args, "tally": tally, "wall": wall, "rss_start": rss_start, "rss_end": rss_end,
         "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
-        "long_failures": long_failures,
+        "long_failures": long_failures, "still_behind": still_behind,
         "full_disk": disk is not None, "losses": losses, "dropped": dropped,
         "on_full_disk": on_full_disk, "t0": t0, "budget": len(budget),
         "stale": stale, "undone": undone, "over_missing": over_missing,
@@ -680,6 +696,8 @@ def table(r: dict[str, object]) -> str:
          f"{r['stale']} / {r['over_missing']}; {r['undone']}"),
         ("keys long-lived clients missed that a fresh client read (their failed requests "
          "then)", f"{r['behind']} ({r['long_failures']})"),
+        ("  of which still missed when read again beside a fresh client that read them",
+         f"{r['still_behind']}"),
         ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
         ("put latency p50 / p99 / max (ms)",
          f"{_pct(t.put_lat, 0.5):.1f} / {_pct(t.put_lat, 0.99):.1f} / "
@@ -784,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = (int(result["unreadable"]) - int(result["late"])  # type: ignore[call-overload]
            - int(result["excused"])  # type: ignore[call-overload]
            - int(result["budget"])  # type: ignore[call-overload]
-           + int(result["wrong"]) + int(result["behind"])  # type: ignore[call-overload]
+           + int(result["wrong"]) + int(result["still_behind"])  # type: ignore[call-overload]
            + int(result["stale"]) + int(result["undone"])  # type: ignore[call-overload]
            + t.put_errors + t.get_errors)
     return 1 if bad else 0
