@@ -25,23 +25,22 @@ and a fresh client read back every acknowledged key, and the table counts the ke
 long-lived client missed that the fresh one read (with the long-lived clients' failed
 requests meanwhile), and of those the keys still missed when read again batch by batch
 beside a fresh client (a difference of view, not of the load; the exit status counts these).
-An unreadable key that a second fresh client reads, a few keys a request, was held all
-along (the first read-back's requests failed) and is not lost. An unreadable key counts as "replication
-could not help" when `replicas` distinct servers were killed (or removed) after its put was
-acknowledged, each within `--repair-grace` seconds of the previous (no anti-entropy pass could
-have re-replicated in between); one all of whose owners' DRAM tiers were evicting at the end
-(`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys) counts as lost to the budget
-(under `--placement local`, where copies are not on the ring owners and a last copy is
-dropped only as the oldest block anywhere: only when the pool as a whole was full, every
-server's DRAM evicting and the acked keys' copies more than the pool's DRAM blocks);
-every other unreadable key is a loss replication should have prevented. A second table
-shows each server's DRAM evictions and blocks and its anti-entropy counters (from
-``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be 0.
-Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier holds
-(the data it was given). Overwrites and deletes are checked at the end by the fresh
-client: no acknowledged overwrite may read its first value ("stale"), no acknowledged
-delete may read back ("undone"); an overwrite or delete that raised is left out.
-"""
+An unreadable key that a second fresh client reads, a few keys a request, was held all along
+(the first read-back's requests failed) and is not lost. An unreadable key counts as
+"replication could not help" when `replicas` distinct servers were killed (or removed) after
+its put was acknowledged, each within `--repair-grace` seconds of the previous (no
+anti-entropy pass could have re-replicated in between); one all of whose owners' DRAM tiers
+were evicting at the end (`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys)
+counts as lost to the budget (under `--placement local`, where copies are not on the ring
+owners and a last copy is dropped only as the oldest block anywhere: only when the pool as a
+whole was full, every server's DRAM evicting and the acked keys' copies more than the pool's
+DRAM blocks); every other unreadable key is a loss replication should have prevented. A
+second table shows each server's DRAM evictions and blocks and its anti-entropy counters
+(from ``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be
+0. Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier
+holds (the data it was given). Overwrites and deletes are checked at the end by the fresh
+client: no acknowledged overwrite may read its first value ("stale"), no acknowledged delete
+may read back ("undone"); an overwrite or delete that raised is left out. """
 
 from __future__ import annotations
 
