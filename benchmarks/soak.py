@@ -40,7 +40,8 @@ second table shows each server's DRAM evictions and blocks and its anti-entropy 
 0. Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier
 holds (the data it was given). Overwrites and deletes are checked at the end by the fresh
 client: no acknowledged overwrite may read its first value ("stale"), no acknowledged delete
-may read back ("undone"); an overwrite or delete that raised is left out. """
+may read back ("undone"); an overwrite or delete that raised is left out.
+"""
 
 from __future__ import annotations
 
