@@ -22,21 +22,25 @@ the LMDB kept), skipped where a tmpfs cannot be mounted.
 
 At the end every server is up (but the one `--grow-shrink` removed); every long-lived client
 and a fresh client read back every acknowledged key, and the table counts the keys a
-long-lived client missed that the fresh one read. An unreadable key counts as "replication
-could not help" when `replicas` distinct servers were killed (or removed) after its put was
-acknowledged, each within `--repair-grace` seconds of the previous (no anti-entropy pass could
-have re-replicated in between); one all of whose owners' DRAM tiers were evicting at the end
-(`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys) counts as lost to the budget
-(under `--placement local`, where copies are not on the ring owners and a last copy is
-dropped only as the oldest block anywhere: only when the pool as a whole was full, every
-server's DRAM evicting and the acked keys' copies more than the pool's DRAM blocks);
-every other unreadable key is a loss replication should have prevented. A second table
-shows each server's DRAM evictions and blocks and its anti-entropy counters (from
-``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be 0.
-Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier holds
-(the data it was given). Overwrites and deletes are checked at the end by the fresh
-client: no acknowledged overwrite may read its first value ("stale"), no acknowledged
-delete may read back ("undone"); an overwrite or delete that raised is left out.
+long-lived client missed that the fresh one read (with the long-lived clients' failed
+requests meanwhile), and of those the keys still missed when read again batch by batch
+beside a fresh client (a difference of view, not of the load; the exit status counts these).
+An unreadable key that a second fresh client reads, a few keys a request, was held all along
+(the first read-back's requests failed) and is not lost. An unreadable key counts as
+"replication could not help" when `replicas` distinct servers were killed (or removed) after
+its put was acknowledged, each within `--repair-grace` seconds of the previous (no
+anti-entropy pass could have re-replicated in between); one all of whose owners' DRAM tiers
+were evicting at the end (`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys)
+counts as lost to the budget (under `--placement local`, where copies are not on the ring
+owners and a last copy is dropped only as the oldest block anywhere: only when the pool as a
+whole was full, every server's DRAM evicting and the acked keys' copies more than the pool's
+DRAM blocks); every other unreadable key is a loss replication should have prevented. A
+second table shows each server's DRAM evictions and blocks and its anti-entropy counters
+(from ``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be
+0. Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier
+holds (the data it was given). Overwrites and deletes are checked at the end by the fresh
+client: no acknowledged overwrite may read its first value ("stale"), no acknowledged delete
+may read back ("undone"); an overwrite or delete that raised is left out.
 """
 
 from __future__ import annotations
@@ -228,6 +232,9 @@ class Tally:
     kills: list[tuple[float, int]] = field(default_factory=list)
     overwritten: dict[bytes, float] = field(default_factory=dict)  # key -> overwrite ack
     deleted: dict[bytes, float] = field(default_factory=dict)  # key -> delete ack
+    # key -> True (overwrite) / False (delete), from when the change started: a get that
+    # was already in flight may read the new value (or miss) without anything being wrong.
+    changing: dict[bytes, bool] = field(default_factory=dict)
     write_errors: int = 0  # overwrites and deletes that raised (their keys left out)
     # (time, server, "kill" | "end", its figures just before): see FIGURES
     figures: list[tuple[float, int, str, dict[str, float]]] = field(default_factory=list)
@@ -261,6 +268,8 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
                 key, keys[i] = keys[i], keys[-1]
                 keys.pop()
                 overwrite = rng.random() * (args.overwrites + args.deletes) < args.overwrites
+                # A get of this key that started before may see the change (checked so).
+                tally.changing[key] = overwrite
                 try:
                     if overwrite:
                         await store.put(key, second_block_for(key, args.block_bytes))  # type: ignore[attr-defined]
@@ -303,17 +312,23 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
                         del reading[key]
                 tally.get_lat.append(time.perf_counter() - t0)
                 tally.gets += 1
+                change = tally.changing.get(key)
                 if got is None:
-                    tally.get_misses += 1
-                elif not _right_bytes(key, got, args.block_bytes):
+                    if change is not False:  # a delete that raced this get: not a miss
+                        tally.get_misses += 1
+                elif not _right_bytes(key, got, args.block_bytes) and not (
+                        change and _right_bytes(key, got, args.block_bytes, second=True)):
                     tally.wrong_bytes += 1
+                    tally.errors.append(f"get: wrong bytes for {key.hex()}")
 
     await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
 
 
-def _right_bytes(key: bytes, got: object, nbytes: int) -> bool:
-    """Whether a block read back for ``key`` holds the bytes its put wrote."""
-    return bool(np.array_equal(np.asarray(got).view(np.uint8).ravel(), block_for(key, nbytes)))
+def _right_bytes(key: bytes, got: object, nbytes: int, *, second: bool = False) -> bool:
+    """Whether a block read back for ``key`` holds the bytes its put wrote (``second``: its
+    overwrite's)."""
+    want = second_block_for(key, nbytes) if second else block_for(key, nbytes)
+    return bool(np.array_equal(np.asarray(got).view(np.uint8).ravel(), want))
 
 
 async def _chain_op(store: object, tally: Tally, args: argparse.Namespace,
@@ -422,6 +437,11 @@ async def _read_back(store: object, batches: list[list[bytes]], nbytes: int
             else:
                 wrong += 1
     return good, wrong
+
+
+def _failed_requests(store: object) -> int:
+    """Requests of ``store``'s pool tier that failed so far (timed out, refused, 5xx)."""
+    return int(store.tiers[0].counts["errors"])  # type: ignore[attr-defined]
 
 
 async def _stale_and_undone(store: object, tally: Tally, nbytes: int) -> tuple[int, int, int]:
@@ -534,8 +554,23 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
             batches = tally.chains if args.chain > 1 else [
                 keys[start:start + 64] for start in range(0, len(keys), 64)]
             # Long-lived clients first, then a fresh one, all servers up (but the one left).
+            failed_before = sum(_failed_requests(s) for s in stores)
             long_lived = [await _read_back(store, batches, args.block_bytes)
                           for store in stores]
+            # Their requests that failed (timed out, refused, 5xx) while they read back.
+            long_failures = sum(_failed_requests(s) for s in stores) - failed_before
+            # What they missed, read again batch by batch beside a fresh client (each batch
+            # through the long-lived client, then at once the fresh one): a key still missed
+            # there that the fresh client reads is a difference of view, not of the load.
+            async with await kvtier.open_store([pool]) as beside:
+                still_behind = 0
+                for store, (good, _) in zip(stores, long_lived, strict=True):
+                    missed = [k for k in keys if k not in good]
+                    for start in range(0, len(missed), 64):
+                        chunk = [missed[start:start + 64]]
+                        reread, _ = await _read_back(store, chunk, args.block_bytes)
+                        fresh_read, _ = await _read_back(beside, chunk, args.block_bytes)
+                        still_behind += len(fresh_read - reread)
         finally:
             for store in stores:
                 await store.aclose()
@@ -551,12 +586,16 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                     if when == "end" and f.get("evictions", 0) > 0}
         async with await kvtier.open_store([pool]) as reader:
             fresh, wrong_end = await _read_back(reader, batches, args.block_bytes)
+            # Requests of the fresh read-back that failed (timed out, refused, 5xx): a key
+            # whose every holder failed its request is unreadable though held.
+            read_failures = _failed_requests(reader)
             stale, undone, over_missing = await _stale_and_undone(reader, tally,
                                                                   args.block_bytes)
         behind = sum(len(fresh - good) for good, _ in long_lived)
         wrong_end += sum(wrong for _, wrong in long_lived)
         unreadable = [k for k in keys if k not in fresh]
         held = 0
+        late_read: set[bytes] = set()
         if unreadable:  # which unreadable keys some live server still holds
             clients = [PeerClient(servers[i].member, token="soak-token", timeout=5.0)
                        for i in rss_end]
@@ -566,16 +605,23 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                 for c in clients:
                     await c.close()
             held = sum(1 for row in zip(*flags, strict=True) if any(row))
-        excused = sum(1 for k in unreadable
-                      if _excused(tally.acked[k], tally.kills, args.replicas, args.repair_grace))
+            # A second fresh client, a few keys a request: the keys it reads were held all
+            # along and missed only because the requests of the first read-back failed.
+            async with await kvtier.open_store([pool]) as again:
+                late_read, wrong_late = await _read_back(
+                    again, [unreadable[i:i + 8] for i in range(0, len(unreadable), 8)],
+                    args.block_bytes)
+            wrong_end += wrong_late
+        excused = sum(1 for k in unreadable if k not in late_read
+                      and _excused(tally.acked[k], tally.kills, args.replicas, args.repair_grace))
         # Each avoidable loss: its owners (server indexes), ack time and the kills after it.
         from kvtier.peer.ring import HashRing
 
         ring = HashRing([s.member for s in servers])
         index = {s.member: i for i, s in enumerate(servers)}
-        not_excused = [k for k in unreadable
-                       if not _excused(tally.acked[k], tally.kills, args.replicas,
-                                       args.repair_grace)]
+        not_excused = [k for k in unreadable if k not in late_read
+                       and not _excused(tally.acked[k], tally.kills, args.replicas,
+                                        args.repair_grace)]
         # Every owner evicting: the loss is the DRAM budget's (the pool holds fewer blocks
         # than the acknowledged keys' copies), correct behaviour, not a replication failure.
         # Under placement=local a block's copies are not on its ring owners: they live
@@ -607,9 +653,11 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
         "args": args, "tally": tally, "wall": wall, "rss_start": rss_start, "rss_end": rss_end,
         "held_mib": held_mib, "unreadable": len(unreadable), "excused": excused, "held": held,
         "wrong": tally.wrong_bytes + wrong_end, "client": client_stats, "behind": behind,
+        "long_failures": long_failures, "still_behind": still_behind,
         "full_disk": disk is not None, "losses": losses, "dropped": dropped,
         "on_full_disk": on_full_disk, "t0": t0, "budget": len(budget),
         "stale": stale, "undone": undone, "over_missing": over_missing,
+        "late": len(late_read), "read_failures": read_failures,
     }
 
 
@@ -638,12 +686,14 @@ def table(r: dict[str, object]) -> str:
         ("gets that missed during chaos", f"{t.get_misses}"),
         ("acknowledged keys unreadable at end (all servers up)",
          f"{unreadable} of {len(t.acked)} (still held by a live server: {r['held']})"),
+        ("  of which a second fresh client read (held; the first read-back's requests "
+         "failed: read failures)", f"{r['late']} ({r['read_failures']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
         ("  of which every owner's DRAM was evicting (local: the whole pool full), lost to "
          "the budget",
          f"{r['budget']}"),
-        ("  of which replication should have prevented",
-         f"{unreadable - excused - int(r['budget'])}"),  # type: ignore[call-overload]
+        ("  of which replication should have prevented (lost)",
+         f"{unreadable - int(r['late']) - excused - int(r['budget'])}"),  # type: ignore[call-overload]
         ("    of those, owned by the full-disk server",
          f"{r['on_full_disk']}"),
         ("DRAM evictions (every server process) / pool DRAM blocks / acked keys x replicas",
@@ -654,7 +704,10 @@ def table(r: dict[str, object]) -> str:
          f"{len(t.overwritten)} / {len(t.deleted)} ({t.write_errors})"),
         ("acked overwrites read stale / unreadable at end; acked deletes read back",
          f"{r['stale']} / {r['over_missing']}; {r['undone']}"),
-        ("keys long-lived clients missed that a fresh client read", f"{r['behind']}"),
+        ("keys long-lived clients missed that a fresh client read (their failed requests "
+         "then)", f"{r['behind']} ({r['long_failures']})"),
+        ("  of which still missed when read again beside a fresh client that read them",
+         f"{r['still_behind']}"),
         ("exceptions from put / get", f"{t.put_errors} / {t.get_errors}"),
         ("put latency p50 / p99 / max (ms)",
          f"{_pct(t.put_lat, 0.5):.1f} / {_pct(t.put_lat, 0.99):.1f} / "
@@ -756,9 +809,10 @@ def main(argv: list[str] | None = None) -> int:
     result = asyncio.run(soak(args))
     print(table(result))
     t: Tally = result["tally"]  # type: ignore[assignment]
-    bad = (int(result["unreadable"]) - int(result["excused"])  # type: ignore[call-overload]
+    bad = (int(result["unreadable"]) - int(result["late"])  # type: ignore[call-overload]
+           - int(result["excused"])  # type: ignore[call-overload]
            - int(result["budget"])  # type: ignore[call-overload]
-           + int(result["wrong"]) + int(result["behind"])  # type: ignore[call-overload]
+           + int(result["wrong"]) + int(result["still_behind"])  # type: ignore[call-overload]
            + int(result["stale"]) + int(result["undone"])  # type: ignore[call-overload]
            + t.put_errors + t.get_errors)
     return 1 if bad else 0

@@ -14,7 +14,10 @@ only by several signals (see :class:`FailureDetector`):
 A member out of the path rejoins after ``rejoin_after`` health probes in a row answered
 within the request timeout (hysteresis: a member that answers one small probe between
 timeouts does not flap in and out). Meanwhile it stays *reachable* as long as its last
-probe answered, and the pool still asks a reachable member when it is the only owner left.
+probe answered, and the pool still asks a reachable member when it is the only owner left;
+a read asks an owner whose last probe timed out too, after the reachable ones (it may be
+back from a freeze, or only busy, with its blocks: a fresh client would ask it), but never
+one that refused the connection or answered wrongly.
 
 Latency is an exponentially weighted mean of seconds per key of the member's requests
 (timeouts count at the time they took), used to ask slow members after their co-owners, with
@@ -33,7 +36,8 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FailureDetector", "MemberHealth", "StartEstimate", "failure_text", "silent_owners"]
+__all__ = ["FailureDetector", "MemberHealth", "StartEstimate", "failure_text", "is_timeout",
+           "silent_owners"]
 
 _ERROR_TEXT = 120  # characters of a failure's message kept for explain (one line)
 
@@ -75,11 +79,19 @@ class MemberHealth:
     started: StartEstimate | None = None
     #: The last failure in words (``timed out after 0.50 s``, ``ConnectionRefusedError: ...``).
     last_error: str = ""
+    #: Whether the last failure was a timeout: the member may be frozen or only busy, with
+    #: its blocks still held (a refused connection or a wrong answer clears it).
+    timed_out: bool = False
+
+
+def is_timeout(error: object) -> bool:
+    """Whether ``error`` is a request (or health probe) that ran out of time."""
+    return isinstance(error, TimeoutError) or type(error).__name__ == "PeerTimeoutError"
 
 
 def failure_text(error: object, elapsed: float | None = None) -> str:
     """One line saying how a request (or health probe) to a member failed."""
-    if isinstance(error, TimeoutError) or type(error).__name__ == "PeerTimeoutError":
+    if is_timeout(error):
         return "timed out" + (f" after {elapsed:.2f} s" if elapsed is not None else "")
     text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
     text = " ".join(text.split())
@@ -160,6 +172,7 @@ class FailureDetector:
         state.good_probes = 0
         if error is not None:
             state.last_error = failure_text(error, elapsed)
+            state.timed_out = not hard and is_timeout(error)
         if hard:
             state.reachable = False
         self._sample(state, elapsed, 1)
@@ -197,7 +210,7 @@ class FailureDetector:
         """Take a member out at once (a hard signal, ``error``); ``True`` if it was in the
         path."""
         state = self[member]
-        state.reachable, state.good_probes = False, 0
+        state.reachable, state.good_probes, state.timed_out = False, 0, False
         if error is not None:
             state.last_error = failure_text(error)
         was_up, state.down = not state.down, True

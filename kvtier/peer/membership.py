@@ -132,6 +132,13 @@ class Membership:
         reachable is still asked when no other owner is left)."""
         return self.detector[member].reachable
 
+    def may_hold(self, member: str) -> bool:
+        """Whether a read should still ask ``member`` when no other owner is left: it
+        answered its last health probe, or its last failure was a timeout (frozen, busy or
+        back already; asking costs at most the request timeout), not a refusal."""
+        state = self.detector[member]
+        return state.reachable or state.timed_out
+
     @property
     def dead(self) -> frozenset[str]:
         """Members currently out of the path."""

@@ -458,14 +458,20 @@ class PeerTier(Tier):
         member out of the path that still answers health probes: for a read (``key``
         given) one of the key's owners, so a member under suspicion is asked when it is the
         only owner left; for a write (``key`` ``None``) any, so a put does not fail while
-        members answer."""
+        members answer. A read then asks the key's owners whose last probe timed out: one
+        back from a freeze holds its blocks before two probes bring it back (a fresh client,
+        which never saw it fail, asks it: a long-lived one must read what that one reads)."""
         for member in order:
             if member not in tried and self.members.alive(member):
                 return member
-        last_resort = order if key is None else self.members.ring.owners(key, self.replicas)
-        for member in last_resort:
-            if member not in tried and self.members.reachable(member):
-                return member
+        if key is None:
+            return next((m for m in order if m not in tried and self.members.reachable(m)),
+                        None)
+        owners = self.members.ring.owners(key, self.replicas)
+        for may in (self.members.reachable, self.members.may_hold):
+            for member in owners:
+                if member not in tried and may(member):
+                    return member
         return None
 
     # ----------------------------------------------------------------- single

@@ -1,9 +1,10 @@
 """The multi-host lane: five `kvtier serve` hosts with distinct IP addresses in network
 namespaces, ``peers+dns://`` through a real dnsmasq, replicas 2, 8 readers and a writer.
 
-The client is first cut off from every member for 3 s (all leave its path at once); then
-DNS swaps one member for a new one, the swapped-out member stops, and a second member
-leaves DNS and stops, all under load (the issue-30 row: the client ran at 100% CPU for over
+The client is first cut off from every member for 3 s (all leave its path at once), then
+its link is rate-limited (``tc tbf``, 32 Mbit/s both ways) for a phase; then DNS swaps one
+member for a new one, the swapped-out member stops, and a second member leaves DNS and
+stops, all under load (the issue-30 row: the client ran at 100% CPU for over
 6 minutes and its RSS rose to 8.5 GB). Every phase must finish, and the lane asserts 0
 acknowledged keys lost, 0 wrong bytes, and the client's CPU time per operation, get
 requests per read and RSS bounded by counts, never by durations.
@@ -43,6 +44,7 @@ PHASE_TIMEOUT = 240.0  # seconds: a phase that has not answered by then hangs (t
 # Per operation (a put, or a get of 16 keys) the client spends a few milliseconds of CPU
 # on a loaded box; the bug spent minutes. The bound is loose on purpose: it is a count.
 CPU_PER_OP = 0.1
+SLOW_RATE = "32mbit"  # the rate-limited link: about 4 MB/s, each reader's batch 256 KiB
 RSS_GROWTH_MIB = 300  # the client's RSS over the run, past its size after the first phase
 
 
@@ -134,6 +136,14 @@ def test_dns_swap_and_two_leaves_under_load(tmp_path: Path) -> None:
         phase("partition", first)
         topo.cut("client", 3.0)
         answers.append(client.answer())
+        # The client's link rate-limited both ways (a token bucket, tc tbf): its 8
+        # readers' answers queue behind each other and packets past the queue drop.
+        topo.throttle("client", SLOW_RATE, "64kb", "100ms")
+        try:
+            phase("slow-link", first)
+            answers.append(client.answer())
+        finally:
+            topo.unthrottle("client")
         phase("swap", swapped)
         topo.set_dns(NAME, swapped)  # h4 out, h6 in
         answers.append(client.answer())

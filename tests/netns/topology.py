@@ -33,7 +33,7 @@ def netns_unavailable() -> str | None:
     """Why the lane cannot run here (not root, no ``ip netns``, no dnsmasq), or ``None``."""
     if os.geteuid() != 0:
         return "the netns lane needs root (ip netns, veth pairs, a bridge)"
-    for tool in ("ip", "dnsmasq"):
+    for tool in ("ip", "tc", "dnsmasq"):
         if shutil.which(tool) is None:
             return f"the netns lane needs {tool} (apt-get install -y iproute2 dnsmasq-base)"
     probe = f"kvtprobe{os.getpid()}"
@@ -48,6 +48,12 @@ def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _tc(*args: str) -> None:
+    done = subprocess.run(["tc", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)}: {done.stderr.strip()}")
 
 
 class Topology:
@@ -161,6 +167,21 @@ class Topology:
             time.sleep(seconds)
         finally:
             _ip("-n", self.ns(host), "link", "set", "eth0", "up")
+
+    def throttle(self, host: str, rate: str, burst: str, latency: str) -> None:
+        """Rate-limit ``host``'s link both ways with a token bucket (``tc tbf``: ``rate``
+        such as ``32mbit``, ``burst`` such as ``64kb``, packets queued past ``latency``
+        dropped); ``tc netem`` is not available on every kernel, ``tbf`` is."""
+        octet = self.hosts[host]
+        for ns, dev in ((self.ns(host), "eth0"), (self.ns("br"), f"{self.tag}o{octet}")):
+            _tc("-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                "burst", burst, "latency", latency)
+
+    def unthrottle(self, host: str) -> None:
+        """Remove what :meth:`throttle` put on ``host``'s link."""
+        octet = self.hosts[host]
+        for ns, dev in ((self.ns(host), "eth0"), (self.ns("br"), f"{self.tag}o{octet}")):
+            _tc("-n", ns, "qdisc", "del", "dev", dev, "root")
 
     # ------------------------------------------------------------- processes
     def popen(self, host: str, argv: Sequence[str], *, log: Path | None = None,
