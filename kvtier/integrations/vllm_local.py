@@ -6,7 +6,8 @@ moves bytes once between the daemon's shared arena and vLLM's pages:
 
 - a load leases the hit's slots, copies them into the request's pages, then releases the
   leases; a block whose lease was no longer valid (or that the daemon did not lend) is a
-  load error, which vLLM recomputes;
+  load error, which vLLM recomputes, and so is every block of a load that failed in any
+  way (the daemon, its answer, memory, the pages): no exception reaches vLLM;
 - a save asks for slots (prepare), copies the blocks out of the pages into them, and commits;
   the next step's :meth:`LocalWorkerSide.start_loads` waits for the copies (vLLM may write
   those pages in its forward pass), never for the commit.
@@ -168,30 +169,34 @@ class LocalWorkerSide(SaveTracking):
     def start_loads(self, meta: KVTierMetadata) -> None:
         self.pages_settled()
         for plan in meta.loads:
-            keys = self._keys(plan)
-            self._saves_ended(keys, self.io_timeout_s)
-            hits = self._load(keys, plan.block_ids)
-            self._load_errors.update(b for b, hit in zip(plan.block_ids, hits, strict=True)
-                                     if not hit)
+            try:
+                keys = self._keys(plan)
+                self._saves_ended(keys, self.io_timeout_s)
+                hits = self._load(keys, plan.block_ids)
+            except Exception as exc:  # whatever failed (daemon, memory, pages): a miss
+                self._load_failed(plan, exc)
+            else:
+                self._load_errors.update(b for b, hit in zip(plan.block_ids, hits, strict=True)
+                                         if not hit)
             if plan.load_async:  # done already: reported at the next get_finished
                 self._loaded.add(plan.req_id)
 
     def _load(self, keys: list[bytes], block_ids: list[int]) -> list[bool]:
-        """Lease, copy into the pages, release; which blocks were loaded."""
+        """Lease, copy into the pages, release; which blocks were loaded.
+
+        Raises
+        ------
+        Exception
+            Whatever made the load fail as a whole (the daemon, its answer, memory, the
+            pages); its leases were released, or end at their time bound.
+        """
         layers = self._layers()
-        try:
-            if self.client.info is None:
-                self.client.ensure()
-            answer = self.client.call("/v1/lease", {"keys": [k.hex() for k in keys]})
-        except TierError as exc:
-            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
-                        len(keys), exc)
-            return [False] * len(keys)
+        if self.client.info is None:
+            self.client.ensure()
+        answer = self.client.call("/v1/lease", {"keys": [k.hex() for k in keys]})
         slots = answer.get("slots")
         if not isinstance(slots, list) or len(slots) != len(keys):
-            log.warning("kvtier load of %d blocks: malformed answer; vLLM recomputes them",
-                        len(keys))
-            return [False] * len(keys)
+            raise TierError(f"local://{self.client.name}: malformed lease answer")
         ids = [s["lease"] for s in slots if isinstance(s, dict) and "lease" in s]
         picked: list[tuple[int, int]] = []
         try:
@@ -212,20 +217,13 @@ class LocalWorkerSide(SaveTracking):
                 for j, (_, r) in enumerate(part):
                     np.copyto(out[j], rows[r])
                 layers.scatter_many([block_ids[i] for i, _ in part], out)
-        except BaseException as exc:
-            with contextlib.suppress(TierError):  # else the leases end at their time bound
+        except BaseException:
+            with contextlib.suppress(Exception):  # else the leases end at their time bound
                 self.client.call("/v1/release", {"leases": ids})
-            if not isinstance(exc, TierError):
-                raise
-            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
-                        len(keys), exc)
-            return [False] * len(keys)
-        try:
-            valid = self.client.call("/v1/release", {"leases": ids}).get("valid", [])
-        except TierError as exc:  # unconfirmed copies are misses (the slots may be reused)
-            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
-                        len(keys), exc)
-            return [False] * len(keys)
+            raise
+        # A release that fails raises: copies it did not confirm are misses (their slots may
+        # have been reused while they were copied).
+        valid = self.client.call("/v1/release", {"leases": ids}).get("valid", [])
         good = iter(valid if isinstance(valid, list) else [])
         leased = [isinstance(s, dict) and next(good, False) is True for s in slots]
         copied = {i for i, _ in picked}
