@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -118,6 +119,8 @@ class LocalWorkerSide(SaveTracking):
         self.cpus: set[int] = set()
         self._saver = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-local-save", initializer=self._pin_save_thread)
+        self._releaser = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-local-release", initializer=self._pin_save_thread)
         self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
         self._loaded: set[str] = set()  # asynchronous loads done, not yet reported
 
@@ -139,12 +142,11 @@ class LocalWorkerSide(SaveTracking):
         keys = self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
         return [local_key(self.namespace, k) for k in keys]
 
-    def _rows(self, writeable: bool) -> npt.NDArray[np.uint8]:
-        """The arena as overlapping rows of one block, row ``i`` starting at byte
+    def _rows(self, buffer: npt.NDArray[np.uint8], writeable: bool) -> npt.NDArray[np.uint8]:
+        """The arena ``buffer`` as overlapping rows of one block, row ``i`` starting at byte
         ``i * _ALIGN`` (every slot starts on such a row)."""
-        buffer = self.client.buffer
         block = self._layers().block_bytes
-        if buffer is None or buffer.nbytes < block:
+        if buffer.nbytes < block:
             raise TierError(f"local://{self.client.name}: no arena mapped")
         return np.lib.stride_tricks.as_strided(
             buffer, shape=((buffer.nbytes - block) // _ALIGN + 1, block),
@@ -193,6 +195,7 @@ class LocalWorkerSide(SaveTracking):
         layers = self._layers()
         if self.client.info is None:
             self.client.ensure()
+        asked = time.monotonic()
         answer = self.client.call("/v1/lease", {"keys": [k.hex() for k in keys]})
         slots = answer.get("slots")
         if not isinstance(slots, list) or len(slots) != len(keys):
@@ -200,9 +203,12 @@ class LocalWorkerSide(SaveTracking):
         ids = [s["lease"] for s in slots if isinstance(s, dict) and "lease" in s]
         picked: list[tuple[int, int]] = []
         try:
-            if not self.client.ensure(answer.get("instance")):
+            instance = answer.get("instance")
+            mapped = self.client.arena(instance) if self.client.ensure(instance) else None
+            if mapped is None:
                 raise TierError("the daemon restarted during the load")
-            rows = self._rows(writeable=False)
+            buffer, ttl = mapped
+            rows = self._rows(buffer, writeable=False)
             picked = [(i, r) for i, (s, key) in enumerate(zip(slots, keys, strict=True))
                       if isinstance(s, dict) and s.get("key") == key.hex()
                       and (r := self._row_of(s, len(rows))) is not None]
@@ -217,17 +223,27 @@ class LocalWorkerSide(SaveTracking):
                 for j, (_, r) in enumerate(part):
                     np.copyto(out[j], rows[r])
                 layers.scatter_many([block_ids[i] for i, _ in part], out)
-        except BaseException:
-            with contextlib.suppress(Exception):  # else the leases end at their time bound
-                self.client.call("/v1/release", {"leases": ids})
-            raise
-        # A release that fails raises: copies it did not confirm are misses (their slots may
-        # have been reused while they were copied).
-        valid = self.client.call("/v1/release", {"leases": ids}).get("valid", [])
-        good = iter(valid if isinstance(valid, list) else [])
-        leased = [isinstance(s, dict) and next(good, False) is True for s in slots]
+        finally:
+            self._release(ids)
+        # A lease lives until its release or its time bound, which the daemon set at least
+        # ``ttl`` after this process asked (one monotonic clock for every process of the
+        # host), so copies that ended before then read slots nothing could reuse: the
+        # release's answer is not needed, and the release runs off the worker's thread.
+        if time.monotonic() >= asked + ttl:
+            return [False] * len(keys)  # a copy may have outlived its lease: a miss
         copied = {i for i, _ in picked}
-        return [i in copied and leased[i] for i in range(len(keys))]
+        return [i in copied for i in range(len(keys))]
+
+    def _release(self, ids: list[int]) -> None:
+        """End read leases ``ids`` on the release thread (the worker does not wait)."""
+        if ids:
+            self._releaser.submit(self._release_now, ids)
+
+    def _release_now(self, ids: list[int]) -> None:
+        try:
+            self.client.call("/v1/release", {"leases": ids})
+        except Exception as exc:  # they end at their time bound
+            log.debug("kvtier: releasing %d leases failed (%s)", len(ids), exc)
 
     def finished_loads(self) -> set[str]:
         done, self._loaded = self._loaded, set()
@@ -279,9 +295,11 @@ class LocalWorkerSide(SaveTracking):
             return list(range(len(keys)))
         ids = [slots[j]["lease"] for j in granted]
         try:
-            if not self.client.ensure(answer.get("instance")):
+            instance = answer.get("instance")
+            mapped = self.client.arena(instance) if self.client.ensure(instance) else None
+            if mapped is None:
                 raise TierError("the daemon restarted during the save")
-            rows = self._rows(writeable=True)
+            rows = self._rows(mapped[0], writeable=True)
             found = [self._row_of(slots[j], len(rows)) for j in granted]
             where = [r for r in found if r is not None]
             if len(where) != len(found):
@@ -305,4 +323,5 @@ class LocalWorkerSide(SaveTracking):
     def close(self) -> None:
         self.pages_settled()
         self._saver.shutdown()
+        self._releaser.shutdown()  # the leases' releases go out first
         self.client.close()
