@@ -121,10 +121,14 @@ def test_loads_and_saves_in_several_bounce_chunks(daemon: Daemon,
     every block lands in its own page, whatever chunk it was in."""
     import kvtier.integrations.vllm_local as vllm_local
 
+    monkeypatch.setattr(vllm_local, "BOUNCE_BYTES", 2 * 320)  # before the workers register
     a = FakeEngine(_extra(daemon))
-    monkeypatch.setattr(vllm_local, "BOUNCE_BYTES", 2 * a.worker._worker._layers().block_bytes)
     b = FakeEngine(_extra(daemon))
     try:
+        for engine in (a, b):
+            worker = engine.worker._worker
+            assert worker._layers().block_bytes == 320
+            assert len(worker._load_bounce) == len(worker._save_bounce) == 2
         a.prefill(Request("a-1", PROMPT), [3, 9, 4, 10, 5, 11])
         assert a.finish(Request("a-1", PROMPT)) == {"a-1"}
         ext, _, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])

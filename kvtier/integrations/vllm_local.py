@@ -13,10 +13,10 @@ moves bytes once between the daemon's shared arena and vLLM's pages:
   those pages in its forward pass), never for the commit.
 
 One copy per byte, through a bounce buffer of :data:`BOUNCE_BYTES` that stays in the CPU
-cache: a block of every layer is one slot in the arena but one piece per layer (per K/V
-plane) in vLLM's pages, and copying a chunk of blocks per plane in one indexed copy, rather
-than each block's pieces one call at a time, keeps the Python calls per load at
-``blocks / chunk x planes``.
+cache (one for loads, one for saves, both made at register and reused): a block of every
+layer is one slot in the arena but one piece per layer (per K/V plane) in vLLM's pages, and
+copying a chunk of blocks per plane in one indexed copy, rather than each block's pieces one
+call at a time, keeps the Python calls per load at ``blocks / chunk x planes``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata
 from kvtier.integrations.vllm_saves import SaveTracking
 from kvtier.shm.sync_client import SyncLocalClient
-from kvtier.tiers.dram_arena import slot_bytes
+from kvtier.tiers.dram_arena import fault_in, slot_bytes
 from kvtier.tiers.local import local_key, parse_local_url
 
 __all__ = ["BOUNCE_BYTES", "LocalLookups", "LocalWorkerSide", "is_local_only"]
@@ -123,11 +123,24 @@ class LocalWorkerSide(SaveTracking):
             1, thread_name_prefix="kvtier-local-release", initializer=self._pin_save_thread)
         self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
         self._loaded: set[str] = set()  # asynchronous loads done, not yet reported
+        # Bounce buffers of the loads (worker thread) and of the saves (save thread), made
+        # at register.
+        self._load_bounce = np.empty((0, 0), np.uint8)
+        self._save_bounce = np.empty((0, 0), np.uint8)
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         if self.thread_cpus == "spare":
             self.cpus = worker_spare_cpus()
         self.layers = PagedLayers(kv_caches, num_blocks)
+        # Made and faulted in once, as the threads are started: a transfer then allocates
+        # nothing (a fresh 4 MiB buffer per load cost its allocation and 1,024 page faults
+        # inside start_load_kv, and under memory pressure a load or a save that fails).
+        chunk = max(1, BOUNCE_BYTES // self.layers.block_bytes)
+        self._load_bounce, self._save_bounce = self.layers.empty(chunk), self.layers.empty(chunk)
+        for bounce in (self._load_bounce, self._save_bounce):
+            fault_in(bounce.reshape(-1))
+        for pool in (self._saver, self._releaser):
+            pool.submit(_started).result()
         try:
             self.client.ensure()
         except TierError as exc:  # a daemon that starts later is mapped at first use
@@ -212,8 +225,8 @@ class LocalWorkerSide(SaveTracking):
             picked = [(i, r) for i, (s, key) in enumerate(zip(slots, keys, strict=True))
                       if isinstance(s, dict) and s.get("key") == key.hex()
                       and (r := self._row_of(s, len(rows))) is not None]
-            chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
-            bounce = layers.empty(min(chunk, len(picked))) if picked else layers.empty(0)
+            bounce = self._load_bounce
+            chunk = len(bounce)
             for start in range(0, len(picked), chunk):
                 part = picked[start:start + chunk]
                 out = bounce[:len(part)]
@@ -304,8 +317,8 @@ class LocalWorkerSide(SaveTracking):
             where = [r for r in found if r is not None]
             if len(where) != len(found):
                 raise TierError("the daemon lent a slot outside its arena")
-            chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
-            bounce = layers.empty(min(chunk, len(granted)))
+            bounce = self._save_bounce
+            chunk = len(bounce)
             for start in range(0, len(granted), chunk):
                 part = granted[start:start + chunk]
                 out = bounce[:len(part)]
@@ -325,3 +338,7 @@ class LocalWorkerSide(SaveTracking):
         self._saver.shutdown()
         self._releaser.shutdown()  # the leases' releases go out first
         self.client.close()
+
+
+def _started() -> None:
+    """Nothing: submitted once so that a pool's thread starts at register, not in a load."""
