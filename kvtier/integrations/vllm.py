@@ -45,6 +45,7 @@ from kvtier.integrations.vllm_plan import (
     KeyMaker,
     KVTierMetadata,
     SchedulerPlanner,
+    plan_keys,
 )
 from kvtier.integrations.vllm_saves import SaveTracking
 from kvtier.keys import KeyNamespace
@@ -303,8 +304,7 @@ class WorkerSide(SaveTracking):
             self.save_staging = StagingArea(self.layers.empty(rows))
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
-        n = plan.first + len(plan.block_ids)
-        return self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
+        return plan_keys(plan, self.keys, self.shard)
 
     def _pin_gather_thread(self) -> None:
         if self.cpus:

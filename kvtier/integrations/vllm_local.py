@@ -34,7 +34,7 @@ import numpy.typing as npt
 from kvtier.errors import TierError
 from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
 from kvtier.integrations.paged import PagedLayers
-from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata
+from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata, plan_keys
 from kvtier.integrations.vllm_saves import SaveTracking
 from kvtier.shm.sync_client import SyncLocalClient
 from kvtier.tiers.dram_arena import fault_in, slot_bytes
@@ -151,8 +151,9 @@ class LocalWorkerSide(SaveTracking):
             pin_current_thread(self.cpus)
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
-        n = plan.first + len(plan.block_ids)
-        keys = self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
+        keys = plan_keys(plan, self.keys, self.shard)
+        if self.namespace is None:
+            return keys
         return [local_key(self.namespace, k) for k in keys]
 
     def _rows(self, buffer: npt.NDArray[np.uint8], writeable: bool) -> npt.NDArray[np.uint8]:
