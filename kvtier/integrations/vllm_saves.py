@@ -81,7 +81,8 @@ class SaveTracking(abc.ABC):
         for key in keys:
             self._saving[key] = future
         self._req_saves.setdefault(plan.req_id, []).append(future)
-        future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
+        future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id,
+                                         blocks=len(plan.block_ids)))
 
     def _saves_ended(self, keys: list[bytes], timeout: float) -> None:
         """Wait (up to ``timeout`` each) for the saves of ``keys`` still running: a block
@@ -92,13 +93,13 @@ class SaveTracking(abc.ABC):
                 concurrent.futures.wait([saving], timeout=timeout)
 
     def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
-               save_id: int) -> None:
+               save_id: int, blocks: int) -> None:
         for key in keys:
             if self._saving.get(key) is future:
                 del self._saving[key]
         failed = future.cancelled() or future.exception() is not None
         if failed and not future.cancelled():
-            log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
+            log.warning("kvtier save of %d blocks failed: %r", blocks, future.exception())
         with self._report_lock:
             if save_id >= 0:
                 outcome = self._report.failed if failed else self._report.saved
