@@ -6,9 +6,12 @@ prefault (and this process's page tables for it), saves a hit of each size as bl
 whole hit into preallocated buffers and a numpy memcpy of the same bytes between two warm
 buffers of this process (the floor: what one copy costs here). Also times a save, and
 presence of 16 and 128 keys read from the daemon's shared index against the same question
-as a call on its socket (aiohttp, and ``http.client`` as the vLLM scheduler used to).
+as a call on its socket (aiohttp, and ``http.client`` as the vLLM scheduler used to), and the
+vLLM connector's worker on the daemon hook by hook (:mod:`benchmarks.local_worker`: a hit's
+``start_load_kv``, a save's ``wait_for_save`` and commit, the keying of a plan).
 
-Run ``python -m benchmarks.bench_local [--repeats 9] [--block 4MiB] [--lookups-only]``.
+Run ``python -m benchmarks.bench_local [--repeats 9] [--block 4MiB] [--lookups-only]
+[--worker-only]``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 import kvtier
+from benchmarks.local_worker import worker_rows
 from kvtier.integrations.vllm_local import LocalLookups
 from kvtier.shm.sync_client import SyncLocalClient
 from kvtier.tiers.local import LocalTier
@@ -112,7 +116,7 @@ async def _lookups(store: kvtier.TieredStore, tier: LocalTier, name: str, repeat
     return rows
 
 
-async def _run(name: str, repeats: int, block: int, lookups_only: bool
+async def _run(name: str, repeats: int, block: int, lookups_only: bool, worker_only: bool
                ) -> list[tuple[str, float, float]]:
     rows = []
     async with await kvtier.open_store([f"local://{name}?timeout=30"]) as store:
@@ -126,6 +130,8 @@ async def _run(name: str, repeats: int, block: int, lookups_only: bool
                 break
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
+        if worker_only:
+            return await asyncio.to_thread(worker_rows, name, repeats, SIZES)
         for label, total in ({} if lookups_only else SIZES).items():
             n = total // block
             src = [np.random.default_rng(i).integers(0, 255, block, np.uint8) for i in range(n)]
@@ -155,6 +161,8 @@ async def _run(name: str, repeats: int, block: int, lookups_only: bool
             rows.append((f"{label} save: local:// put_many (first, once)", save, save / base))
             await store.delete_many(keys)
         rows += await _lookups(store, tier, name, max(repeats, 200))
+    if not lookups_only:
+        rows += await asyncio.to_thread(worker_rows, name, repeats, SIZES)
     return rows
 
 
@@ -165,12 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", default="4MiB", help="block size (default 4MiB)")
     parser.add_argument("--lookups-only", action="store_true",
                         help="time presence lookups only (no hits or saves)")
+    parser.add_argument("--worker-only", action="store_true",
+                        help="time the vLLM connector's worker on the daemon only")
     args = parser.parse_args(argv)
     name = f"bench-{secrets.token_hex(4)}"
     proc = _start_daemon(name, "768MiB")
     try:
         rows = asyncio.run(_run(name, args.repeats, parse_size(args.block, "--block"),
-                                args.lookups_only))
+                                args.lookups_only, args.worker_only))
     finally:
         proc.terminate()
         proc.wait(30)

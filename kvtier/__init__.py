@@ -41,11 +41,13 @@ if TYPE_CHECKING:
     from kvtier.tiers.fsspec import FsspecTier
     from kvtier.tiers.hbm import HBMTier
     from kvtier.tiers.lmdb import LMDBTier
+    from kvtier.tiers.local import LocalTier
 
 # Tier classes whose modules pull in heavy dependencies (aiohttp, lmdb, fsspec; all in a
 # base install) are imported on first access, so ``import kvtier`` stays light.
 _LAZY = {"FsspecTier": "kvtier.tiers.fsspec", "HBMTier": "kvtier.tiers.hbm",
-         "LMDBTier": "kvtier.tiers.lmdb", "PeerTier": "kvtier.peer.tier"}
+         "LMDBTier": "kvtier.tiers.lmdb", "LocalTier": "kvtier.tiers.local",
+         "PeerTier": "kvtier.peer.tier"}
 
 __version__ = "0.1.0"
 
@@ -65,6 +67,7 @@ __all__ = [
     "KeyNamespace",
     "LMDBTier",
     "LimitExceededError",
+    "LocalTier",
     "NotOpenedError",
     "PeerError",
     "PeerStatusError",

@@ -16,7 +16,7 @@ def test_all_is_pinned() -> None:
         "BackendUnavailableError", "BlockingStore",
         "BlockTooLargeError", "ClosedError", "ConfigError", "CorruptBlockError",
         "DRAMTier", "DirectoryLockedError", "FsspecTier", "HBMTier", "InvalidKeyError",
-        "KVTierError", "KeyNamespace", "LMDBTier", "LimitExceededError",
+        "KVTierError", "KeyNamespace", "LMDBTier", "LimitExceededError", "LocalTier",
         "NotOpenedError", "PeerError", "PeerStatusError", "PeerTier", "ProtocolError",
         "ShapeMismatchError", "Tier", "TierError",
         "TierFullError", "TieredStore", "UnknownSchemeError", "WrongLoopError",
@@ -49,6 +49,24 @@ def test_top_level_imports_on_a_base_install_without_extras() -> None:
         assert set(kvtier.__all__) <= set(namespace), set(kvtier.__all__) - set(namespace)
         assert not hasattr(kvtier, "RedisTier") and not hasattr(kvtier, "MooncakeTier")
         assert hasattr(kvtier, "LMDBTier") and hasattr(kvtier, "PeerTier")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_tier_classes_with_heavy_modules_load_on_first_access() -> None:
+    """``import kvtier`` imports none of the lazily exported tier modules (``local://``'s
+    pulls in aiohttp and the daemon's client); the first access imports the real class."""
+    script = textwrap.dedent("""
+        import sys
+        import kvtier
+        lazy = ("kvtier.tiers.local", "kvtier.tiers.lmdb", "kvtier.tiers.fsspec",
+                "kvtier.peer.tier")
+        assert not [m for m in lazy if m in sys.modules], [m for m in lazy if m in sys.modules]
+        from kvtier.tiers.local import LocalTier
+        assert kvtier.LocalTier is LocalTier and "LocalTier" in kvtier.__all__
+        assert LocalTier.scheme == "local"
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, check=False)

@@ -5,6 +5,7 @@ embedded store's families through ``prometheus_client``."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import urllib.request
 from pathlib import Path
@@ -19,9 +20,13 @@ import kvtier.metrics
 from kvtier.errors import ConfigError
 from kvtier.peer.metrics import classified
 from kvtier.peer.tier import PeerTier
+from kvtier.shm.client import LocalClient
+from kvtier.shm.metrics import SHM_FAMILIES
 from kvtier.store import open_store
 from kvtier.testing.conformance import key_of
-from tests.helpers.peer_helpers import TOKEN, serve_processes
+from kvtier.tiers.local import LocalTier
+from tests.helpers.peer_helpers import REPO, TOKEN, serve_processes
+from tests.helpers.shm_helpers import running_daemon
 
 BLOCK = 128 << 10
 
@@ -202,3 +207,93 @@ async def test_every_numeric_tier_statistic_has_a_known_kind(tmp_path: Path) -> 
         await server.stop()
     assert {"arena_bytes", "copies_made", "disk_bytes", "hits"} <= fields
     assert not sorted(f for f in fields if not classified(f))
+
+
+# A process that keeps taking read leases of the daemon until it is killed (its leases then
+# end with it: kvtier_shm_leases_dropped; a new one every 0.1 s, so some are within their
+# time bound at the kill however late it comes).
+_HOLDER = """
+import asyncio, sys
+from kvtier.shm.client import LocalClient
+async def main():
+    client = LocalClient(sys.argv[1], timeout=10)
+    await client.attach()
+    while True:
+        answer = await client.call("/v1/lease", {"keys": [sys.argv[2]]})
+        assert answer["slots"][0] is not None, answer
+        print("holding", flush=True)
+        await asyncio.sleep(0.1)
+asyncio.run(main())
+"""
+
+
+async def _shm_churn(tier: LocalTier, client: LocalClient, start: int, ttl: float) -> None:
+    """Saves past the daemon's capacity, hits, deletes, a refused, an aborted and a
+    superseded save, a lease left to expire and one whose process is killed."""
+    keys = [key_of(i) for i in range(start, start + 12)]
+    for i, key in enumerate(keys):
+        await tier.put(key, np.full(BLOCK, i % 251, np.uint8))
+    for key in keys[-4:]:
+        assert await tier.get(key) is not None
+    await tier.delete(keys[-1])
+    spec = {"key": key_of(10_000 + start).hex(), "dtype": "|u1", "shape": [BLOCK]}
+    first, second = [(await client.call("/v1/prepare", {"blocks": [spec]}))["slots"][0]["lease"]
+                     for _ in range(2)]
+    await client.call("/v1/commit", {"leases": [second]})
+    await client.call("/v1/commit", {"leases": [first]})  # an older write: superseded
+    too_big = {**spec, "shape": [2 << 20]}  # past the daemon's capacity: refused
+    assert (await client.call("/v1/prepare", {"blocks": [too_big]}))["slots"] == [None]
+    aborted = (await client.call("/v1/prepare", {"blocks": [spec]}))["slots"][0]["lease"]
+    await client.call("/v1/commit", {"leases": [aborted], "abort": True})
+    await client.call("/v1/lease", {"keys": [keys[-2].hex()]})  # never released
+    before = await tier.daemon_stats()
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLDER, tier.daemon, keys[-3].hex(), cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout is not None
+        line = await asyncio.wait_for(holder.stdout.readline(), 60)
+        assert line.strip() == b"holding", line
+    finally:
+        holder.kill()
+        await holder.wait()
+    for _ in range(int(20 / ttl) * 10):  # the lease ends at its time bound, the holder's at
+        stats = await tier.daemon_stats()  # its exit
+        if stats["expired"] > before["expired"] and stats["dropped"] > before["dropped"] \
+                and stats["leases"] == 0:
+            return
+        await asyncio.sleep(ttl / 10)
+    raise AssertionError(f"leases never ended: {stats}")
+
+
+async def test_no_shm_counter_of_the_daemon_goes_down_under_churn(tmp_path: Path) -> None:
+    with running_daemon(tmp_path, None, "1MiB", "--shm-lease-ttl", "2") as proc:
+        tier = LocalTier(proc.shm_name, timeout=10)
+        client = LocalClient(proc.shm_name, timeout=10)
+        try:
+            await client.attach()
+            await _shm_churn(tier, client, 0, 2)
+            before, kinds = _samples(await _scrape(proc.member))
+            await _shm_churn(tier, client, 100, 2)
+            after, kinds_after = _samples(await _scrape(proc.member))
+        finally:
+            await client.aclose()
+            await tier.aclose()
+    assert kinds == kinds_after
+    shm = {name: kind for name, kind, _ in SHM_FAMILIES}
+    assert {n.removeprefix("kvtier_shm_"): k for n, k in kinds.items()
+            if n.startswith("kvtier_shm_")} == shm
+    went_down = sorted(f"{name}{dict(labels)}: {value} -> {after[(name, labels)]}"
+                       for (name, labels), value in before.items()
+                       if kinds.get(name.removesuffix("_total")) == "counter"
+                       and (name, labels) in after and after[(name, labels)] < value)
+    assert not went_down, f"counters that decreased: {went_down}"
+    # Every shm counter moved in each round (the first as well: it is above 0).
+    still = [name for name, kind in shm.items() if kind == "counter" and not (
+        after[(f"kvtier_shm_{name}_total", ())] > before[(f"kvtier_shm_{name}_total", ())] > 0)]
+    assert sorted(still) == ["bad_requests", "index_refused", "index_resyncs", "refused",
+                             "staged", "staged_bytes"]
+    assert before[("kvtier_shm_commits_total", ())] >= 12 + 1
+    assert after[("kvtier_shm_attached", ())] == 1  # this process; the killed holder is gone
+    assert after[("kvtier_shm_leases", ())] == 0 == after[("kvtier_shm_leased_bytes", ())]
+    assert after[("kvtier_shm_index_entries", ())] > 0

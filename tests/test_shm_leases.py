@@ -62,9 +62,14 @@ def test_dead_process_loses_every_lease() -> None:
     table.grant_read(7, K, _raw(), 0)
     table.grant_write(7, K, _raw(), 64, np.dtype(np.uint8), (64,))
     other = table.grant_read(8, K, _raw(), 128)
+    assert table.counts()["prepared_bytes"] == 64
     assert table.drop_pid(7) == 2
-    assert table.counts() == {"leases": 1, "prepared": 0, "clients": 1}
+    assert table.counts() == {"leases": 1, "prepared": 0, "clients": 1, "leased_bytes": 64,
+                              "prepared_bytes": 0}
     assert table.release(8, [other.id]) == [True]
+    # Running totals: granted, released while valid, dropped with their process.
+    assert (table.granted_reads, table.granted_writes, table.released, table.dropped) == \
+        (2, 1, 1, 2)
 
 
 def test_a_late_commit_never_lands_over_a_newer_write() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -323,6 +324,7 @@ def test_tensor_parallel_shards_are_stored_and_found_per_rank(
         assert fresh.get_num_new_matched_tokens(Request("q-1", PROMPT), 0)[0] == 0
         save(workers[1])
         assert fresh.get_num_new_matched_tokens(Request("q-2", PROMPT), 0)[0] == 5 * BLOCK
+        assert meta.saves[0].keys is None  # each rank has keys of its own: none carried
         keys0 = workers[0]._worker._keys(meta.saves[0])  # type: ignore[union-attr]
         keys1 = workers[1]._worker._keys(meta.saves[0])  # type: ignore[union-attr]
         assert not set(keys0) & set(keys1)
@@ -399,3 +401,39 @@ def test_cpu_reservation_note_names_the_setting() -> None:
     assert "=2" in (cpu_reservation_note(vllm_config({}, tp_size=2), 4, {}) or "")
     cfg.device_config.device_type = "cuda"
     assert cpu_reservation_note(cfg, 2, {}) is None
+
+
+def test_a_one_shard_engines_plans_carry_the_keys_the_worker_would_make(
+        shared: dict[str, object]) -> None:
+    """TP 1, PP 1: a save's and a load's plans carry the scheduler's keys, the very keys the
+    worker would hash again from the tokens, so it does not; and the blocks round-trip."""
+    from kvtier.integrations.vllm_plan import plan_keys
+
+    writer, reader = FakeEngine(dict(shared)), FakeEngine(dict(shared))
+    try:
+        req = Request("w", PROMPT)
+        writer.scheduler.get_num_new_matched_tokens(req, 0)
+        writer.scheduler.update_state_after_alloc(req, Blocks(list(range(6))), 0)
+        meta = writer.run_step(new_step(req, list(range(6)), 0, len(PROMPT)))
+        writer.finish_step(req, list(range(6)), 0, len(PROMPT))
+        assert writer.finish(req) == {"w"}
+        worker = writer.worker._worker
+        assert worker is not None
+        (save,) = meta.saves
+        made = worker.keys.keys(save.tokens, save.salt, save.first + len(save.block_ids))
+        assert save.keys == made[save.first:] and len(save.keys) == 5
+        assert plan_keys(save, worker.keys, (0, 0)) is save.keys
+        assert plan_keys(dataclasses.replace(save, keys=None), worker.keys, (0, 0)) == save.keys
+
+        again = Request("r", PROMPT)
+        ext, _ = reader.scheduler.get_num_new_matched_tokens(again, 0)
+        reader.scheduler.update_state_after_alloc(again, Blocks([9, 8, 7, 6, 5, 4]), ext)
+        loaded = reader.run_step(new_step(again, [9, 8, 7, 6, 5, 4], ext, len(PROMPT) - ext))
+        _, errors = reader.finish_step(again, [9, 8, 7, 6, 5, 4], ext // BLOCK, len(PROMPT))
+        assert ext == 5 * BLOCK and errors == set()
+        assert loaded.loads[0].keys == save.keys
+        for index, block_id in enumerate([9, 8, 7, 6, 5]):
+            assert reader.block_bytes(block_id) == expected_block(PROMPT, index)
+    finally:
+        reader.close()
+        writer.close()

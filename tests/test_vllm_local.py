@@ -121,10 +121,14 @@ def test_loads_and_saves_in_several_bounce_chunks(daemon: Daemon,
     every block lands in its own page, whatever chunk it was in."""
     import kvtier.integrations.vllm_local as vllm_local
 
+    monkeypatch.setattr(vllm_local, "BOUNCE_BYTES", 2 * 320)  # before the workers register
     a = FakeEngine(_extra(daemon))
-    monkeypatch.setattr(vllm_local, "BOUNCE_BYTES", 2 * a.worker._worker._layers().block_bytes)
     b = FakeEngine(_extra(daemon))
     try:
+        for engine in (a, b):
+            worker = engine.worker._worker
+            assert worker._layers().block_bytes == 320
+            assert len(worker._load_bounce) == len(worker._save_bounce) == 2
         a.prefill(Request("a-1", PROMPT), [3, 9, 4, 10, 5, 11])
         assert a.finish(Request("a-1", PROMPT)) == {"a-1"}
         ext, _, errors = b.prefill(Request("b-1", PROMPT), [20, 2, 21, 1, 22, 0])
@@ -194,3 +198,40 @@ def test_a_load_copies_the_blocks_not_the_arena(daemon: Daemon) -> None:
     finally:
         b.close()
         a.close()
+
+
+def test_a_load_whose_leases_ended_before_its_copies_is_a_load_error(tmp_path: Path) -> None:
+    """The worker trusts a copy without waiting for its release only while the lease is
+    surely alive (asked + the daemon's lease time bound). On a daemon whose leases end after
+    a microsecond every copy outlives its lease: every block is a load error, none is
+    trusted. The blocks reach the daemon through its peer API (its saves' slots would expire
+    before their commit too)."""
+    import asyncio
+
+    import numpy as np
+
+    from kvtier.integrations.vllm_plan import BlockPlan, request_hash_tokens
+    from kvtier.peer.tier import PeerTier
+    from tests.helpers.peer_helpers import TOKEN
+
+    with running_daemon(tmp_path, None, "64MiB", "--shm-lease-ttl", "0.000001") as proc:
+        engine = FakeEngine(_extra(proc))
+        try:
+            req = Request("b-1", PROMPT)
+            tokens, salt = request_hash_tokens(req)
+            keys = engine.worker._worker._keys(BlockPlan("b-1", tokens, salt, 0, [0] * 5))
+
+            async def store_blocks() -> None:
+                tier = PeerTier.from_url(f"peers://{proc.member}?token={TOKEN}&timeout=10")
+                try:
+                    for i, key in enumerate(keys):
+                        await tier.put(key, np.frombuffer(expected_block(PROMPT, i), np.uint8))
+                finally:
+                    await tier.aclose()
+
+            asyncio.run(store_blocks())
+            ext, load_async, errors = engine.prefill(req, [20, 2, 21, 1, 22, 0])
+            assert ext == 5 * BLOCK and not load_async
+            assert errors == {20, 2, 21, 1, 22}
+        finally:
+            engine.close()

@@ -285,6 +285,7 @@ async def _serve(args: argparse.Namespace, loop_name: str) -> int:
           f" ({'https' if ctx else 'http'}, node {server.node_id}, loop {loop_name})", flush=True)
     await stop.wait()
     if local is not None:
+        server.shm_families = None  # a scrape meanwhile reads no closed index
         await local.stop()
     if close_pool is not None:
         await close_pool()
@@ -333,6 +334,7 @@ async def _start_local(args: argparse.Namespace, server: Any) -> Any:
     except BaseException:
         await server.stop()
         raise
+    server.shm_families = local.metric_families
     print(f"kvtier serve shm {args.shm} at {path}", flush=True)
     return local
 

@@ -45,6 +45,7 @@ from kvtier.integrations.vllm_plan import (
     KeyMaker,
     KVTierMetadata,
     SchedulerPlanner,
+    plan_keys,
 )
 from kvtier.integrations.vllm_saves import SaveTracking
 from kvtier.keys import KeyNamespace
@@ -280,6 +281,7 @@ class WorkerSide(SaveTracking):
             1, thread_name_prefix="kvtier-save-gather", initializer=self._pin_gather_thread)
         self._gathers: list[concurrent.futures.Future[None]] = []  # copying out of the pages
         self._async_loads: list[_Load] = []
+        self._failed_async: set[str] = set()  # asynchronous loads that failed to start
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         # vLLM pinned this worker to its compute cores before it registers the KV caches.
@@ -302,8 +304,7 @@ class WorkerSide(SaveTracking):
             self.save_staging = StagingArea(self.layers.empty(rows))
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
-        n = plan.first + len(plan.block_ids)
-        return self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
+        return plan_keys(plan, self.keys, self.shard)
 
     def _pin_gather_thread(self) -> None:
         if self.cpus:
@@ -320,47 +321,57 @@ class WorkerSide(SaveTracking):
         self.pages_settled()
         layers = self._layers()
         for plan in meta.loads:
-            keys = self._keys(plan)
-            self._saves_ended(keys, self.io_timeout_s)
-            # Into host staging, never straight into vLLM's pages: a load abandoned at its
-            # timeout keeps running in a thread and must not write a page vLLM recomputes.
-            staging = layers.empty(len(keys)) if self.staging is None else \
-                self.staging.take(len(keys), layers.empty)
-            future = self.store.submit(partial(_get_into, keys=keys, outs=list(staging)))
-            load = _Load(plan, future, staging)
-            if self.staging is not None:
-                self.staging.hold(staging, future, partial(_scattered, load))
+            try:
+                load = self._start_load(layers, plan)
+            except Exception as exc:  # whatever failed (store, memory): a miss, not a crash
+                self._load_failed(plan, exc)
+                if plan.load_async:  # vLLM waits for it: reported at the next get_finished
+                    self._failed_async.add(plan.req_id)
+                continue
             if plan.load_async:
                 self._async_loads.append(load)
             else:
                 self._finish_load(load, wait=True)
 
+    def _start_load(self, layers: PagedLayers, plan: BlockPlan) -> _Load:
+        keys = self._keys(plan)
+        self._saves_ended(keys, self.io_timeout_s)
+        # Into host staging, never straight into vLLM's pages: a load abandoned at its
+        # timeout keeps running in a thread and must not write a page vLLM recomputes.
+        staging = layers.empty(len(keys)) if self.staging is None else \
+            self.staging.take(len(keys), layers.empty)
+        future = self.store.submit(partial(_get_into, keys=keys, outs=list(staging)))
+        load = _Load(plan, future, staging)
+        if self.staging is not None:
+            self.staging.hold(staging, future, partial(_scattered, load))
+        return load
+
     def _finish_load(self, load: _Load, *, wait: bool) -> None:
         layers = self._layers()
         try:
             hits = load.future.result(self.io_timeout_s if wait else 0)
-        except Exception as exc:
-            log.warning("kvtier load for %s failed (%r); vLLM recomputes it", load.plan.req_id,
-                        exc)
+            found = [i for i, hit in enumerate(hits) if hit]
+            if len(found) == len(hits):
+                layers.scatter_many(load.plan.block_ids, load.staging)
+            else:
+                self._load_errors.update(b for b, hit in zip(load.plan.block_ids, hits,
+                                                            strict=True) if not hit)
+                if found:
+                    layers.scatter_many([load.plan.block_ids[i] for i in found],
+                                        load.staging[found])
+        except Exception as exc:  # a block half scattered is recomputed too
             load.future.cancel()
-            hits = [False] * len(load.plan.block_ids)
-        found = [i for i, hit in enumerate(hits) if hit]
-        if len(found) == len(hits):
-            layers.scatter_many(load.plan.block_ids, load.staging)
-        else:
-            self._load_errors.update(b for b, hit in zip(load.plan.block_ids, hits, strict=True)
-                                     if not hit)
-            if found:
-                layers.scatter_many([load.plan.block_ids[i] for i in found],
-                                    load.staging[found])
-        load.scattered = True
+            self._load_failed(load.plan, exc)
+        finally:
+            load.scattered = True
 
     def finished_loads(self) -> set[str]:
         done = [load for load in self._async_loads if load.future.done()]
         for load in done:
             self._async_loads.remove(load)
             self._finish_load(load, wait=False)
-        return {load.plan.req_id for load in done}
+        failed, self._failed_async = self._failed_async, set()
+        return {load.plan.req_id for load in done} | failed
 
     def _start_save(self, layers: PagedLayers, plan: BlockPlan, keys: list[bytes]
                     ) -> concurrent.futures.Future[None]:

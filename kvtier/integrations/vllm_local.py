@@ -6,16 +6,17 @@ moves bytes once between the daemon's shared arena and vLLM's pages:
 
 - a load leases the hit's slots, copies them into the request's pages, then releases the
   leases; a block whose lease was no longer valid (or that the daemon did not lend) is a
-  load error, which vLLM recomputes;
+  load error, which vLLM recomputes, and so is every block of a load that failed in any
+  way (the daemon, its answer, memory, the pages): no exception reaches vLLM;
 - a save asks for slots (prepare), copies the blocks out of the pages into them, and commits;
   the next step's :meth:`LocalWorkerSide.start_loads` waits for the copies (vLLM may write
   those pages in its forward pass), never for the commit.
 
 One copy per byte, through a bounce buffer of :data:`BOUNCE_BYTES` that stays in the CPU
-cache: a block of every layer is one slot in the arena but one piece per layer (per K/V
-plane) in vLLM's pages, and copying a chunk of blocks per plane in one indexed copy, rather
-than each block's pieces one call at a time, keeps the Python calls per load at
-``blocks / chunk x planes``.
+cache (one for loads, one for saves, both made at register and reused): a block of every
+layer is one slot in the arena but one piece per layer (per K/V plane) in vLLM's pages, and
+copying a chunk of blocks per plane in one indexed copy, rather than each block's pieces one
+call at a time, keeps the Python calls per load at ``blocks / chunk x planes``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -32,10 +34,10 @@ import numpy.typing as npt
 from kvtier.errors import TierError
 from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
 from kvtier.integrations.paged import PagedLayers
-from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata
+from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata, plan_keys
 from kvtier.integrations.vllm_saves import SaveTracking
 from kvtier.shm.sync_client import SyncLocalClient
-from kvtier.tiers.dram_arena import slot_bytes
+from kvtier.tiers.dram_arena import fault_in, slot_bytes
 from kvtier.tiers.local import local_key, parse_local_url
 
 __all__ = ["BOUNCE_BYTES", "LocalLookups", "LocalWorkerSide", "is_local_only"]
@@ -117,13 +119,28 @@ class LocalWorkerSide(SaveTracking):
         self.cpus: set[int] = set()
         self._saver = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-local-save", initializer=self._pin_save_thread)
+        self._releaser = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-local-release", initializer=self._pin_save_thread)
         self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
         self._loaded: set[str] = set()  # asynchronous loads done, not yet reported
+        # Bounce buffers of the loads (worker thread) and of the saves (save thread), made
+        # at register.
+        self._load_bounce = np.empty((0, 0), np.uint8)
+        self._save_bounce = np.empty((0, 0), np.uint8)
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         if self.thread_cpus == "spare":
             self.cpus = worker_spare_cpus()
         self.layers = PagedLayers(kv_caches, num_blocks)
+        # Made and faulted in once, as the threads are started: a transfer then allocates
+        # nothing (a fresh 4 MiB buffer per load cost its allocation and 1,024 page faults
+        # inside start_load_kv, and under memory pressure a load or a save that fails).
+        chunk = max(1, BOUNCE_BYTES // self.layers.block_bytes)
+        self._load_bounce, self._save_bounce = self.layers.empty(chunk), self.layers.empty(chunk)
+        for bounce in (self._load_bounce, self._save_bounce):
+            fault_in(bounce.reshape(-1))
+        for pool in (self._saver, self._releaser):
+            pool.submit(_started).result()
         try:
             self.client.ensure()
         except TierError as exc:  # a daemon that starts later is mapped at first use
@@ -134,16 +151,16 @@ class LocalWorkerSide(SaveTracking):
             pin_current_thread(self.cpus)
 
     def _keys(self, plan: BlockPlan) -> list[bytes]:
-        n = plan.first + len(plan.block_ids)
-        keys = self.keys.keys(plan.tokens, plan.salt, n, self.shard)[plan.first:]
+        keys = plan_keys(plan, self.keys, self.shard)
+        if self.namespace is None:
+            return keys
         return [local_key(self.namespace, k) for k in keys]
 
-    def _rows(self, writeable: bool) -> npt.NDArray[np.uint8]:
-        """The arena as overlapping rows of one block, row ``i`` starting at byte
+    def _rows(self, buffer: npt.NDArray[np.uint8], writeable: bool) -> npt.NDArray[np.uint8]:
+        """The arena ``buffer`` as overlapping rows of one block, row ``i`` starting at byte
         ``i * _ALIGN`` (every slot starts on such a row)."""
-        buffer = self.client.buffer
         block = self._layers().block_bytes
-        if buffer is None or buffer.nbytes < block:
+        if buffer.nbytes < block:
             raise TierError(f"local://{self.client.name}: no arena mapped")
         return np.lib.stride_tricks.as_strided(
             buffer, shape=((buffer.nbytes - block) // _ALIGN + 1, block),
@@ -168,41 +185,49 @@ class LocalWorkerSide(SaveTracking):
     def start_loads(self, meta: KVTierMetadata) -> None:
         self.pages_settled()
         for plan in meta.loads:
-            keys = self._keys(plan)
-            self._saves_ended(keys, self.io_timeout_s)
-            hits = self._load(keys, plan.block_ids)
-            self._load_errors.update(b for b, hit in zip(plan.block_ids, hits, strict=True)
-                                     if not hit)
+            try:
+                keys = self._keys(plan)
+                self._saves_ended(keys, self.io_timeout_s)
+                hits = self._load(keys, plan.block_ids)
+            except Exception as exc:  # whatever failed (daemon, memory, pages): a miss
+                self._load_failed(plan, exc)
+            else:
+                self._load_errors.update(b for b, hit in zip(plan.block_ids, hits, strict=True)
+                                         if not hit)
             if plan.load_async:  # done already: reported at the next get_finished
                 self._loaded.add(plan.req_id)
 
     def _load(self, keys: list[bytes], block_ids: list[int]) -> list[bool]:
-        """Lease, copy into the pages, release; which blocks were loaded."""
+        """Lease, copy into the pages, release; which blocks were loaded.
+
+        Raises
+        ------
+        Exception
+            Whatever made the load fail as a whole (the daemon, its answer, memory, the
+            pages); its leases were released, or end at their time bound.
+        """
         layers = self._layers()
-        try:
-            if self.client.info is None:
-                self.client.ensure()
-            answer = self.client.call("/v1/lease", {"keys": [k.hex() for k in keys]})
-        except TierError as exc:
-            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
-                        len(keys), exc)
-            return [False] * len(keys)
+        if self.client.info is None:
+            self.client.ensure()
+        asked = time.monotonic()
+        answer = self.client.call("/v1/lease", {"keys": [k.hex() for k in keys]})
         slots = answer.get("slots")
         if not isinstance(slots, list) or len(slots) != len(keys):
-            log.warning("kvtier load of %d blocks: malformed answer; vLLM recomputes them",
-                        len(keys))
-            return [False] * len(keys)
+            raise TierError(f"local://{self.client.name}: malformed lease answer")
         ids = [s["lease"] for s in slots if isinstance(s, dict) and "lease" in s]
         picked: list[tuple[int, int]] = []
         try:
-            if not self.client.ensure(answer.get("instance")):
+            instance = answer.get("instance")
+            mapped = self.client.arena(instance) if self.client.ensure(instance) else None
+            if mapped is None:
                 raise TierError("the daemon restarted during the load")
-            rows = self._rows(writeable=False)
+            buffer, ttl = mapped
+            rows = self._rows(buffer, writeable=False)
             picked = [(i, r) for i, (s, key) in enumerate(zip(slots, keys, strict=True))
                       if isinstance(s, dict) and s.get("key") == key.hex()
                       and (r := self._row_of(s, len(rows))) is not None]
-            chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
-            bounce = layers.empty(min(chunk, len(picked))) if picked else layers.empty(0)
+            bounce = self._load_bounce
+            chunk = len(bounce)
             for start in range(0, len(picked), chunk):
                 part = picked[start:start + chunk]
                 out = bounce[:len(part)]
@@ -212,24 +237,27 @@ class LocalWorkerSide(SaveTracking):
                 for j, (_, r) in enumerate(part):
                     np.copyto(out[j], rows[r])
                 layers.scatter_many([block_ids[i] for i, _ in part], out)
-        except BaseException as exc:
-            with contextlib.suppress(TierError):  # else the leases end at their time bound
-                self.client.call("/v1/release", {"leases": ids})
-            if not isinstance(exc, TierError):
-                raise
-            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
-                        len(keys), exc)
-            return [False] * len(keys)
-        try:
-            valid = self.client.call("/v1/release", {"leases": ids}).get("valid", [])
-        except TierError as exc:  # unconfirmed copies are misses (the slots may be reused)
-            log.warning("kvtier load of %d blocks failed (%s); vLLM recomputes them",
-                        len(keys), exc)
-            return [False] * len(keys)
-        good = iter(valid if isinstance(valid, list) else [])
-        leased = [isinstance(s, dict) and next(good, False) is True for s in slots]
+        finally:
+            self._release(ids)
+        # A lease lives until its release or its time bound, which the daemon set at least
+        # ``ttl`` after this process asked (one monotonic clock for every process of the
+        # host), so copies that ended before then read slots nothing could reuse: the
+        # release's answer is not needed, and the release runs off the worker's thread.
+        if time.monotonic() >= asked + ttl:
+            return [False] * len(keys)  # a copy may have outlived its lease: a miss
         copied = {i for i, _ in picked}
-        return [i in copied and leased[i] for i in range(len(keys))]
+        return [i in copied for i in range(len(keys))]
+
+    def _release(self, ids: list[int]) -> None:
+        """End read leases ``ids`` on the release thread (the worker does not wait)."""
+        if ids:
+            self._releaser.submit(self._release_now, ids)
+
+    def _release_now(self, ids: list[int]) -> None:
+        try:
+            self.client.call("/v1/release", {"leases": ids})
+        except Exception as exc:  # they end at their time bound
+            log.debug("kvtier: releasing %d leases failed (%s)", len(ids), exc)
 
     def finished_loads(self) -> set[str]:
         done, self._loaded = self._loaded, set()
@@ -281,15 +309,17 @@ class LocalWorkerSide(SaveTracking):
             return list(range(len(keys)))
         ids = [slots[j]["lease"] for j in granted]
         try:
-            if not self.client.ensure(answer.get("instance")):
+            instance = answer.get("instance")
+            mapped = self.client.arena(instance) if self.client.ensure(instance) else None
+            if mapped is None:
                 raise TierError("the daemon restarted during the save")
-            rows = self._rows(writeable=True)
+            rows = self._rows(mapped[0], writeable=True)
             found = [self._row_of(slots[j], len(rows)) for j in granted]
             where = [r for r in found if r is not None]
             if len(where) != len(found):
                 raise TierError("the daemon lent a slot outside its arena")
-            chunk = max(1, BOUNCE_BYTES // layers.block_bytes)
-            bounce = layers.empty(min(chunk, len(granted)))
+            bounce = self._save_bounce
+            chunk = len(bounce)
             for start in range(0, len(granted), chunk):
                 part = granted[start:start + chunk]
                 out = bounce[:len(part)]
@@ -307,4 +337,9 @@ class LocalWorkerSide(SaveTracking):
     def close(self) -> None:
         self.pages_settled()
         self._saver.shutdown()
+        self._releaser.shutdown()  # the leases' releases go out first
         self.client.close()
+
+
+def _started() -> None:
+    """Nothing: submitted once so that a pool's thread starts at register, not in a load."""

@@ -66,8 +66,14 @@ class SaveTracking(abc.ABC):
             return
         layers = self._layers()
         for plan in meta.saves:
-            keys = self._keys(plan)
-            self._track_save(plan, keys, self._start_save(layers, plan, keys))
+            keys: list[bytes] = []
+            try:
+                keys = self._keys(plan)
+                future = self._start_save(layers, plan, keys)
+            except Exception as exc:  # the save fails alone; vLLM's step goes on
+                future = concurrent.futures.Future()
+                future.set_exception(exc)  # reported failed, and its request still finishes
+            self._track_save(plan, keys, future)
 
     def _track_save(self, plan: BlockPlan, keys: list[bytes],
                     future: concurrent.futures.Future[None]) -> None:
@@ -75,7 +81,8 @@ class SaveTracking(abc.ABC):
         for key in keys:
             self._saving[key] = future
         self._req_saves.setdefault(plan.req_id, []).append(future)
-        future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id))
+        future.add_done_callback(partial(self._saved, keys=keys, save_id=plan.save_id,
+                                         blocks=len(plan.block_ids)))
 
     def _saves_ended(self, keys: list[bytes], timeout: float) -> None:
         """Wait (up to ``timeout`` each) for the saves of ``keys`` still running: a block
@@ -86,13 +93,13 @@ class SaveTracking(abc.ABC):
                 concurrent.futures.wait([saving], timeout=timeout)
 
     def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
-               save_id: int) -> None:
+               save_id: int, blocks: int) -> None:
         for key in keys:
             if self._saving.get(key) is future:
                 del self._saving[key]
         failed = future.cancelled() or future.exception() is not None
         if failed and not future.cancelled():
-            log.warning("kvtier save of %d blocks failed: %r", len(keys), future.exception())
+            log.warning("kvtier save of %d blocks failed: %r", blocks, future.exception())
         with self._report_lock:
             if save_id >= 0:
                 outcome = self._report.failed if failed else self._report.saved
@@ -122,6 +129,14 @@ class SaveTracking(abc.ABC):
                 self._finishing.discard(req_id)
                 self._ended.difference_update(self._req_saves.pop(req_id))
         return done
+
+    def _load_failed(self, plan: BlockPlan, exc: BaseException) -> None:
+        """Every block of ``plan`` is a load error: vLLM recomputes them. Any exception of a
+        load ends here, not only a :class:`~kvtier.errors.TierError`: one raised out of
+        vLLM's ``start_load_kv`` (or ``get_finished``) takes the whole engine down."""
+        log.warning("kvtier load of %d blocks for %s failed (%s: %s); vLLM recomputes them",
+                    len(plan.block_ids), plan.req_id, type(exc).__name__, exc)
+        self._load_errors.update(plan.block_ids)
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose loads failed since the last call (vLLM recomputes them)."""

@@ -248,6 +248,9 @@ class PeerServer:
         #: The anti-entropy counters of this node (set by :class:`kvtier.peer.repair.AntiEntropy`),
         #: exposed in ``/metrics`` as ``kvtier_peer_repair_*``.
         self.repair_stats: Callable[[], dict[str, Any]] | None = None
+        #: The host daemon's ``kvtier_shm_*`` families (set while ``kvtier serve --shm``
+        #: serves engines: :meth:`kvtier.shm.server.LocalServer.metric_families`).
+        self.shm_families: Callable[[], list[Family]] | None = None
         self._accept_filter: AcceptErrorFilter | None = None
         self.frames = FrameHeaders()  # answers of unchanged blocks skip the checksum pass
         self.write_order = WriteOrder()  # a PUT its client gave up on never lands late
@@ -900,8 +903,9 @@ class PeerServer:
             family = Family(name, kind, text)  # type: ignore[arg-type]
             family.add(value)
             out.append(family)
+        shm = [] if self.shm_families is None else self.shm_families()
         return out + repair_families(self.repair_stats) + local_families(
-            None if self.holder is None else self.holder.stats) + \
+            None if self.holder is None else self.holder.stats) + shm + \
             segment_families(self.segment.stats())
 
     def _open_connections(self) -> int:

@@ -72,6 +72,12 @@ class LeaseTable:
         self._seq = 0
         self._pending: Counter[bytes] = Counter()  # write leases out, per key
         self._landed: dict[bytes, int] = {}  # newest landed seq of keys with writes out
+        # Running totals (the daemon's /metrics counters): leases granted (read, write),
+        # read leases released while valid, leases past their time bound, leases of
+        # processes that exited.
+        self.granted_reads = 0
+        self.granted_writes = 0
+        self.released = 0
         self.expired = 0
         self.dropped = 0
 
@@ -79,10 +85,13 @@ class LeaseTable:
         return len(self._leases)
 
     def counts(self) -> dict[str, int]:
-        """``leases`` (read), ``prepared`` (write), ``clients`` (processes holding any)."""
-        writes = sum(1 for lease in self._leases.values() if lease.write)
-        return {"leases": len(self._leases) - writes, "prepared": writes,
-                "clients": len(self._by_pid)}
+        """Levels: ``leases`` (read), ``prepared`` (write), ``clients`` (processes holding
+        any), ``leased_bytes`` and ``prepared_bytes`` (arena bytes under each)."""
+        writes = [lease.held.nbytes for lease in self._leases.values() if lease.write]
+        held = sum(lease.held.nbytes for lease in self._leases.values())
+        return {"leases": len(self._leases) - len(writes), "prepared": len(writes),
+                "clients": len(self._by_pid), "leased_bytes": held - sum(writes),
+                "prepared_bytes": sum(writes)}
 
     def _add(self, lease: Lease) -> Lease:
         self._leases[lease.id] = lease
@@ -95,6 +104,7 @@ class LeaseTable:
 
     def grant_read(self, pid: int, key: bytes, block: npt.NDArray[Any], offset: int) -> Lease:
         """Lend ``block`` (at ``offset`` in the arena) to ``pid``."""
+        self.granted_reads += 1
         return self._add(Lease(self._take_id(), pid, False, key, block, offset,
                                self._clock() + self.ttl, block.dtype, block.shape))
 
@@ -103,6 +113,7 @@ class LeaseTable:
         """Lend the fresh slot ``raw`` to ``pid`` for a save of ``key``."""
         self._seq += 1
         self._pending[key] += 1
+        self.granted_writes += 1
         return self._add(Lease(self._take_id(), pid, True, key, raw, offset,
                                self._clock() + self.ttl, dtype, shape, self._seq))
 
@@ -140,6 +151,7 @@ class LeaseTable:
             lease = self._live(pid, lease_id, write=False)
             if lease is not None:
                 self._pop(lease_id)
+                self.released += 1
             valid.append(lease is not None)
         return valid
 

@@ -33,8 +33,10 @@ from kvtier.shm.files import SHM_DIR, socket_path
 from kvtier.shm.index import PresenceIndex
 from kvtier.shm.index_feed import IndexFeed
 from kvtier.shm.leases import LeaseTable
+from kvtier.shm.metrics import shm_families
 
 if TYPE_CHECKING:
+    from kvtier.peer.metrics import Family
     from kvtier.store import TieredStore
     from kvtier.tiers.dram import DRAMTier
 
@@ -253,6 +255,28 @@ class LocalServer:
                 "index_refused": 0 if self.index is None else self.index.refused,
                 "index_resyncs": 0 if self._feed is None else self._feed.resyncs}
 
+    def metric_stats(self) -> dict[str, int]:
+        """The figures of the daemon's ``kvtier_shm_*`` families (:mod:`kvtier.shm.metrics`):
+        levels of the arena, the leases and the index, and running totals."""
+        leases, index, counts = self.leases, self.index, self.counts
+        return {**leases.counts(), "arena_bytes": self.arena.nbytes,
+                "arena_used_bytes": self.arena.used_bytes(), "attached": len(self._watched),
+                "index_entries": 0 if index is None else index.count,
+                "index_slots": self.index_slots,
+                "leases_granted": leases.granted_reads, "leases_released": leases.released,
+                "leases_expired": leases.expired, "leases_dropped": leases.dropped,
+                "prepares": leases.granted_writes, "commits": counts["committed"],
+                "index_refused": 0 if index is None else index.refused,
+                "index_resyncs": 0 if self._feed is None else self._feed.resyncs,
+                **{k: counts[k] for k in ("prepare_refused", "commits_superseded", "aborts",
+                                          "leased_bytes_granted", "committed_bytes",
+                                          "staged", "staged_bytes", "refused",
+                                          "bad_requests")}}
+
+    def metric_families(self) -> list[Family]:
+        """The ``kvtier_shm_*`` families of ``/metrics``."""
+        return shm_families(self.metric_stats())
+
     async def _stats_handler(self, request: web.Request) -> web.Response:
         return self._answer(self.stats())
 
@@ -284,6 +308,7 @@ class LocalServer:
                 continue
             lease = self.leases.grant_read(pid, key, held, offset)
             granted.append(lease.id)
+            self.counts["leased_bytes_granted"] += held.nbytes
             slots.append({"lease": lease.id, "key": key.hex(), "offset": offset,
                           "nbytes": held.nbytes, "dtype": p.describe(held.dtype),
                           "shape": list(held.shape)})
@@ -304,6 +329,7 @@ class LocalServer:
         staged = np.ndarray(block.shape, block.dtype, raw)
         np.copyto(staged, block, casting="no")
         self.counts["staged"] += 1
+        self.counts["staged_bytes"] += block.nbytes
         return staged
 
     async def _release(self, request: web.Request) -> web.Response:
@@ -340,6 +366,7 @@ class LocalServer:
                 for taken in self.leases.take_writes(pid, [s["lease"] for s in slots if s]):
                     if taken is not None:
                         self.leases.abandon(taken)
+                        self.counts["aborts"] += 1
                 slots = [None] * len(specs)
         self._schedule_expiry()
         return self._answer({"instance": self.shared.instance, "slots": slots,
@@ -356,10 +383,13 @@ class LocalServer:
                 continue
             if abort:
                 self.leases.abandon(lease)
+                self.counts["aborts"] += 1
             elif self.leases.lands(lease):
                 block = np.ndarray(lease.shape, lease.dtype, lease.held)
                 block.flags.writeable = False  # the DRAM tier keeps it in its slot, uncopied
                 items.append((lease.key, block))
+            else:
+                self.counts["commits_superseded"] += 1
         error = None
         if items:
             try:
@@ -367,6 +397,7 @@ class LocalServer:
             except KVTierError as exc:
                 error = f"{type(exc).__name__}: {exc}"
         self.counts["committed"] += len(items)
+        self.counts["committed_bytes"] += sum(block.nbytes for _, block in items)
         return self._answer({"committed": [lease is not None for lease in taken],
                              "error": error})
 

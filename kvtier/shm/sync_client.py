@@ -62,7 +62,10 @@ class SyncLocalClient:
         self.path = str(socket_path(name))
         self.timeout = timeout
         self.info: dict[str, Any] | None = None
-        self.buffer: npt.NDArray[np.uint8] | None = None
+        # (instance, its arena, its lease ttl), replaced as one (see arena()): a thread
+        # reading slots of one instance never takes another instance's arena, which another
+        # thread mapped meanwhile.
+        self._mapped: tuple[str, npt.NDArray[np.uint8], float] | None = None
         self._map: mmap.mmap | None = None
         #: The daemon's shared presence index (``None``: not mapped, ask the socket).
         self.index: IndexReader | None = None
@@ -144,10 +147,21 @@ class SyncLocalClient:
             if instance is None or instance != self.instance:
                 info = self.call("/v1/info")
                 if info.get("instance") != self.instance:
-                    self._map, self.buffer = map_announced(self.name, info)
+                    self._map, buffer = map_announced(self.name, info)
                     self.index = open_announced(info)
                     self.info = info
+                    ttl = info.get("lease_ttl")
+                    self._mapped = (str(info["instance"]), buffer,
+                                    float(ttl) if isinstance(ttl, int | float) else 0.0)
         return instance is None or instance == self.instance
+
+    def arena(self, instance: object) -> tuple[npt.NDArray[np.uint8], float] | None:
+        """The arena of ``instance`` and its lease time bound (seconds), if it is the one
+        mapped (:meth:`ensure` first); ``None`` otherwise."""
+        mapped = self._mapped
+        if mapped is None or mapped[0] != instance:
+            return None
+        return mapped[1], mapped[2]
 
     def present_many(self, keys: list[bytes]) -> list[bool] | None:
         """Which ``keys`` the daemon's index holds, with no call on the socket (one when
