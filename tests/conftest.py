@@ -7,7 +7,10 @@ the same ``pytest`` invocation; every other async test runs on asyncio's default
 only, to keep the suite's time down. ``--loops=asyncio`` (or ``uvloop``) restricts the
 dual-loop modules to one loop.
 
-It also holds the one fixture several peer protocol modules share, ``served``.
+It also loads the hypothesis profile (``ci`` by default, ``thorough`` under
+``KVTIER_HYPOTHESIS_PROFILE=thorough``: :mod:`tests.helpers.hypothesis_profiles`) before any
+test module builds its settings, and holds the one fixture several peer protocol modules
+share, ``served``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import aiohttp
 import pytest
 
 from kvtier.peer.server import PeerServer
+from tests.helpers.hypothesis_profiles import load_profile
 from tests.helpers.peer_helpers import SMALL_LIMITS, served_dram
+
+load_profile()
 
 try:
     import uvloop
