@@ -147,6 +147,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.one_loop  # the repair runs in kvtier serve processes, the client only asks
 async def test_kvtier_serve_repair_refills_a_node_restarted_empty(tmp_path: Path) -> None:
     """`kvtier serve --pool POOL_URL` wiring (anti-entropy on by default): a node killed
     and restarted empty gets its blocks back from its peer's anti-entropy pass, with no
