@@ -50,7 +50,9 @@ async def serve(requests: list[np.ndarray]) -> tuple[int, int]:
     """Handle each request like a server would; return (blocks needed, blocks from cache)."""
     store = await kvtier.open_store(
         ["dram://?capacity=1MiB&name=hot", "dram://?capacity=8MiB&name=warm"],
-        promote="all", timeout=0.05)
+        # A deadline on every call: a tier slower than this is a miss, not a stall. 0.5 s,
+        # not a scheduler's tighter budget, so a loaded box (the test suite's) misses nothing.
+        promote="all", timeout=0.5)
     needed = cached = 0
     async with store:
         for tokens in requests:

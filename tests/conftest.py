@@ -5,9 +5,15 @@ servers run). The peer tests, the peer conformance suite, the store tests and th
 reads served on the loop (LMDB inline, file ``nowait``) therefore run once per loop, in
 the same ``pytest`` invocation; every other async test runs on asyncio's default loop
 only, to keep the suite's time down. ``--loops=asyncio`` (or ``uvloop``) restricts the
-dual-loop modules to one loop.
+dual-loop modules to one loop. A test of those modules marked ``one_loop`` runs on the first
+selected loop only: an expensive test whose behaviour does not depend on the client's loop
+(its servers are `kvtier serve` processes, which pick their own); each such module keeps its
+loop-sensitive tests on both.
 
-It also holds the one fixture several peer protocol modules share, ``served``.
+It also loads the hypothesis profile (``ci`` by default, ``thorough`` under
+``KVTIER_HYPOTHESIS_PROFILE=thorough``: :mod:`tests.helpers.hypothesis_profiles`) before any
+test module builds its settings, and holds the one fixture several peer protocol modules
+share, ``served``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import aiohttp
 import pytest
 
 from kvtier.peer.server import PeerServer
+from tests.helpers.hypothesis_profiles import load_profile
 from tests.helpers.peer_helpers import SMALL_LIMITS, served_dram
+
+load_profile()
 
 try:
     import uvloop
@@ -54,13 +63,18 @@ def pytest_asyncio_loop_factories(config: pytest.Config,
         return {"asyncio": available["asyncio"]}
     wanted = config.getoption("--loops")
     if wanted == "all":
-        return available
-    names = [n.strip() for n in wanted.split(",") if n.strip()]
-    unknown = [n for n in names if n not in available]
-    if unknown or not names:
-        raise pytest.UsageError(f"--loops: unknown or unavailable loop(s) {unknown or wanted!r}"
-                                f" (available: {', '.join(available)})")
-    return {n: available[n] for n in names}
+        chosen = available
+    else:
+        names = [n.strip() for n in wanted.split(",") if n.strip()]
+        unknown = [n for n in names if n not in available]
+        if unknown or not names:
+            raise pytest.UsageError(f"--loops: unknown or unavailable loop(s) "
+                                    f"{unknown or wanted!r} (available: {', '.join(available)})")
+        chosen = {n: available[n] for n in names}
+    if item.get_closest_marker("one_loop") is not None:
+        first = next(iter(chosen))  # asyncio's, unless --loops names others
+        return {first: chosen[first]}
+    return chosen
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.lmdb import LMDBTier
+from tests.helpers.hypothesis_profiles import examples
 
 KB = 1024
 BLOCK = 64 * KB
@@ -88,5 +89,5 @@ def _cleanup() -> None:
 
 
 TestPersistentChain = make_chain_machine(_persistent_chain, cleanup=_cleanup, settings=settings(
-    max_examples=25, stateful_step_count=30, deadline=None,
+    max_examples=examples(25), stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])).TestCase

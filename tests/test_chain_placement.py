@@ -6,6 +6,7 @@ naming it fails at open. Every test here failed under ``placement=anchor:R``."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,19 @@ def _chain(index: int, length: int) -> list[bytes]:
     return [key_of(index * 100 + i) for i in range(length)]
 
 
+@pytest.fixture(scope="module", params=PLACEMENTS)
+def pool(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[str], str]]:
+    """4 `kvtier serve` DRAM servers under one placement, as ``(members, placement)``: shared
+    by the repros that only read and write blocks (starting 4 processes per test was most of
+    this module's time). Each test uses its own chain indices, so no test finds blocks
+    another one stored."""
+    placement: str = request.param
+    with pool_processes(tmp_path_factory.mktemp("pool"), 4, lambda i: DRAM,
+                        {"placement": placement}) as (procs, _):
+        yield [p.member for p in procs], placement
+
+
 def _same(got: object, i: int) -> bool:
     return got is not None and np.array_equal(got, sample_block(i))  # type: ignore[arg-type]
 
@@ -45,69 +59,62 @@ def test_a_chain_placement_url_fails_at_open_and_names_the_alternatives(mode: st
     assert "placement=local" in str(info.value) and "placement=block" in str(info.value)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_chains_extended_with_a_parent_are_found_by_writer_and_fresh_client(
-        tmp_path: Path, placement: str) -> None:
+        pool: tuple[list[str], str]) -> None:
     """Repro 1: 4 servers, turn 1 stores 2 blocks, turn 2 four more after ``parent=``; every
     extended chain is found whole (under anchor:3, 6 of 8 were found 0/6)."""
-    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
-        members = [p.member for p in procs]
-        url = _url(members, placement, home=members[0])
-        chains = [_chain(c, 6) for c in range(8)]
-        with BlockingStore([url]) as writer:
-            for chain in chains:
-                writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain[:2])])
-            for chain in chains:
-                writer.put_many([(k, sample_block(i + 2)) for i, k in enumerate(chain[2:])],
-                                parent=chain[1])
-            assert [writer.lookup_prefix(c) for c in chains] == [6] * 8
-        with BlockingStore([_url(members, placement, home=members[2])]) as fresh:
-            assert [fresh.lookup_prefix(c) for c in chains] == [6] * 8
+    members, placement = pool
+    url = _url(members, placement, home=members[0])
+    chains = [_chain(c, 6) for c in range(8)]
+    with BlockingStore([url]) as writer:
+        for chain in chains:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain[:2])])
+        for chain in chains:
+            writer.put_many([(k, sample_block(i + 2)) for i, k in enumerate(chain[2:])],
+                            parent=chain[1])
+        assert [writer.lookup_prefix(c) for c in chains] == [6] * 8
+    with BlockingStore([_url(members, placement, home=members[2])]) as fresh:
+        assert [fresh.lookup_prefix(c) for c in chains] == [6] * 8
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_mid_chain_slices_are_found_by_a_fresh_client(tmp_path: Path,
-                                                      placement: str) -> None:
+def test_mid_chain_slices_are_found_by_a_fresh_client(pool: tuple[list[str], str]) -> None:
     """Repro 2: a slice ``chain[4:8]`` read or written without ``parent`` by a process that
     never saw the whole prompt (the vLLM worker's loads and saves) finds and places its
     blocks as every other client does (under anchor:1, 12-20 of 32 were missed)."""
-    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
-        members = [p.member for p in procs]
-        chains = [_chain(c, 8) for c in range(8)]
-        with BlockingStore([_url(members, placement, home=members[0])]) as writer:
-            for chain in chains:
-                writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain)])
-        with BlockingStore([_url(members, placement, home=members[1])]) as fresh:
-            for chain in chains:
-                got = fresh.get_many(chain[4:8])
-                assert all(_same(b, i + 4) for i, b in enumerate(got))
-        slices = [_chain(c, 8) for c in range(10, 18)]
-        with BlockingStore([_url(members, placement, home=members[2])]) as head:
-            for chain in slices:
-                head.put_many([(k, sample_block(i)) for i, k in enumerate(chain[:4])])
-        with BlockingStore([_url(members, placement, home=members[3])]) as tail:
-            for chain in slices:
-                tail.put_many([(k, sample_block(i + 4)) for i, k in enumerate(chain[4:])])
-        with BlockingStore([_url(members, placement, home=members[1])]) as reader:
-            assert [reader.lookup_prefix(c) for c in slices] == [8] * 8
+    members, placement = pool
+    chains = [_chain(c, 8) for c in range(20, 28)]
+    with BlockingStore([_url(members, placement, home=members[0])]) as writer:
+        for chain in chains:
+            writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain)])
+    with BlockingStore([_url(members, placement, home=members[1])]) as fresh:
+        for chain in chains:
+            got = fresh.get_many(chain[4:8])
+            assert all(_same(b, i + 4) for i, b in enumerate(got))
+    slices = [_chain(c, 8) for c in range(30, 38)]
+    with BlockingStore([_url(members, placement, home=members[2])]) as head:
+        for chain in slices:
+            head.put_many([(k, sample_block(i)) for i, k in enumerate(chain[:4])])
+    with BlockingStore([_url(members, placement, home=members[3])]) as tail:
+        for chain in slices:
+            tail.put_many([(k, sample_block(i + 4)) for i, k in enumerate(chain[4:])])
+    with BlockingStore([_url(members, placement, home=members[1])]) as reader:
+        assert [reader.lookup_prefix(c) for c in slices] == [8] * 8
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_explain_get_and_contains_agree_with_lookup_prefix_from_a_fresh_client(
-        tmp_path: Path, placement: str) -> None:
+        pool: tuple[list[str], str]) -> None:
     """Repro 4: a client that never saw the chain finds every block by ``get``, ``contains``
     and ``explain`` alike (under anchor:1, explain called 4 of 8 held blocks "never stored"
     while lookup_prefix found 8 of 8)."""
-    with pool_processes(tmp_path, 4, lambda i: DRAM, {"placement": placement}) as (procs, _):
-        members = [p.member for p in procs]
-        chain = _chain(3, 8)
-        with BlockingStore([_url(members, placement, home=members[0])]) as writer:
-            writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain)])
-        with BlockingStore([_url(members, placement, home=members[1])]) as fresh:
-            assert [fresh.explain([k])[0].hit_tier for k in chain] == [0] * 8
-            assert [fresh.contains(k) for k in chain] == [True] * 8
-            assert all(_same(fresh.get(k), i) for i, k in enumerate(chain))
-            assert fresh.lookup_prefix(chain) == 8
+    members, placement = pool
+    chain = _chain(43, 8)
+    with BlockingStore([_url(members, placement, home=members[0])]) as writer:
+        writer.put_many([(k, sample_block(i)) for i, k in enumerate(chain)])
+    with BlockingStore([_url(members, placement, home=members[1])]) as fresh:
+        assert [fresh.explain([k])[0].hit_tier for k in chain] == [0] * 8
+        assert [fresh.contains(k) for k in chain] == [True] * 8
+        assert all(_same(fresh.get(k), i) for i, k in enumerate(chain))
+        assert fresh.lookup_prefix(chain) == 8
 
 
 def _held_by_none(members: list[str], keys: list[bytes], placement: str) -> int:

@@ -15,14 +15,15 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
 from kvtier.tiers.fsspec import FsspecTier
 from kvtier.tiers.lmdb import LMDBTier
+from tests.helpers.hypothesis_profiles import examples
 
 pytestmark = pytest.mark.slow  # six hypothesis machines, tens of seconds together
 
 KB = 1024
 _HEADER = 43
-_SETTINGS = settings(max_examples=120, stateful_step_count=40, deadline=None,
+_SETTINGS = settings(max_examples=examples(120), stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
-_PERSIST_SETTINGS = settings(max_examples=12, stateful_step_count=30, deadline=None,
+_PERSIST_SETTINGS = settings(max_examples=examples(12), stateful_step_count=30, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 

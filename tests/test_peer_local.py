@@ -235,8 +235,15 @@ def test_replicas_keep_directory_entries_and_last_copies_through_a_member_down(
         keys = [key_of(5000 + i) for i in range(90)]
         with _client(members, members[0], replicas=2) as writer:
             writer.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
-        held = [_held(m, keys) for m in members]
-        assert all(sum(h[i] for h in held) >= 2 for i in range(len(keys)))
+        # A home's eviction forwards the block after the put was acked: on a loaded box the
+        # last forwards may still be in flight when the writer closes.
+        for _ in range(40):
+            held = [_held(m, keys) for m in members]
+            short = [i for i in range(len(keys)) if sum(h[i] for h in held) < 2]
+            if not short:
+                break
+            time.sleep(0.5)
+        assert not short, f"{len(short)} of {len(keys)} blocks under 2 copies"
         assert _metric(members[0], "forwarded") >= 60
         for down in range(4):
             procs[down].signal(signal.SIGSTOP)  # frozen: a silent member, its DRAM kept

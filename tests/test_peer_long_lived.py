@@ -89,6 +89,7 @@ async def _restart_empty(proc: ServeProcess) -> None:
 
 
 @pytest.mark.timeout(900)  # 8 faults and 8 read-backs of up to 1,920 keys, at load 8
+@pytest.mark.one_loop  # kvtier serve processes; the freeze test below runs on both loops
 async def test_a_long_lived_client_reads_what_a_fresh_one_reads(tmp_path: Path) -> None:
     rng = random.Random(30)
     # A timeout scaled to the box's load: a request that times out under load misses for

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
@@ -65,6 +66,7 @@ async def _overwrite_and_delete(tier: PeerTier, overwritten: list[bytes],
                          *(tier.delete(k) for k in deleted))
 
 
+@pytest.mark.one_loop  # stamps kept by kvtier serve processes; the freeze test: both loops
 async def test_a_member_restarted_on_its_lmdb_directory_undoes_no_overwrite_or_delete(
         tmp_path: Path) -> None:
     # Before stamps: 24 of 24 overwrites read back v1 (the restarted owner is asked first)

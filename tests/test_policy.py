@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier.errors import BlockTooLargeError, TierError, TierFullError
 from kvtier.policy import RecencyPolicy, S3FIFOPolicy
 from kvtier.testing.fakes import FakeClock
+from tests.helpers.hypothesis_profiles import examples
 
 
 def k(i: int) -> bytes:
@@ -297,7 +298,7 @@ class LRUModel(RuleBasedStateMachine):
 
 
 TestLRUModel = pytest.mark.slow(LRUModel.TestCase)
-TestLRUModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestLRUModel.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 
 
 def test_s3fifo_takes_from_main_when_small_holds_only_the_replaced_key() -> None:

@@ -13,7 +13,7 @@ import pytest
 from kvtier.peer.ring import DEFAULT_VNODES, HashRing
 from tests.helpers.peer_helpers import REPO
 
-N_KEYS = 100_000
+N_KEYS = 30_000  # movement within 1.03/n and balance 1.02 here, bounds 1.25/n and 1.15
 KEYS = [i.to_bytes(8, "little") * 2 for i in range(N_KEYS)]
 
 

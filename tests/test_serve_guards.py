@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,6 @@ async def test_guard_flags_reach_the_server(tmp_path: Path) -> None:
     member = await asyncio.to_thread(proc.start)
     writers: list[asyncio.StreamWriter] = []
     try:
-        sent = time.monotonic()
         held_r, held_w = await _open(member, _put_head(b"\x01", 1 << 20) + b"x" * 100)
         idle_r, idle_w = await _open(member)
         writers += [held_w, idle_w]
@@ -72,9 +70,11 @@ async def test_guard_flags_reach_the_server(tmp_path: Path) -> None:
         busy_w.write(_put_head(b"\x02", (1 << 20) + 8))
         answer = await asyncio.wait_for(busy_r.read(), 20)  # closed after lingering 1 s
         assert answer.startswith(b"HTTP/1.1 503") and b"server busy" in answer, answer
-        # The held body stalls: 408 after --body-timeout 3 s, before the default 10 s.
-        assert (await asyncio.wait_for(held_r.read(), 20)).startswith(b"HTTP/1.1 408")
-        assert time.monotonic() - sent < 9.5
+        # The held body stalls: 408 on --body-timeout 3 s, not the default 10 s (the answer
+        # names the timeout it applied; a wall-clock bound would fail on a loaded box).
+        answer = await asyncio.wait_for(held_r.read(), 20)
+        assert answer.startswith(b"HTTP/1.1 408") and b"no body bytes for 3.0 s" in answer, \
+            answer
     finally:
         for writer in writers:
             writer.close()

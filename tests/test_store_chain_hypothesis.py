@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, settings
 from kvtier.testing.chain import make_chain_machine
 from kvtier.tiers.base import Tier
 from kvtier.tiers.dram import DRAMTier
+from tests.helpers.hypothesis_profiles import examples
 
-pytestmark = pytest.mark.slow  # 400 examples of 50 steps: the suite's longest test
+pytestmark = pytest.mark.slow  # 50-step runs (400 under the thorough profile, 100 in ci)
 
 KB = 1024
 
@@ -23,5 +24,5 @@ def dram_chain() -> list[Tier]:
 
 TestDRAMChain = make_chain_machine(
     dram_chain, block_sizes=(512, 1024, 1536, 2048, 3584), settings=settings(
-        max_examples=400, stateful_step_count=50, deadline=None,
+        max_examples=examples(400), stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow])).TestCase
