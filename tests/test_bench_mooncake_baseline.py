@@ -11,6 +11,10 @@ import pytest
 from benchmarks import bench_peer, mooncake_baseline
 from benchmarks.common import Result
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 MiB = 1 << 20
 
 

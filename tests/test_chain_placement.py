@@ -18,6 +18,10 @@ from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.peer_helpers import TOKEN, ServeProcess, free_members, pool_processes, token_file
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 PLACEMENTS = ["block", "local"]
 DRAM = ["--tier", "dram://"]
 

@@ -81,6 +81,7 @@ _dtypes = st.one_of(
 _arrays = hnp.arrays(_dtypes, hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=6))
 
 
+@pytest.mark.slow
 @given(_arrays, st.sampled_from([None, 1, 3, 19]), st.booleans(), st.booleans())
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_round_trip(arr: Array, level: int | None, shuffle: bool, as_bytearray: bool) -> None:
@@ -297,6 +298,7 @@ _VALID_FRAMES = {
 @given(st.sampled_from(sorted(_VALID)),
        st.lists(st.tuples(st.sampled_from(["set", "insert", "delete"]), st.integers(0, 10**6),
                           st.integers(0, 255)), min_size=1, max_size=4))
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 def test_mutated_frames_decode_right_or_raise_corrupt(
         kind: str, edits: list[tuple[str, int, int]]) -> None:

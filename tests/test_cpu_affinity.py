@@ -16,6 +16,10 @@ from kvtier import ConfigError
 from kvtier.integrations.cpu_affinity import spare_cpus
 from kvtier.integrations.vllm_plan import ConnectorSettings
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

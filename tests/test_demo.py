@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvtier.commands import demo
 from kvtier.replay.trace import Request
 
@@ -67,6 +69,7 @@ def test_demo_quick_prints_the_table_and_the_legend() -> None:
     assert 0 < moved["local pool"] < moved["block pool"]
 
 
+@pytest.mark.slow
 def test_demo_rejects_bad_sizes() -> None:
     for flag in ("--capacity-blocks", "--nodes", "--kv-bytes-per-token"):
         proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "demo", "--quick", flag,

@@ -151,6 +151,7 @@ _PREFAULT_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_1gib_arena_in_a_512mib_cgroup_prefaults_within_its_limit(
         memory_cgroup: tuple[Path, str]) -> None:
     child, _ = memory_cgroup

@@ -38,6 +38,10 @@ from kvtier.events_zmq import (
 from kvtier.store import TieredStore
 from tests.helpers.peer_helpers import REPO, ServeProcess, pool_url, token_file
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 BLOCK = np.arange(4096, dtype=np.uint8)
 FRAME = encode_frame(BLOCK).nbytes  # bytes on disk per block (both tiers, no zstd)
 DECODER = msgspec.msgpack.Decoder(type=VllmKVEventBatch)

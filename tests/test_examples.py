@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 

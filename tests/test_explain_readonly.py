@@ -93,6 +93,7 @@ def test_explain_changes_no_byte(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert listing(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_explain_reads_beside_the_process_that_owns_the_lmdb_directory(
         tmp_path: Path) -> None:
     async def run() -> subprocess.CompletedProcess[str]:

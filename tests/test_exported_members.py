@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import kvtier
 from kvtier import errors
 
@@ -35,6 +37,7 @@ def test_every_error_class_is_exported_and_under_kvtier_error() -> None:
     assert all(issubclass(getattr(errors, name), kvtier.KVTierError) for name in classes)
 
 
+@pytest.mark.slow
 def test_top_level_imports_on_a_base_install_without_extras() -> None:
     """``from kvtier import *`` and ``hasattr`` work without the redis and mooncake extras
     (issue 20 bug 4: both raised ImportError). The extras are hidden from a fresh

@@ -226,6 +226,7 @@ async def test_compressed_roundtrip_on_disk(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ kvtier gc
+@pytest.mark.slow
 async def test_gc_trims_shared_directory_by_last_use(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import sys

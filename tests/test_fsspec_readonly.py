@@ -165,6 +165,7 @@ print(*asyncio.run(run(sys.argv[1])))
 """
 
 
+@pytest.mark.slow
 def test_0555_directory_of_another_owner(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the 0555 case runs as non-root in the read_only_dir fixture")

@@ -71,6 +71,7 @@ print(",".join(k.hex() for k in prefix_keys(list(range(3000)), 128, ns)))
 """
 
 
+@pytest.mark.slow
 def test_keys_identical_across_processes_with_different_hash_seeds() -> None:
     ns = KeyNamespace(model="llama-3.1-8b", dtype="bf16", layout="nhd", tp_rank=1, tp_size=2,
                       salt="tenant-a")
@@ -141,6 +142,7 @@ namespaces = st.builds(
 )
 
 
+@pytest.mark.slow
 @given(namespaces, namespaces, st.lists(st.integers(0, 50000), min_size=4, max_size=12))
 @settings(max_examples=300, deadline=None)
 def test_distinct_namespaces_never_share_keys(a: KeyNamespace, b: KeyNamespace,

@@ -14,6 +14,10 @@ import pytest
 from kvtier.testing.conformance import key_of
 from kvtier.tiers.lmdb import LMDBTier
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The writer prints each key index only after its put returned, and flushes, so every

@@ -17,6 +17,7 @@ from kvtier.tiers.lmdb import LMDBTier
 from tests.helpers.tmpfs import fill_up, mounted_tmpfs
 
 
+@pytest.mark.slow
 async def test_cancelled_cold_open_is_reused_not_repeated(tmp_path: Path) -> None:
     # Issue 9, bug 5: a store timeout cancelling the first open made the next call open
     # the same environment again in this process, which LMDB forbids.

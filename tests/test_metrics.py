@@ -67,6 +67,7 @@ async def _churn(tier: PeerTier, start: int, count: int, *, deletes_first: bool)
             await tier.delete(key)
 
 
+@pytest.mark.slow
 async def test_no_counter_of_kvtier_serve_goes_down_under_churn(tmp_path: Path) -> None:
     args = ["--tier", "dram://?capacity=1MiB", "--tier", f"lmdb://{tmp_path}/l?capacity=2MiB"]
     with serve_processes(tmp_path, 1, args) as (proc,):

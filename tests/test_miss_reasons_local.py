@@ -12,10 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvtier import TieredStore, open_store
 from kvtier.misses import MissReason
 from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.peer_helpers import REPO, pool_processes, pool_url
+
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
 
 BLOCKS = 60
 SERVE = ["--tier", "dram://?capacity=64MiB"]

@@ -19,6 +19,10 @@ from kvtier.misses import MissReason
 from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.peer_helpers import REPO, ServeProcess, pool_url, serve_processes
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 BLOCKS = 60
 
 

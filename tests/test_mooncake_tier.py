@@ -221,6 +221,7 @@ def test_scheme_is_built_in() -> None:
     assert tier_class("mooncake") is MooncakeTier and "mooncake" in known_schemes()
 
 
+@pytest.mark.slow
 async def test_master_down_is_a_miss_then_used_when_it_comes_up(
         tmp_path: Path, pool: tuple[str, mooncake_servers.StoreProcess]) -> None:
     master = mooncake_servers.MooncakeMaster(tmp_path / "late-master")  # not started yet

@@ -32,6 +32,7 @@ async def _open_and_cancel(url: str, rng: random.Random) -> TieredStore | None:
         return None
 
 
+@pytest.mark.slow
 async def test_cancelled_file_opens_leave_no_probe_file(tmp_path: Path) -> None:
     rng = random.Random(30)
     returned = 0

@@ -85,6 +85,7 @@ async def _fast_put(srv: PeerServer) -> int:
         writer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data_plane", [True, False])
 async def test_slow_uploaders_holding_the_budget_are_cut_off_for_other_clients(
         data_plane: bool) -> None:

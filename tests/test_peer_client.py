@@ -357,6 +357,7 @@ async def test_a_peer_echoing_the_request_cannot_put_the_token_in_errors_or_logs
     assert SECRET not in caplog.text
 
 
+@pytest.mark.slow
 async def test_kvtier_stats_does_not_follow_redirects(redirecting: tuple[str, list[str]],
                                                       tmp_path: Path) -> None:
     member, followed = redirecting
@@ -426,6 +427,7 @@ async def test_locate_prefix_verifies_members_by_tls_server_name(
 
 
 # ----------------------------------------------------------------------- serve --loop
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio", "auto"])
 def test_serve_runs_on_the_loop_asked_for(tmp_path: Path, loop: str) -> None:
     proc = ServeProcess(["--tier", "dram://", "--loop", loop], token_file(tmp_path))

@@ -25,6 +25,10 @@ from kvtier.tiers.dram import DRAMTier
 from tests.helpers.load import Scale
 from tests.helpers.peer_helpers import TOKEN
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 #: Idle-machine seconds: the pool's timeout, a slowed segment's delay (past the timeout),
 #: and a sleep that outlasts the delay (the servers finish the late requests).
 TIMEOUT, SLOWED, SETTLE = 0.15, 0.45, 0.5

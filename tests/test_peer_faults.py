@@ -24,6 +24,10 @@ from kvtier.tiers.dram import DRAMTier
 from tests.helpers.load import Scale
 from tests.helpers.peer_helpers import TOKEN, ServeProcess, serve_processes, token_file
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 0.5
 SLACK = 0.5
 

@@ -48,6 +48,7 @@ async def _holders(servers: list[PeerServer], key: bytes) -> int:
     return sum([(await s.segment.contains_many([key]))[0] for s in servers])
 
 
+@pytest.mark.slow
 async def test_acked_keys_survive_a_member_loss_when_one_segment_is_full(lower: Tier) -> None:
     full = PeerServer(TieredStore([DRAMTier(capacity=DRAM_BLOCKS * BLOCK_BYTES), lower],
                                   close_flush=False), token=TOKEN, close_segment=True)

@@ -112,6 +112,7 @@ def _written_keys_owned_by_member_1(members: list[str], ids: range) -> list[byte
 POOL = {"placement": "local", "health_interval": 0.1, "timeout": 5}
 
 
+@pytest.mark.slow
 def test_a_block_evicted_on_a_is_read_from_b(tmp_path: Path) -> None:
     """A member's DRAM evicts a last copy: it moves to a member with room (older than
     anything A holds), leaves A, and a fresh client reads it from there."""
@@ -133,6 +134,7 @@ def test_a_block_evicted_on_a_is_read_from_b(tmp_path: Path) -> None:
             assert fresh.stats()["tiers"][0]["remote_hits"] >= 40
 
 
+@pytest.mark.slow
 def test_the_last_copy_survives_an_eviction_storm(tmp_path: Path) -> None:
     """Three members of 40 blocks each; one client writes 110 blocks through one home
     (four times its room): every block is still held somewhere and reads back right,
@@ -153,6 +155,7 @@ def test_the_last_copy_survives_an_eviction_storm(tmp_path: Path) -> None:
                    for i, g in enumerate(got))
 
 
+@pytest.mark.slow
 def test_no_copy_is_lost_when_two_members_forward_at_once(tmp_path: Path) -> None:
     """Two clients write at once through two small homes, each evicting and forwarding to
     the same roomy third member: every acked block is held and reads back right."""
@@ -222,6 +225,7 @@ def test_a_fresh_client_finds_blocks_through_the_directory_and_copies_hot_ones_h
             assert again.stats()["tiers"][0].get("remote_hits", 0) == 0
 
 
+@pytest.mark.slow
 def test_replicas_keep_directory_entries_and_last_copies_through_a_member_down(
         tmp_path: Path) -> None:
     """replicas=2: every block is written to its home and one more member, registered with
@@ -257,6 +261,7 @@ def test_replicas_keep_directory_entries_and_last_copies_through_a_member_down(
                        for i, g in enumerate(got)), f"member {down} down"
 
 
+@pytest.mark.slow
 def test_a_directory_owner_restarted_empty_is_refilled_by_the_holders(tmp_path: Path
                                                                       ) -> None:
     """The member that keeps the directory entries of some keys restarts empty: the
@@ -278,6 +283,7 @@ def test_a_directory_owner_restarted_empty_is_refilled_by_the_holders(tmp_path: 
                    for i, g in enumerate(got))
 
 
+@pytest.mark.slow
 def test_a_directory_owner_that_leaves_is_replaced_by_the_next_member(tmp_path: Path
                                                                       ) -> None:
     """The directory owner of some keys stops for good: once the holder sees it gone, its

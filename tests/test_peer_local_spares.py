@@ -7,10 +7,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.peer_helpers import pool_processes
 from tests.test_peer_local import POOL, _client, _dram, _held, _metric
 from tests.test_peer_local_stale import _unreadable
+
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
 
 
 def test_spare_copies_go_before_a_last_copy_is_dropped_as_the_oldest(tmp_path: Path) -> None:

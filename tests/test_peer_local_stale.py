@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.peer_helpers import pool_processes
 from tests.test_peer_local import POOL, _client, _dram, _held, _metric
+
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
 
 
 def _unreadable(members: list[str], home: str, keys: list[bytes],

@@ -17,6 +17,10 @@ from kvtier.store import open_store
 from tests.helpers.load import LoopLag
 from tests.helpers.peer_helpers import TOKEN, ServeProcess, serve_processes
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 BLOCK = np.arange(2048, dtype=np.uint16)
 K = [bytes([i]) * 16 for i in range(1, 13)]
 SLACK = 3.0  # scheduling slack on a loaded 2-core machine; the deadline itself is exact

@@ -25,6 +25,10 @@ from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.load import Scale
 from tests.helpers.peer_helpers import ServeProcess, pool_processes, pool_url, serve_processes
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 SERVERS = 5
 REPLICAS = 3
 BATCH = 64

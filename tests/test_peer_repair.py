@@ -412,6 +412,7 @@ async def test_a_refill_is_pushed_once_not_by_every_holder(pool: Pool) -> None:
             await repair.close()
 
 
+@pytest.mark.slow
 async def test_anti_entropy_pushes_at_most_its_byte_rate(pool: Pool) -> None:
     members = [await pool.start() for _ in range(2)]
     holder = pool.servers[members[0]]
@@ -562,6 +563,7 @@ async def _until_down(tier: PeerTier, member: str) -> None:
     raise AssertionError(f"{member} never marked down")
 
 
+@pytest.mark.slow
 async def test_a_pass_begun_while_an_owner_was_down_stops_when_it_is_back(pool: Pool) -> None:
     """Owner B is down when A's pass begins, so the pass pushes B's keys to the next live
     member C (fallback copies). B comes back empty meanwhile: the pass stops instead of

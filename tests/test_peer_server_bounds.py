@@ -109,6 +109,7 @@ async def test_a_head_miss_has_no_body_and_the_connection_goes_on(data_plane: bo
             assert await resp.read() == frame
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data_plane", [True, False])
 async def test_a_dripping_body_is_refused_and_frees_its_budget(data_plane: bool) -> None:
     # body_timeout bounds the gap between bytes; a body sent a byte at a time below it

@@ -20,6 +20,10 @@ from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.peer_helpers import ServeProcess, pool_processes
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 N = 24  # keys overwritten, and keys deleted, all first owned by the member that fails
 
 

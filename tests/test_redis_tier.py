@@ -294,6 +294,7 @@ async def test_server_killed_then_restarted(server: redis_servers.RedisServer) -
         assert got is not None and got.tobytes() == sample_block(2).tobytes()
 
 
+@pytest.mark.slow
 async def test_cluster_failover(cluster: redis_servers.RedisCluster) -> None:
     prefix = _prefix()
     # 2 s per call: the client re-reads the cluster's slots when a node dies, and on a loaded

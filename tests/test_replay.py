@@ -132,6 +132,7 @@ def test_cli_json_schema(tmp_path: Path) -> None:
         assert (row["remote_share"] is None) == (row["mode"] != "pooled")
 
 
+@pytest.mark.slow
 def test_cli_bad_arguments(tmp_path: Path) -> None:
     trace = _write(tmp_path / "t.jsonl", [_row([1])])
     for extra, needle in ((["--routing", "sticky"], "--routing"), (["--nodes", "0"], "--nodes"),

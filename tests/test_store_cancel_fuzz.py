@@ -31,6 +31,7 @@ def check(key: int, block: np.ndarray | None) -> None:
         assert (block == first).all(), f"key {key} returned a torn block"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
 async def test_random_cancellation_leaves_a_consistent_store(tmp_path: Path,
                                                              write_policy: str) -> None:

@@ -178,6 +178,7 @@ async def test_cancelled_delete_is_all_or_nothing() -> None:
         assert got is None or got.tobytes() == sample_block(2).tobytes()
 
 
+@pytest.mark.slow
 async def test_cancelled_default_delete_many_leaves_no_unawaited_coroutine() -> None:
     tier = LatencyTier(DRAMTier(), delay=0.05)
     await tier.put_many([(key_of(i), sample_block(i)) for i in range(64)])
