@@ -8,7 +8,9 @@ process's clock, so a restart is seen even when the new uptime exceeds the last 
 a member started well after the rest of the pool counts as recently changed for a client that
 opened after its restart. With DNS membership the name is re-resolved every
 ``dns_interval`` seconds (A and AAAA, as for a Kubernetes headless service) and the ring is
-rebuilt when the address set changes.
+rebuilt when the address set changes; the change is counted (anti-entropy's cue) only once
+the new ring is in place. A server's own member (``self_id``) is in its ring until DNS has
+named it and then stops naming it: it left, as everyone else's ring says.
 """
 
 from __future__ import annotations
