@@ -706,9 +706,8 @@ class AntiEntropy:
         ``rechecks`` (checks of those alone), ``stalls`` (times this node found it had been
         stopped, see :data:`_STALL`), ``moved_waiting`` (keys a recent join or leave
         moved, checked again; ``late_writes``: of them, those stored here after a pass),
-        ``tombstones_pushed`` (deletes sent to owners
-        that missed them), ``adopted`` and ``tombstones_adopted`` (newer blocks and deletes
-        taken from an owner, over older ones held here), ``tombstones_expired`` (dropped
-        past their grace period), and
+        ``tombstones_pushed`` (deletes sent to owners that missed them), ``adopted`` and
+        ``tombstones_adopted`` (newer blocks and deletes taken from an owner, over older
+        ones held here), ``tombstones_expired`` (dropped past their grace period), and
         ``paced_s`` (seconds pushes waited for the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}
