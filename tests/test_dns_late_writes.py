@@ -276,3 +276,28 @@ async def test_a_standin_dropped_by_a_member_behind_a_leave_is_pushed_back(
                 f"{len(under)} looks (first {under[0]}); A: {await _counters(http, a)}, "
                 f"C: {await _counters(http, c)}\n" + "".join(p.output()[-1500:] for p in procs))
         assert await _lost(new, keys) == 0
+
+
+async def test_a_member_that_leaves_dns_hands_over_what_only_it_holds(
+        tmp_path: Path) -> None:
+    """C alone holds some keys (a put with ``replicas=1`` onto it) when DNS stops naming it:
+    C must see that it left (before the fix it kept itself in its own ring, saw no change
+    and handed nothing over), and its pass puts each key on its owners A and B."""
+    hosts, prefixes, port, (a, b, c, _, _) = _setup(tmp_path)
+    for one in hosts:
+        one.set(ADDRESSES[:3])
+    keys = [key_of(i) for i in range(24)]
+    with _servers(tmp_path, prefixes, port) as procs:
+        async with aiohttp.ClientSession(headers=AUTH) as http:
+            before = await _quiet(http, [a, b, c])
+            async with PeerTier.from_url(pool_url([c], replicas=1)) as only_c:
+                await only_c.put_many([(k, sample_block(i)) for i, k in enumerate(keys)])
+            for one in hosts:
+                one.set(ADDRESSES[:2])  # C leaves DNS (it keeps running)
+            await _until_passed(http, {c: before[c]})
+            under = await _settle([a, b], keys)
+            assert under[-1] == 0, (
+                f"{under[-1]} of {len(keys)} keys still on fewer than 2 of their owners after "
+                f"{len(under)} looks (first {under[0]}); C: {await _counters(http, c)}")
+        procs[2].stop()
+        assert await _lost([a, b], keys) == 0
