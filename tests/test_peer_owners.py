@@ -213,3 +213,29 @@ async def test_a_handover_to_an_owner_that_fails_again_keeps_its_hints(
         await tier._hand_over_keys(down.member_id, keys)  # nobody answers on its port
         assert tier.stats()["hints"] == 4
         assert tier.stats().get("hints_handed_over", 0) == 0
+
+
+async def test_a_membership_change_is_counted_once_its_ring_is_in_place() -> None:
+    """Anti-entropy runs a pass when the change count moves: by then the new ring must be
+    the one its owners come from, and the old one among the rings a move is judged by.
+    (The count moved before the new ring, built off the loop, was in place: a pass woken
+    meanwhile ran on the old ring, found nothing moved, and counted as the change's pass.)"""
+    members = [f"127.0.0.1:{port}" for port in (7001, 7002, 7003)]
+    tier = PeerTier.from_url(_url(members))
+    membership = tier.members
+    key = next(k for k in map(key_of, range(1000))
+               if members[2] in membership.ring.owners(k, 2))
+    count = membership.change_count
+    seen: list[tuple[tuple[str, ...], bool]] = []
+
+    async def watch() -> None:  # looks at every turn of the loop until the count moves
+        for _ in range(1_000_000):
+            if membership.change_count != count:
+                seen.append((membership.members, membership.moved(key, 2, 60.0)))
+                return
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    await membership.apply_members(set(members[:2]))
+    await asyncio.wait_for(watcher, 10)
+    assert seen == [(tuple(members[:2]), True)]

@@ -285,3 +285,17 @@ async def test_a_recheck_of_waiting_standins_stops_at_a_membership_change(
         assert all(await hooked.segment.contains_many(keys))
     finally:
         await repair.close()
+
+
+async def test_a_watch_that_ends_leaves_another_equal_one_watching(pool: Pool) -> None:
+    """Two write watches open at once (a pass's and anti-entropy's late-write watch), both
+    empty when the inner one ends: the outer one still collects the writes that follow
+    (they were removed by value, so the inner one's end took the outer one instead)."""
+    server = pool.servers[await pool.start()]
+    with server.watch_writes() as outer:
+        with server.watch_writes() as inner:
+            pass
+        server.stored([key_of(1)])
+        assert (outer, inner) == ({key_of(1)}, set())
+    server.stored([key_of(2)])
+    assert (outer, inner) == ({key_of(1)}, set())

@@ -8,7 +8,9 @@ process's clock, so a restart is seen even when the new uptime exceeds the last 
 a member started well after the rest of the pool counts as recently changed for a client that
 opened after its restart. With DNS membership the name is re-resolved every
 ``dns_interval`` seconds (A and AAAA, as for a Kubernetes headless service) and the ring is
-rebuilt when the address set changes.
+rebuilt when the address set changes; the change is counted (anti-entropy's cue) only once
+the new ring is in place. A server's own member (``self_id``) is in its ring until DNS has
+named it and then stops naming it: it left, as everyone else's ring says.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class Membership:
         # whose owners differ from those of one of them is checked on every current owner.
         self._previous: deque[tuple[HashRing, float]] = deque(maxlen=_PREVIOUS_RINGS)
         self._dated: set[str] = set()  # members whose first start estimate was judged
+        self._listed_self = False  # whether DNS ever named self_id (see refresh_dns)
         #: Called with a member that rejoined the path, or answered again after failures
         #: while in it (hinted handoff).
         self.on_rejoin: Callable[[str], None] | None = None
@@ -343,7 +346,11 @@ class Membership:
                 self._note_change(member, start.earliest)
 
     async def refresh_dns(self) -> None:
-        """Re-resolve the DNS name; rebuild the ring if the address set changed."""
+        """Re-resolve the DNS name; rebuild the ring if the address set changed.
+
+        A node with ``self_id`` set counts itself in until DNS first names it; once named,
+        a DNS answer without it means it left: its ring is then the other members alone,
+        as everyone else's is."""
         assert self._dns is not None
         host, port = self._dns
         loop = asyncio.get_running_loop()
@@ -356,7 +363,16 @@ class Membership:
             return
         found = {member_id(str(info[4][0]), port) for info in infos}
         if self.self_id is not None:
-            found.add(self.self_id)
+            if self.self_id in found:
+                self._listed_self = True
+            elif not self._listed_self:
+                # Not listed yet (started before DNS names it, or DNS names it by another
+                # address): it counts itself in, as it always did.
+                found.add(self.self_id)
+            # Listed once, now no more: it left the pool. Every other member and every
+            # client drops it from its ring, so it does too: its anti-entropy then sees
+            # itself own nothing and hands what it holds to the keys' owners, instead of
+            # holding on to copies (and late writes) nobody reads from it any more.
         if set(self.members) == found:
             return
         log.info("peers+dns: %s -> %s", host, sorted(found))
@@ -367,13 +383,24 @@ class Membership:
         joined and left, keep the previous ring for :meth:`unsettled`."""
         if set(self.members) == found:
             return
+        # Thousands of vnodes per member: build the new ring off the event loop, and only
+        # then count the change. Counted first, an anti-entropy pass woken by the count
+        # ran on the old ring meanwhile (nothing had moved yet), and counted as the pass
+        # for the change: the keys the change moved were never pushed to their new owners.
+        ring = await asyncio.to_thread(self.ring.with_members, found)
+        if set(self.members) == found:
+            return  # another call made it meanwhile
         gone = set(self.members) - found
         now = time.monotonic()
-        for member in gone | (found - set(self.members)):
+        if self.ring.members:
+            # Not the empty ring before DNS first answered: against it every key "moved",
+            # so for change_window after start no stand-in would go and every key held
+            # would be checked again as moved.
+            self._previous.append((self.ring, now))
+        joined = found - set(self.members)
+        self.ring = ring
+        for member in gone | joined:
             self._note_change(member, now)
-        # Thousands of vnodes per member: build the new ring off the event loop.
-        self._previous.append((self.ring, now))
-        self.ring = await asyncio.to_thread(self.ring.with_members, found)
         for member in gone:
             self.detector.forget(member)
             self._dated.discard(member)

@@ -53,6 +53,13 @@ owner and batch) whether they hold it, and pushes the block to those that do not
   evict owners' copies. The stand-ins a pass keeps for an owner's refill (or for the ring
   to settle) are checked again every ``interval`` (``standins_waiting``; only those keys,
   counted in ``rechecks``), so the copy goes once the refill lands.
+* The keys held here that a join or leave moved within ``change_window`` are checked again
+  every ``interval`` too, while the change is recent (``moved_waiting``; stored here after
+  the pass: ``late_writes``): the members see a DNS change at different times, so one pass
+  for it is not enough. A writer still on the old ring puts keys on their old owners after
+  those owners' pass for the change, and a member still on the old ring drops a stand-in
+  copy of a key it now owns after the key's other owner found it there; without a second
+  look those keys stay on one owner, and the next leave loses them (issue 30).
 """
 
 from __future__ import annotations
@@ -209,6 +216,10 @@ class AntiEntropy:
         #: The stand-in copies the last pass kept for an owner's refill or for the ring to
         #: settle (checked again every ``interval``, see :meth:`run_pass`).
         self.waiting: set[bytes] = set()
+        #: The keys held here that a join or leave moved within the pool's
+        #: ``change_window``, checked again every ``interval`` until the window passes (see
+        #: :meth:`_note_moved`).
+        self.moved: set[bytes] = set()
         self._recheck_of: int | None = None  # change count when the running recheck began
         # When the last pass that reached every owner began (members changed since then
         # have their keys checked first).
@@ -258,6 +269,26 @@ class AntiEntropy:
         await self.pool.aclose()
 
     async def _loop(self) -> None:
+        with self.server.watch_writes() as writes:
+            await self._passes(writes)
+
+    def _note_moved(self, keys: set[bytes] | list[bytes]) -> int:
+        """Add the ``keys`` a join or leave moved within ``change_window`` to
+        :attr:`moved`; returns how many. One pass for the change is not enough for them,
+        since the members do not see a DNS change at once: a writer still on the old ring
+        puts a key on its old owners after their pass for the change (a late write, that
+        no further change would check), and a member still on the old ring drops its
+        stand-in copy of a key whose new owner it is, after that key's other owner checked
+        it there (its ring said every owner held the key). So they are checked again every
+        ``interval`` while the change is recent, and pushed to the owners that lack them."""
+        if self.server.holder is not None:  # placement=local: no ring owners to reach
+            return 0
+        members, pool = self.pool.members, self.pool
+        moved = [k for k in keys if members.moved(k, pool.replicas, pool.change_window)]
+        self.moved.update(moved)
+        return len(moved)
+
+    async def _passes(self, writes: set[bytes]) -> None:
         clean_at = -1  # membership change count when the last pass with no failures began
         tried_at = -1  # change count when the last pass began
         began = -float("inf")  # when the last pass began
@@ -272,6 +303,9 @@ class AntiEntropy:
                 self.counts["stalls"] += 1
                 clean_at = -1
             looked = now
+            if writes:
+                self.counts["late_writes"] += self._note_moved(writes)
+                writes.clear()
             if now - expired >= self.interval:  # settled tombstones past their grace go
                 expired = now
                 self.counts["tombstones_expired"] += self.server.versions.expire()
@@ -288,8 +322,9 @@ class AntiEntropy:
                 elif now - max(began, rechecked) >= self.interval and (
                         recheck := self._recheck_keys()):
                     # The stand-in copies a pass kept for an owner's refill (or for the
-                    # ring to settle), and the tombstones not every owner is known to
-                    # hold, are checked again every interval, not every key held.
+                    # ring to settle), the keys a recent join or leave moved, and the
+                    # tombstones not every owner is known to hold, are checked again
+                    # every interval, not every key.
                     rechecked = now
                     await self.run_pass(recheck)
             except asyncio.CancelledError:
@@ -298,11 +333,12 @@ class AntiEntropy:
                 log.exception("anti-entropy pass failed; retrying in %.1f s", self.interval)
 
     def _recheck_keys(self) -> list[bytes]:
-        """The keys a recheck looks at: the stand-ins kept waiting, and the tombstones
-        whose grace period has not started (so that, in a quiet pool, they settle and
-        expire instead of piling up)."""
+        """The keys a recheck looks at: the stand-ins kept waiting, the keys a recent join
+        or leave moved, and the tombstones whose grace period has not started (so that, in
+        a quiet pool, they settle and expire instead of piling up)."""
         unsettled = [k for k, (_, when) in self.server.versions.tombs.items() if not when]
-        return list(self.waiting) + [k for k in unsettled if k not in self.waiting]
+        both = self.waiting | self.moved
+        return list(both) + [k for k in unsettled if k not in both]
 
     async def run_pass(self, keys: list[bytes] | None = None) -> dict[str, int]:
         """Check every key this node holds (or only ``keys``: counted as a ``recheck``, not
@@ -317,6 +353,11 @@ class AntiEntropy:
         down = members.dead
         self._recheck_of = None if keys is None else members.change_count
         self.waiting = set()
+        # Checked now (a full pass checks every key held): the survey puts back those still
+        # moved; a pass that did not reach every owner puts them all back.
+        moved = self.moved if keys is None else self.moved.intersection(keys)
+        self.moved -= moved
+        checked = False
         began = time.monotonic()
         queue = _PushQueue()
         try:
@@ -327,6 +368,7 @@ class AntiEntropy:
                         await self._survey(done, down, written, keys, queue)
                 finally:
                     queue.close()
+            checked = not done.get("failed") and not done.get("superseded")
         except BaseExceptionGroup as group_error:
             # The survey's or the pushes' first failure ends the pass, raised as itself.
             error: BaseException = group_error
@@ -334,6 +376,8 @@ class AntiEntropy:
                 error = error.exceptions[0]
             raise error from None
         finally:
+            if not checked:
+                self.moved |= moved
             done["passes" if keys is None else "rechecks"] = 1
             done["tombstones_expired"] += self.server.versions.expire()
             self.server.versions.flush()
@@ -421,6 +465,7 @@ class AntiEntropy:
                         versions.forget(key)
                 chunk = [k for k in chunk if mine[k][0]]
                 done["checked"] += len(chunk)
+                done["moved_waiting"] += self._note_moved(chunk)
                 found, standins, newer = await self._check_chunk(chunk, mine, done)
                 if newer:
                     await self._adopt(newer, done)
@@ -659,9 +704,10 @@ class AntiEntropy:
         ``standins_pruned`` (stand-in copies dropped once every owner held them),
         ``standins_waiting`` (stand-in copies kept for an owner's refill, checked again),
         ``rechecks`` (checks of those alone), ``stalls`` (times this node found it had been
-        stopped, see :data:`_STALL`), ``tombstones_pushed`` (deletes sent to owners
-        that missed them), ``adopted`` and ``tombstones_adopted`` (newer blocks and deletes
-        taken from an owner, over older ones held here), ``tombstones_expired`` (dropped
-        past their grace period), and
+        stopped, see :data:`_STALL`), ``moved_waiting`` (keys a recent join or leave
+        moved, checked again; ``late_writes``: of them, those stored here after a pass),
+        ``tombstones_pushed`` (deletes sent to owners that missed them), ``adopted`` and
+        ``tombstones_adopted`` (newer blocks and deletes taken from an owner, over older
+        ones held here), ``tombstones_expired`` (dropped past their grace period), and
         ``paced_s`` (seconds pushes waited for the byte budget)."""
         return {**self.counts, "paced_s": round(self.pacer.waited, 3)}

@@ -358,7 +358,9 @@ class PeerServer:
         try:
             yield watch
         finally:
-            self._write_watches.remove(watch)
+            # By identity: list.remove compares sets by value, and would take another
+            # watch holding the same keys (two empty ones are equal).
+            self._write_watches[:] = [w for w in self._write_watches if w is not watch]
 
     async def drop_copies(self, keys: Sequence[bytes], keep: Set[bytes]) -> list[bytes]:
         """Delete this node's copies of ``keys``, except those in ``keep`` (a

@@ -44,6 +44,8 @@ class ServeProcess:
     proc: subprocess.Popen[str] | None = None
     member: str = ""
     log_path: Path = field(default=Path("/dev/null"))
+    #: Run before the command (``unshare ...``: the process in namespaces of its own).
+    prefix: list[str] = field(default_factory=list)
 
     def start(self, listen: str = "127.0.0.1:0", timeout: float = 90.0) -> str:
         self.launch(listen)
@@ -56,7 +58,7 @@ class ServeProcess:
         self.log_path = self.token_file.parent / f"serve-{id(self)}-{time.monotonic_ns()}.log"
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.cli", "serve", "--listen", listen,
+                [*self.prefix, sys.executable, "-m", "kvtier.cli", "serve", "--listen", listen,
                  "--token-file", str(self.token_file), *self.args],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 

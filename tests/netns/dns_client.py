@@ -10,6 +10,11 @@ stdin line and answers each with one JSON line on stdout:
   change or partition the lane makes right after sending the command happens under load
   and the pool has recovered when the phase ends. Answers the phase's counts: CPU seconds,
   reads, puts, get requests, misses and wrong blocks, RSS.
+- ``settle SECONDS``: with no load, counts every acknowledged key that fewer than
+  ``replicas`` of its current owners (the tier's ring) hold, asking each member directly
+  (no read, so no read repair fills a hole), once a second until none is left or
+  ``SECONDS`` pass; answers the first and last counts and the rounds it took. Anti-entropy
+  alone must bring every key back to ``replicas`` copies on its owners after a DNS change.
 - ``check``: stops, reads every acknowledged key back through this tier and through a
   fresh one, answers lost and wrong counts, and exits.
 
@@ -75,6 +80,7 @@ class Load:
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         requests0 = self.tier.stats().get("get_requests", 0)
         started = time.monotonic()
+        first_key = self.next_key
 
         def settled() -> bool:
             return set(self.tier.members.members) == members
@@ -116,7 +122,7 @@ class Load:
 
         await asyncio.gather(writer(), *(reader() for _ in range(READERS)))
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-        return {"phase": name, **counts,
+        return {"phase": name, **counts, "keys": [first_key, self.next_key],
                 "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 3),
                 "wall_s": round(time.monotonic() - started, 1),
                 "get_requests": self.tier.stats().get("get_requests", 0) - requests0,
@@ -135,6 +141,60 @@ async def read_all(tier: PeerTier, acked: list[int]) -> tuple[int, int]:
     return lost, wrong
 
 
+async def under_replicated(tier: PeerTier, acked: list[int]
+                           ) -> tuple[list[dict[str, Any]], int]:
+    """The acknowledged keys fewer than ``replicas`` of their current owners hold (each as
+    its index, owners and holders), and how many copies lie on members that are not owners
+    of their key (stand-ins kept until the ring has been quiet for ``change_window``), by
+    asking every member."""
+    members = tier.members.members
+    keys = [key_for(i) for i in acked]
+    held: dict[str, list[bool]] = {}
+    for member in members:
+        answers: list[bool] = []
+        for start in range(0, len(keys), 256):
+            answers += await asyncio.wait_for(
+                tier.members.client(member).exists_many(keys[start:start + 256]), 10.0)
+        held[member] = answers
+    under = []
+    strays = 0
+    for n, key in enumerate(keys):
+        owners = tier.members.ring.owners(key, tier.replicas)
+        if sum(held[m][n] for m in owners) < tier.replicas:
+            under.append({"key": acked[n], "owners": owners,
+                          "holders": [m for m in members if held[m][n]]})
+        strays += sum(held[m][n] for m in members if m not in owners)
+    return under, strays
+
+
+async def repair_counters(tier: PeerTier) -> dict[str, dict[str, float]]:
+    """Each member's anti-entropy counters (from its ``/metrics``)."""
+    found: dict[str, dict[str, float]] = {}
+    for member in tier.members.members:
+        text = await asyncio.wait_for(tier.members.client(member).metrics(), 10.0)
+        found[member] = {
+            name.removeprefix("kvtier_peer_repair_").removesuffix("_total"): float(value)
+            for name, value in (line.split()[:2] for line in text.splitlines()
+                                if line.startswith("kvtier_peer_repair_"))}
+    return found
+
+
+async def settle(tier: PeerTier, acked: list[int], within: float) -> dict[str, Any]:
+    started = time.monotonic()
+    counts = [await under_replicated(tier, acked)]
+    while counts[-1][0] and time.monotonic() - started < within:
+        await asyncio.sleep(1.0)
+        counts.append(await under_replicated(tier, acked))
+    under, strays = counts[-1]
+    return {"settle": len(acked), "first": len(counts[0][0]), "under": len(under),
+            "strays": strays, "rounds": len(counts),
+            "wall_s": round(time.monotonic() - started, 1),
+            # What a failure needs to be told apart: which keys, where, and the servers'
+            # anti-entropy counters.
+            "under_keys": under[:8],
+            "repair": await repair_counters(tier) if under else {}}
+
+
 async def main(name: str, port: int, token_file: str) -> int:
     url = (f"peers+dns://{name}:{port}?token=file:{token_file}&replicas=2&ack=all"
            "&dns_interval=0.5&health_interval=0.5&timeout=2")
@@ -146,6 +206,9 @@ async def main(name: str, port: int, token_file: str) -> int:
             line = (await asyncio.to_thread(sys.stdin.readline)).split()
             if not line or line[0] == "check":
                 break
+            if line[0] == "settle":
+                say(await settle(tier, load.acked, float(line[1])))
+                continue
             _, phase, reads, members = line
             say(await load.phase(phase, int(reads), set(members.split(","))))
         await tier.flush()
