@@ -33,6 +33,10 @@ from kvtier.peer.tier import PeerTier
 from kvtier.testing.conformance import key_of, sample_block
 from tests.helpers.peer_helpers import AUTH, ServeProcess, pool_url, token_file
 
+# Long-running (real server processes, fault schedules, crashes): the system lane, run by
+# `python -m pytest -q -m slow` (CI runs it after the default run).
+pytestmark = pytest.mark.slow
+
 NAME = "kvtpool"
 ADDRESSES = [f"127.0.0.{n}" for n in range(2, 6)]  # A, B, C, D (served)
 NEVER_UP = "127.0.0.6"  # E: named by DNS for one member, never started
