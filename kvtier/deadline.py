@@ -28,15 +28,17 @@ import asyncio
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from concurrent.futures import Executor
+from functools import partial
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from kvtier.errors import KVTierError
 from kvtier.tasks import TaskSet
 
-__all__ = ["Deadline", "DeadlineExceeded", "acquire", "current", "exempt", "in_thread"]
+__all__ = ["Deadline", "DeadlineExceeded", "acquire", "after_earlier", "current", "exempt",
+           "in_thread"]
 
 T = TypeVar("T")
 
@@ -288,7 +290,8 @@ def exempt() -> Iterator[None]:
 
 async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
                     executor: Executor | None = None, wait_started: bool = True,
-                    track: TaskSet | None = None) -> T:
+                    track: TaskSet | None = None,
+                    discard: Callable[[T], object] | None = None) -> T:
     """``fn(*args)`` in a worker thread (``executor``; default: the loop's), under the
     current deadline's rule.
 
@@ -311,6 +314,9 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
         Whether a cancelled caller waits for a started call.
     track
         Where the call's future is held until it ends (a tier's ``aclose`` waits for it).
+    discard
+        Called with the result of a call that ended after its caller left (a read into a
+        staging slot the tier must free), on the loop.
     """
     deadline = current()
     if deadline is not None and deadline.cancels:
@@ -333,6 +339,7 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
                 if future.cancelled():
                     raise _not_started(what, "cancelled before it started") from None
                 if future.done():
+                    _discard_result(future, discard)
                     raise
                 if (deadline is None or not deadline.committed) and call.cancel():
                     future.cancel()
@@ -340,10 +347,12 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
                         deadline.cancelled.append(what)
                     raise _not_started(what, "cancelled before it started") from None
                 if not wait_started:
+                    future.add_done_callback(partial(_discard_result, discard=discard))
                     raise
                 interrupted = True
                 continue
             if interrupted:
+                _discard_result(future, discard)
                 raise asyncio.CancelledError
             return result
     finally:
@@ -351,17 +360,40 @@ async def in_thread(fn: Callable[..., T], /, *args: Any, what: str,
             deadline._queued.pop(call, None)
 
 
+def _discard_result(future: asyncio.Future[T], discard: Callable[[T], object] | None) -> None:
+    """Hand the result of a call nobody will take to ``discard``."""
+    if discard is not None and not future.cancelled() and future.exception() is None:
+        discard(future.result())
+
+
 async def acquire(lock: asyncio.Lock, what: str) -> None:
     """Take ``lock`` (a tier's writer lock) under the current deadline: waiting for it is
     not having started, so a deadline that passes meanwhile gives up the wait
     (:class:`asyncio.CancelledError`, counted as cancelled)."""
+    await _before_start(lock.acquire(), what)
+
+
+async def after_earlier(earlier: Collection[asyncio.Future[Any]], what: str) -> None:
+    """Wait until every ``earlier`` future (a tier's writes of the same keys, still in
+    flight) is done, under the current deadline: as for a lock (:func:`acquire`), waiting
+    for one's turn is not having started, so a deadline that passes meanwhile gives up the
+    wait (:class:`asyncio.CancelledError`, counted as cancelled)."""
+    if earlier:
+        await _before_start(asyncio.wait(earlier), what)
+
+
+async def _before_start(waiting: Awaitable[Any], what: str) -> None:
     deadline = current()
     if deadline is None or deadline.at is None or deadline.committed:
-        await lock.acquire()
+        await waiting
         return
     try:
         async with asyncio.timeout_at(deadline.at):
-            await lock.acquire()
+            await waiting
     except TimeoutError:
         deadline.cancelled.append(what)
         raise _not_started(what, "its deadline passed while it waited") from None
+    except asyncio.CancelledError:
+        if deadline.expired:  # the deadline's own timer fired first and cancelled the task
+            deadline.cancelled.append(what)
+        raise

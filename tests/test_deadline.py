@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from kvtier import TieredStore, open_store
-from kvtier.deadline import Deadline, DeadlineExceeded, current, in_thread
+from kvtier.deadline import (
+    Deadline,
+    DeadlineExceeded,
+    acquire,
+    after_earlier,
+    current,
+    in_thread,
+)
 
 KEY = b"deadline-key-000"
 BLOCK = np.arange(4096, dtype=np.uint16)
@@ -139,3 +146,58 @@ async def test_a_call_after_the_deadline_never_starts() -> None:
             await asyncio.sleep(0.2)  # cancelled here at the deadline
             await in_thread(ran.append, 1, what="late call")
     assert ran == [] and "no worker-thread call" in str(caught.value)
+
+
+async def test_a_read_left_running_hands_its_result_to_discard() -> None:
+    """A started read its caller left (``wait_started=False``) finishes alone; what it
+    returns (a staging slot, say) goes to ``discard`` once it ends, since nobody takes it."""
+    started, finish = threading.Event(), threading.Event()
+    discarded: list[str] = []
+    handed = asyncio.Event()
+
+    def discard(result: str) -> None:
+        discarded.append(result)
+        handed.set()
+
+    def read() -> str:
+        started.set()
+        finish.wait(30)
+        return "slot 7"
+
+    with ThreadPoolExecutor(1) as pool:
+        call = asyncio.ensure_future(in_thread(read, what="read", executor=pool,
+                                               wait_started=False, discard=discard))
+        await asyncio.to_thread(started.wait, 30)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert discarded == []  # still running
+        finish.set()
+        async with asyncio.timeout(30):
+            await handed.wait()  # the done callback runs on the loop
+    assert discarded == ["slot 7"]
+
+
+async def test_waiting_for_an_earlier_write_is_not_having_started() -> None:
+    earlier: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    with pytest.raises(DeadlineExceeded) as caught:
+        async with Deadline.after(0.05, "put"):
+            await after_earlier([earlier], "put after an earlier write")
+    assert caught.value.cancelled == ("put after an earlier write",)
+    assert "had not started" in str(caught.value)
+    earlier.set_result(None)
+    async with Deadline.after(5, "put"):
+        await after_earlier([earlier], "put after an earlier write")  # done: no wait
+
+
+async def test_waiting_for_a_writer_lock_is_counted_as_cancelled() -> None:
+    """The deadline's timer and the lock wait's own timeout fire at the same loop time;
+    whichever runs first, the wait is named among the calls the deadline cancelled (it
+    was not when the timer won)."""
+    lock = asyncio.Lock()
+    await lock.acquire()
+    with pytest.raises(DeadlineExceeded) as caught:
+        async with Deadline.after(0.05, "put"):
+            await acquire(lock, "lmdb writer lock")
+    assert caught.value.cancelled == ("lmdb writer lock",)
+    lock.release()

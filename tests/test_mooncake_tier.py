@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvtier.deadline import Deadline, DeadlineExceeded
 from kvtier.errors import ConfigError, TierError
 from kvtier.store import open_store
 from kvtier.testing.chain import make_chain_machine
@@ -94,6 +95,15 @@ class TestMooncakeConformance(TierConformance):
             yield
         finally:
             tier._executor.delay = 0.0
+
+    @contextlib.contextmanager
+    def slow_started_backend(self, tier: Tier) -> Iterator[None]:
+        assert isinstance(tier, MooncakeTier) and isinstance(tier._executor, SlowWorkerThreads)
+        tier._executor.hold = SLOW_SECONDS
+        try:
+            yield
+        finally:
+            tier._executor.hold = 0.0
 
     async def backend_idle(self, tier: Tier) -> None:
         assert isinstance(tier, MooncakeTier) and isinstance(tier._executor, SlowWorkerThreads)
@@ -277,3 +287,33 @@ async def test_used_counts_what_this_tier_holds(
         assert tier.used == 5000
         await tier.delete_many([key_of(2), key_of(9)])
         assert tier.used == 2000
+
+
+async def test_a_read_abandoned_at_its_deadline_frees_its_staging_slot(
+        pool: tuple[str, mooncake_servers.StoreProcess]) -> None:
+    """A get_into whose caller left at its deadline while its thread was still fetching
+    hands the staging slot back when the thread ends (nobody else will)."""
+    async with tier_from_url(pool[0], prefix=_prefix()) as tier:
+        assert isinstance(tier, MooncakeTier)
+        tier._executor.shutdown(wait=False)
+        threads = tier._executor = SlowWorkerThreads(tier.batch_concurrency)
+        block = sample_block(4, nbytes=64 << 10)
+        await tier.put(key_of(1), block)
+        assert tier.client is not None
+        staging = tier.client.staging
+        free = staging.free_bytes
+        out = np.empty_like(block)
+        threads.hold = SLOW_SECONDS  # started, then slow: the caller leaves mid-fetch
+        gave_up = 0
+        for _ in range(2):
+            try:
+                async with Deadline.after(SLOW_SECONDS / 4, "get"):
+                    await tier.get_into(key_of(1), out)
+            except DeadlineExceeded:
+                gave_up += 1
+        threads.hold = 0.0
+        await threads.idle()
+        assert gave_up == 2
+        assert staging.free_bytes == free, "an abandoned read kept its staging slot"
+        assert await tier.get_into(key_of(1), out) is True
+        assert out.tobytes() == block.tobytes()

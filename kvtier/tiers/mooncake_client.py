@@ -94,6 +94,12 @@ class StagingArena:
                     merged.append((start, length))
             self._free = merged
 
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not lent out (in runs of any size)."""
+        with self._lock:
+            return sum(length for _, length in self._free)
+
     def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
         return self.buffer[offset:offset + nbytes]
 

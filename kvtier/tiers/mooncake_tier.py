@@ -10,12 +10,13 @@ space takes the copying calls. ``lookup_prefix`` and ``contains_many`` use one
 ``batch_is_exist``.
 
 The client's calls block, so they run on the tier's own worker threads, never on the event
-loop. A read is awaited for at most ``timeout`` seconds (a slower one is a counted miss);
-the call itself cannot be interrupted and finishes in the background, which is harmless:
-``get_into`` copies into ``out`` on the loop from the staging slot a thread filled (no
-thread writes into ``out`` after the call returned). A write (put, delete) is awaited to its
-end, even by a cancelled caller, since its thread reads the caller's blocks and changes the
-pool; writes of one key run in call order (an older value never lands after a newer one). The
+loop, each under a :class:`~kvtier.deadline.Deadline` of ``timeout`` seconds (within the
+caller's): a call still queued at it is cancelled and never runs. A started read is left to
+finish alone (a counted miss), which is harmless: ``get_into`` copies into ``out`` on the
+loop from the staging slot a thread filled (no thread writes into ``out`` after the call
+returned). A started write (put, delete) is awaited to its end, even by a cancelled caller,
+since its thread reads the caller's blocks and changes the pool; writes of one key run in
+call order (an older value never lands after a newer one). The
 master is probed with a TCP connect before ``setup()``, which holds the GIL while it retries
 an unreachable master. Capacity belongs to the master (it evicts by lease and watermark), so
 :attr:`capacity` is ``None``.
@@ -29,13 +30,15 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Self, TypeVar
 
 import numpy as np
 
 from kvtier.codec import decode_frame, encode_frame
+from kvtier.deadline import Deadline, DeadlineExceeded, after_earlier, in_thread
 from kvtier.errors import ConfigError, CorruptBlockError, TierError
-from kvtier.tiers.base import BatchTier, Block, copy_into, run_to_end
+from kvtier.tiers.base import BatchTier, Block, copy_into
 from kvtier.tiers.mooncake_client import (
     BUFFER_TOO_SMALL,
     OBJECT_NOT_FOUND,
@@ -68,8 +71,8 @@ class MooncakeTier(BatchTier):
     prefix
         Prepended to every object name (namespaces deployments on one master).
     timeout
-        Seconds a read may take before it counts as a miss (and a write may wait for an
-        earlier write of its keys).
+        Seconds a call may take: a read past it is a miss, a call still queued at it is
+        cancelled, a started write is waited for (:mod:`kvtier.deadline`).
     threads
         Worker threads for the blocking client calls (bounds this tier's concurrency). Few:
         one client slows down as threads are added (here, 16-block batches at 8 concurrent
@@ -174,12 +177,18 @@ class MooncakeTier(BatchTier):
         if self._client is not None:
             return self._client
         if self._setup is None:
-            # One setup at a time; it may take minutes against a dead master, so callers wait
-            # at most ``timeout`` and later calls find it still running (or done).
-            self._setup = self._submit(
-                lambda: MooncakeClient.acquire(self.settings, self.timeout))
+            # One setup at a time, shared by every caller (none cancels it); it may take
+            # minutes against a dead master, so callers wait at most ``timeout`` and later
+            # calls find it still running (or done).
+            self._setup = asyncio.get_running_loop().run_in_executor(
+                self._executor, MooncakeClient.acquire, self.settings, self.timeout)
             self._setup.add_done_callback(self._set_up)
-        await self._within(self._setup, "setup")
+        try:
+            async with Deadline.after(self.timeout, f"{self.name} setup"):
+                await asyncio.shield(self._setup)
+        except DeadlineExceeded:
+            self.counts["timeouts"] += 1
+            raise TierError(f"{self.name}: setup: no answer in {self.timeout} s") from None
         if self._client is None:
             raise TierError(f"{self.name}: closed during setup")
         return self._client
@@ -194,63 +203,53 @@ class MooncakeTier(BatchTier):
         else:
             self._client = client
 
-    def _submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn)
-
-    async def _within(self, future: asyncio.Future[T], what: str) -> T:
-        """Await a worker-thread call for at most ``timeout`` seconds; the call itself cannot
-        be interrupted and finishes in the background after a timeout or cancellation."""
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any,
+                    writes: Sequence[bytes] | None = None,
+                    discard: Callable[[T], object] | None = None) -> T:
+        """``fn(*args)`` on this tier's worker threads under :attr:`timeout`, a
+        :class:`~kvtier.deadline.Deadline` within the caller's: a call still queued at it is
+        cancelled (it never runs); a started read is left to finish alone (it fills memory
+        this tier owns; ``discard`` frees what it returns). A write (of keys ``writes``)
+        runs after this tier's writes of the same keys still in flight, so an older value
+        never lands after a newer one (waiting for them is not having started), and once
+        started it is waited for, as it is by a cancelled caller: its thread reads the
+        caller's blocks and changes the pool."""
         try:
-            async with asyncio.timeout(self.timeout):
-                return await asyncio.shield(future)
-        except TimeoutError:
+            async with Deadline.after(self.timeout, f"{self.name} {what}"):
+                if writes is None:
+                    return await in_thread(fn, *args, what=f"mooncake {what}",
+                                           executor=self._executor, wait_started=False,
+                                           discard=discard)
+                await after_earlier({id(f): f for k in writes
+                                     if (f := self._inflight.get(k)) is not None}.values(),
+                                    f"mooncake {what} after an earlier write of its keys")
+                turn = asyncio.get_running_loop().create_future()
+                for key in writes:
+                    self._inflight[key] = turn
+                try:
+                    return await in_thread(fn, *args, what=f"mooncake {what}",
+                                           executor=self._executor)
+                finally:
+                    turn.set_result(None)
+                    for key in writes:
+                        if self._inflight.get(key) is turn:
+                            del self._inflight[key]
+        except DeadlineExceeded:
             self.counts["timeouts"] += 1
-            raise TierError(f"{self.name}: {what}: no answer in {self.timeout} s") from None
-
-    async def _ordered(self, keys: Sequence[bytes], fn: Callable[[], T], what: str) -> T:
-        """Run a write after any write of the same keys still in flight (a concurrent
-        caller's), so an older value never lands after a newer one."""
-        earlier = {id(f): f for k in keys if (f := self._inflight.get(k)) is not None}
-        if earlier:
-            try:
-                async with asyncio.timeout(self.timeout):
-                    await asyncio.wait(list(earlier.values()))
-            except TimeoutError:
-                self.counts["timeouts"] += 1
-                raise TierError(f"{self.name}: {what}: an earlier write of the same key is "
-                                f"still running") from None
-        future = self._submit(fn)
-        for key in keys:
-            self._inflight[key] = future
-        future.add_done_callback(lambda f: self._write_done(keys, f))
-        # Waited for to its end, even by a cancelled caller: the thread reads the caller's
-        # blocks (a put) and changes the pool; one left running would read a buffer the
-        # caller reuses, or change the pool, uncounted, after the call returned.
-        return await run_to_end(future)
-
-    def _write_done(self, keys: Sequence[bytes], future: asyncio.Future[Any]) -> None:
-        if not future.cancelled():
-            future.exception()  # retrieved here: a caller that timed out never will
-        for key in keys:
-            if self._inflight.get(key) is future:
-                del self._inflight[key]
+            raise
 
     # ----------------------------------------------------------------- contract
     async def _get_many(self, keys: Sequence[bytes]) -> list[Block | None]:
         client = await self._started()
-        return await self._within(self._submit(lambda: self._read(client, keys)), "get")
+        return await self._call("get", self._read, client, keys)
 
     async def _get_into(self, key: bytes, out: Block) -> bool:
         # The thread only fills a staging slot; the copy into ``out`` happens here, so no
-        # thread can write into ``out`` after this call gave up on it.
+        # thread can write into ``out`` after this call gave up on it (and a slot filled
+        # after it left is freed when its thread ends).
         client = await self._started()
-        future = self._submit(lambda: self._fetch(client, key))
-        try:
-            frame = await self._within(future, "get")
-        except BaseException:
-            future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                     or self._release(client, f.result()))
-            raise
+        frame = await self._call("get", self._fetch, client, key,
+                                 discard=partial(self._release, client))
         try:
             if frame is None:
                 return False
@@ -264,8 +263,8 @@ class MooncakeTier(BatchTier):
 
     async def _contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         client = await self._started()
-        codes = await self._within(self._submit(
-            lambda: client.store.batch_is_exist([self._name(k) for k in keys])), "exists")
+        codes = await self._call("exists", client.store.batch_is_exist,
+                                 [self._name(k) for k in keys])
         failed = sum(1 for c in codes if c < 0)
         if failed:
             self.counts["errors"] += failed
@@ -276,8 +275,8 @@ class MooncakeTier(BatchTier):
     async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
         client = await self._started()
         last = dict(items)  # one write per key: the last value wins
-        codes = await self._ordered(list(last), lambda: self._write(client, list(last.items())),
-                                    "put")
+        codes = await self._call("put", self._write, client, list(last.items()),
+                                 writes=list(last))
         for (key, block), code in zip(last.items(), codes, strict=True):
             if code >= 0:
                 self._account(key, block.nbytes)
@@ -289,8 +288,8 @@ class MooncakeTier(BatchTier):
 
     async def _delete_many(self, keys: Sequence[bytes]) -> list[bool]:
         client = await self._started()
-        codes = await self._ordered(keys, lambda: client.store.batch_remove(
-            [self._name(k) for k in keys], True), "delete")
+        codes = await self._call("delete", client.store.batch_remove,
+                                 [self._name(k) for k in keys], True, writes=keys)
         for key, code in zip(keys, codes, strict=True):
             if code == 0 or code == OBJECT_NOT_FOUND:
                 self._account(key, 0)
