@@ -267,6 +267,7 @@ async def _shm_churn(tier: LocalTier, client: LocalClient, start: int, ttl: floa
     raise AssertionError(f"leases never ended: {stats}")
 
 
+@pytest.mark.slow
 async def test_no_shm_counter_of_the_daemon_goes_down_under_churn(tmp_path: Path) -> None:
     with running_daemon(tmp_path, None, "1MiB", "--shm-lease-ttl", "2") as proc:
         tier = LocalTier(proc.shm_name, timeout=10)

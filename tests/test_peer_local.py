@@ -192,6 +192,7 @@ def test_no_copy_is_lost_when_two_members_forward_at_once(tmp_path: Path) -> Non
                    for g, w in zip(got, want, strict=True))
 
 
+@pytest.mark.slow
 def test_a_fresh_client_finds_blocks_through_the_directory_and_copies_hot_ones_home(
         tmp_path: Path) -> None:
     """Blocks written through one home are found by a client of another home with one

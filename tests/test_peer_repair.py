@@ -147,6 +147,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.slow
 @pytest.mark.one_loop  # the repair runs in kvtier serve processes, the client only asks
 async def test_kvtier_serve_repair_refills_a_node_restarted_empty(tmp_path: Path) -> None:
     """`kvtier serve --pool POOL_URL` wiring (anti-entropy on by default): a node killed
@@ -465,6 +466,7 @@ async def test_a_warm_restart_re_replicates_the_blocks_found_on_disk(
         await repair.close()
 
 
+@pytest.mark.slow
 async def test_a_put_while_an_owner_is_down_reaches_it_when_it_returns(pool: Pool) -> None:
     """Hinted handoff by the servers: with an owner stopped, puts land on a fallback member;
     the owner restarts empty and its co-owners' anti-entropy (running on their own, nobody

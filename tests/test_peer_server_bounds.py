@@ -221,6 +221,7 @@ async def settled_rss(pid: int) -> float:
     return rss_mib(pid)
 
 
+@pytest.mark.one_loop  # the server is a subprocess; the client's loop does not matter
 async def test_idle_unauthenticated_connections_cost_no_receive_buffer() -> None:
     # Before: a zero-filled 256 KiB buffer per data-plane connection (500 -> ~125 MiB,
     # still held after they closed).
@@ -239,6 +240,7 @@ async def test_idle_unauthenticated_connections_cost_no_receive_buffer() -> None
     assert after - before < 30, f"after they closed: {before:.0f} -> {after:.0f} MiB"
 
 
+@pytest.mark.one_loop  # the server is a subprocess; the client's loop does not matter
 async def test_past_the_open_files_limit_connections_get_503_not_resets() -> None:
     # Before: the cap (4096) was above RLIMIT_NOFILE (256), accept() failed with EMFILE and
     # the connections past it were left in the backlog unanswered or reset.

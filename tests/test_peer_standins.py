@@ -60,6 +60,7 @@ def _three_with_standin_keys(members: list[str], n: int) -> tuple[str, str, str,
     return a, b, c, keys
 
 
+@pytest.mark.slow
 async def test_keys_written_while_an_owner_was_down_end_on_exactly_their_owners(
         pool: Pool) -> None:
     """Four members, replicas 2, anti-entropy on each: with an owner stopped, puts land on
@@ -221,6 +222,7 @@ async def test_a_standin_written_again_during_the_pass_is_kept(pool: Pool) -> No
         await repair.close()
 
 
+@pytest.mark.slow
 async def test_a_copy_a_join_moved_is_kept_until_the_ring_settles(pool: Pool) -> None:
     """A fourth member joins and takes B's place among some keys' owners: B keeps those
     copies through the pool's ``change_window`` (another node may not have seen the join

@@ -106,6 +106,7 @@ def test_real_config_owner_needs_the_pool() -> None:
     assert RealConfig(mode="pooled", routing="owner").routing == "owner"
 
 
+@pytest.mark.slow
 def test_cli_real_runs_owner_and_locate_bounded_routing(tmp_path: Path) -> None:
     out = tmp_path / "real.json"
     base = [sys.executable, "-m", "kvtier.cli", "replay", "builtin:agentic", "--real",

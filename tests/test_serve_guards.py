@@ -43,6 +43,7 @@ async def _served(member: str) -> tuple[asyncio.StreamReader, asyncio.StreamWrit
     raise AssertionError("no connection served below the cap")
 
 
+@pytest.mark.slow
 async def test_guard_flags_reach_the_server(tmp_path: Path) -> None:
     # Defaults are 15 s idle, 10 s body, 4096 connections, 1 GiB in flight: each step below
     # would pass or hang differently under them.

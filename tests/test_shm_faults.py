@@ -76,6 +76,7 @@ async def _settles(tier: LocalTier, **expected: int) -> dict[str, int]:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["save", "load"])
 async def test_engine_killed_mid_save_or_load_leaks_no_slot(tmp_path: Path, mode: str) -> None:
     with running_daemon(tmp_path) as proc:
@@ -108,6 +109,7 @@ async def test_engine_killed_mid_save_or_load_leaks_no_slot(tmp_path: Path, mode
             await tier.aclose()
 
 
+@pytest.mark.slow
 async def test_daemon_killed_mid_load_is_a_miss_then_restart_serves(tmp_path: Path) -> None:
     name = daemon_name()
     with running_daemon(tmp_path, name) as proc:
@@ -218,6 +220,7 @@ def test_shm_needs_a_dram_top_tier(tmp_path: Path) -> None:
     assert "--shm: the first --tier must be dram://" in proc.output()
 
 
+@pytest.mark.slow
 def test_sync_client_follows_a_restarted_daemon_and_times_out_on_a_stopped_one(
         tmp_path: Path) -> None:
     """The vLLM worker's and scheduler's client: a stale connection to a restarted daemon is

@@ -171,7 +171,8 @@ async def test_peer_owner_timed_out_is_unavailable() -> None:
 
 
 async def test_deadline_too_short_for_a_slow_tier() -> None:
-    slow = LatencyTier(DRAMTier(), delay=0.5, name="slow")
+    # Five times the deadlines below; the deadline's timer is due first whatever the load.
+    slow = LatencyTier(DRAMTier(), delay=0.25, name="slow")
     async with TieredStore([DRAMTier(capacity=1 << 20), slow]) as store:
         await slow.put(key_of(1), _block(1))
         await slow.put(key_of(2), _block(2))

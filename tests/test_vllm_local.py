@@ -54,6 +54,7 @@ def test_engine_b_loads_what_engine_a_saved_through_the_daemon(daemon: Daemon) -
         a.close()
 
 
+@pytest.mark.slow
 def test_a_load_the_daemon_cannot_serve_is_a_load_error_and_not_promised_again(
         daemon: Daemon) -> None:
     a = FakeEngine(_extra(daemon))

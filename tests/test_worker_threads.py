@@ -8,7 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -20,6 +24,8 @@ from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.slow import SlowWorkerThreads, slow_worker_threads
 from kvtier.tiers.fsspec import BLOCK_SUFFIX, FsspecTier
 from kvtier.tiers.lmdb import LMDBTier
+
+T = TypeVar("T")
 
 
 async def test_lmdb_get_into_that_timed_out_never_writes_the_buffer(tmp_path: Path) -> None:
@@ -62,6 +68,54 @@ async def test_file_puts_that_timed_out_are_counted(tmp_path: Path) -> None:
     files = [p for p in (tmp_path / "kv").rglob(f"*{BLOCK_SUFFIX}")]
     assert tier.used == sum(p.stat().st_size for p in files)
     assert len(tier.resident_keys() or []) == len(files)
+    await tier.aclose()
+
+
+class _HeldAfterTheCall(ThreadPoolExecutor):
+    """Worker threads whose call has run to its end before ``submit`` returns (the loop
+    waits for it, so no timer can fire first), then keeps its thread, and its future undone,
+    until :attr:`release` is set: a write that started before its deadline and ends after
+    it, in that order whatever the load."""
+
+    def __init__(self) -> None:
+        super().__init__(2, thread_name_prefix="kvtier-held")
+        self.release = threading.Event()
+        self.ran = asyncio.Event()  # submit is called on the loop
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        returned = threading.Event()
+
+        def held() -> T:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                returned.set()
+                self.release.wait(30)
+
+        future = super().submit(held)
+        assert returned.wait(30), "the worker thread never ran the call"
+        self.ran.set()
+        return future
+
+
+async def test_file_write_that_ends_after_the_timeout_is_counted(tmp_path: Path) -> None:
+    """A write that had started at the tier's ``timeout`` is waited for; the put then says
+    it timed out, and the block it stored is counted (before the fix it sat on disk with
+    ``used == 0``: the failure seen at load in the test above)."""
+    threads = _HeldAfterTheCall()
+    asyncio.get_running_loop().set_default_executor(threads)
+    tier = FsspecTier(f"file://{tmp_path}/kv", timeout=0.05, capacity=64 << 10)
+    put = asyncio.create_task(tier.put(key_of(1), sample_block(1)))
+    await threads.ran.wait()  # the write has run; its thread is held
+    await asyncio.sleep(0.1)  # a timer due after the put's deadline: that one fired first
+    assert not put.done()  # a started write is waited for
+    threads.release.set()
+    with pytest.raises(TierError, match=r"write.*had started"):
+        await put
+    files = list((tmp_path / "kv").rglob(f"*{BLOCK_SUFFIX}"))
+    assert len(files) == 1
+    assert tier.used == files[0].stat().st_size
+    assert tier.resident_keys() == [key_of(1)]
     await tier.aclose()
 
 

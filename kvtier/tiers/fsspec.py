@@ -147,7 +147,8 @@ class FsspecTier(BudgetedTier):
         Writes and deletes that run in a worker thread (``file://``, ``memory://`` and
         other synchronous filesystems) are never abandoned: a thread cannot be stopped, and
         one left running would land after a newer value or uncounted. On a hung mount
-        they wait with it, and so do their callers, even cancelled ones.
+        they wait with it, and so do their callers, even cancelled ones. A put whose write
+        had started at the timeout raises once it ended; the block it stored is counted.
     probe
         Write, rename and delete a probe object in :meth:`open` (default), so a location
         that cannot take a block fails at open. ``False``: a read-only reader.
@@ -426,7 +427,8 @@ class FsspecTier(BudgetedTier):
         caller's): a worker-thread call still queued at it is cancelled; one that started
         and changes storage is waited for (no timeout stops a thread: a write left running
         would land after a newer one, uncounted, a delete remove a newer block), as it is
-        by a cancelled caller; the ``TimeoutError`` says which."""
+        by a cancelled caller; the ``TimeoutError`` says which (:meth:`_write` counts what
+        a waited-for write stored)."""
         backend = await self._ready()
         async with Deadline.after(self.timeout, f"{self.name} {what}"):
             return await op(backend)
@@ -520,17 +522,28 @@ class FsspecTier(BudgetedTier):
         return [await self._write(key, block) for key, block in items]
 
     async def _write(self, key: bytes, block: Block) -> int:
-        """Encode and publish one block; returns its frame bytes."""
+        """Encode and publish one block; returns its frame bytes.
+
+        A write that fails once its file is in place (its thread had started at the tier's
+        ``timeout``, which waited for it and then raised) admits the block before raising:
+        the file is stored, and the budget must count it (else it sits on disk, never
+        evicted)."""
         path = await self._path(key)
         frames: list[EncodedFrame] = []
+        published: list[bool] = []
 
         def encode() -> EncodedFrame:
             frames.append(self._encoder(block)())
             return frames[-1]
 
         try:
-            await self._io(lambda b: b.write(path, encode), "write")
-        except _IO_ERRORS as exc:
+            await self._io(lambda b: b.write(path, encode, lambda: published.append(True)),
+                           "write")
+        except BaseException as exc:
+            if published:
+                self._policy.admit(key, frames[-1].nbytes)
+            if not isinstance(exc, _IO_ERRORS):
+                raise
             self.io_errors += 1
             raise TierError(f"{self.name} tier: write of {path} failed: {exc!r}") from exc
         return frames[-1].nbytes if frames else frame_size_bound(block)

@@ -38,6 +38,7 @@ __all__ = ["NOWAIT_MAX_BYTES", "AsyncFsBackend", "Backend", "LocalBackend", "Syn
 
 Decode = Callable[[Any], Block]
 Encode = Callable[[], EncodedFrame]
+Published = Callable[[], object] | None
 # zstd/checksums of blocks above this size leave the event loop.
 _INLINE_BYTES = 64 << 10
 # ``nowait`` reads of files up to this size (a 4 MiB block and its header) may run on the
@@ -52,8 +53,10 @@ class Backend(Protocol):
     async def read(self, path: str, decode: Decode) -> Block | None:
         """Read and decode one object; ``None`` if it does not exist."""
 
-    async def write(self, path: str, encode: Encode) -> None:
-        """Encode and publish one object atomically."""
+    async def write(self, path: str, encode: Encode, published: Published = None) -> None:
+        """Encode and publish one object atomically; call ``published`` as soon as it is in
+        place (in the worker thread that wrote it, if any), so a write that fails or is cut
+        short afterwards is still known to have stored the object."""
 
     async def delete(self, path: str) -> bool:
         """Remove one object; whether it existed."""
@@ -161,10 +164,10 @@ class LocalBackend:
             os.close(fd)
         return decode(view[:got])
 
-    async def write(self, path: str, encode: Encode) -> None:
-        await in_thread(self._write, path, encode, what="file write")
+    async def write(self, path: str, encode: Encode, published: Published = None) -> None:
+        await in_thread(self._write, path, encode, published, what="file write")
 
-    def _write(self, path: str, encode: Encode) -> None:
+    def _write(self, path: str, encode: Encode, published: Published) -> None:
         frame = encode()
         directory, name = os.path.split(path)
         if directory not in self._dirs:
@@ -198,6 +201,8 @@ class LocalBackend:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        if published is not None:
+            published()
         if self.fsync:
             dfd = os.open(directory, os.O_RDONLY)
             try:
@@ -252,8 +257,13 @@ class SyncFsBackend:
             return None
         return decode(data)
 
-    async def write(self, path: str, encode: Encode) -> None:
-        await in_thread(lambda: self.fs.pipe_file(path, encode().to_bytes()), what="fsspec write")
+    async def write(self, path: str, encode: Encode, published: Published = None) -> None:
+        await in_thread(self._write, path, encode, published, what="fsspec write")
+
+    def _write(self, path: str, encode: Encode, published: Published) -> None:
+        self.fs.pipe_file(path, encode().to_bytes())
+        if published is not None:
+            published()
 
     async def delete(self, path: str) -> bool:
         return await in_thread(self._delete, path, what="fsspec delete")
@@ -287,10 +297,12 @@ class AsyncFsBackend:
             return await in_thread(decode, data, what="fsspec decode", wait_started=False)
         return decode(data)
 
-    async def write(self, path: str, encode: Encode) -> None:
+    async def write(self, path: str, encode: Encode, published: Published = None) -> None:
         # Encoding reads the caller's block: once started it is waited for.
         frame = await in_thread(encode, what="fsspec encode")
         await self.fs._pipe_file(path, frame.to_bytes())
+        if published is not None:
+            published()
 
     async def delete(self, path: str) -> bool:
         if not await self.fs._exists(path):
