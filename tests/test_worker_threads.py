@@ -119,6 +119,38 @@ async def test_file_write_that_ends_after_the_timeout_is_counted(tmp_path: Path)
     await tier.aclose()
 
 
+async def test_file_delete_cancelled_before_it_started_keeps_the_block_counted(
+        tmp_path: Path) -> None:
+    """A delete still queued at the tier's ``timeout`` never runs: the file stays, and so
+    must its count (before the fix the budget forgot it: on disk, ``used == 0``, never
+    evicted). One that ran, whatever the deadline said after, is forgotten."""
+    tier = FsspecTier(f"file://{tmp_path}/kv", timeout=0.05, capacity=64 << 10)
+    await tier.put(key_of(1), sample_block(1))
+    await tier.put(key_of(2), sample_block(2))
+    used = tier.used
+    busy, release = ThreadPoolExecutor(1), threading.Event()
+    asyncio.get_running_loop().set_default_executor(busy)
+    busy.submit(release.wait, 30)  # the only worker thread is busy: the delete is queued
+    with pytest.raises(TierError, match="had not started"):
+        await tier.delete(key_of(1))
+    release.set()
+    files = list((tmp_path / "kv").rglob(f"*{BLOCK_SUFFIX}"))
+    assert len(files) == 2
+    assert tier.used == used == sum(p.stat().st_size for p in files)
+    assert sorted(tier.resident_keys() or []) == [key_of(1), key_of(2)]
+    threads = _HeldAfterTheCall()  # now a delete that runs, then outlives its deadline
+    asyncio.get_running_loop().set_default_executor(threads)
+    delete = asyncio.create_task(tier.delete(key_of(2)))
+    await threads.ran.wait()
+    await asyncio.sleep(0.1)  # a timer due after the delete's deadline: that one fired first
+    threads.release.set()
+    with pytest.raises(TierError, match="had started"):
+        await delete
+    assert tier.resident_keys() == [key_of(1)]
+    assert tier.used == used // 2  # two blocks of one size: one left
+    await tier.aclose()
+
+
 async def test_lmdb_commit_that_fails_otherwise_than_lmdb_keeps_victims_counted(
         tmp_path: Path) -> None:
     """A commit whose worker thread dies with something other than an ``lmdb.Error`` (here

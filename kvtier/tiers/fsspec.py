@@ -574,13 +574,18 @@ class FsspecTier(BudgetedTier):
 
     async def _remove(self, key: bytes) -> bool:
         path = await self._path(key)
+        # Forgotten only once the file is gone: a delete its deadline cancelled before it
+        # started left the file, which stays counted (and evictable).
+        gone: list[bool] = []
         try:
-            found = await self._io(lambda b: b.delete(path), "delete")
+            found = await self._io(lambda b: b.delete(path, lambda: gone.append(True)),
+                                   "delete")
         except _IO_ERRORS as exc:
             self.io_errors += 1
             raise TierError(f"{self.name} tier: delete of {path} failed: {exc!r}") from exc
         finally:
-            self._policy.remove(key)
+            if gone:
+                self._policy.remove(key)
         return found
 
     async def _delete(self, key: bytes) -> bool:

@@ -58,8 +58,9 @@ class Backend(Protocol):
         place (in the worker thread that wrote it, if any), so a write that fails or is cut
         short afterwards is still known to have stored the object."""
 
-    async def delete(self, path: str) -> bool:
-        """Remove one object; whether it existed."""
+    async def delete(self, path: str, removed: Published = None) -> bool:
+        """Remove one object; whether it existed. Call ``removed`` once it is gone (or was
+        found absent), so a delete cut short afterwards is still known to have run."""
 
     async def exists(self, path: str) -> bool:
         """Whether the object exists."""
@@ -210,16 +211,20 @@ class LocalBackend:
             finally:
                 os.close(dfd)
 
-    async def delete(self, path: str) -> bool:
-        return await in_thread(self._delete, path, what="file delete")
+    async def delete(self, path: str, removed: Published = None) -> bool:
+        return await in_thread(self._delete, path, removed, what="file delete")
 
     @staticmethod
-    def _delete(path: str) -> bool:
+    def _delete(path: str, removed: Published) -> bool:
         try:
             os.unlink(path)
         except FileNotFoundError:
-            return False
-        return True
+            found = False
+        else:
+            found = True
+        if removed is not None:
+            removed()
+        return found
 
     async def exists(self, path: str) -> bool:
         return await in_thread(os.path.exists, path, what="file exists", wait_started=False)
@@ -265,15 +270,19 @@ class SyncFsBackend:
         if published is not None:
             published()
 
-    async def delete(self, path: str) -> bool:
-        return await in_thread(self._delete, path, what="fsspec delete")
+    async def delete(self, path: str, removed: Published = None) -> bool:
+        return await in_thread(self._delete, path, removed, what="fsspec delete")
 
-    def _delete(self, path: str) -> bool:
+    def _delete(self, path: str, removed: Published) -> bool:
         try:
             self.fs.rm_file(path)
         except FileNotFoundError:
-            return False
-        return True
+            found = False
+        else:
+            found = True
+        if removed is not None:
+            removed()
+        return found
 
     async def exists(self, path: str) -> bool:
         return bool(await asyncio.to_thread(self.fs.exists, path))
@@ -304,14 +313,16 @@ class AsyncFsBackend:
         if published is not None:
             published()
 
-    async def delete(self, path: str) -> bool:
-        if not await self.fs._exists(path):
-            return False
-        try:
-            await self.fs._rm_file(path)
-        except FileNotFoundError:
-            return False
-        return True
+    async def delete(self, path: str, removed: Published = None) -> bool:
+        found = await self.fs._exists(path)
+        if found:
+            try:
+                await self.fs._rm_file(path)
+            except FileNotFoundError:
+                found = False
+        if removed is not None:
+            removed()
+        return bool(found)
 
     async def exists(self, path: str) -> bool:
         return bool(await self.fs._exists(path))
