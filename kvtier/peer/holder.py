@@ -386,11 +386,25 @@ class LocalHolder:
             raise TierFullError(f"block {key.hex()} stays: a spare copy does not displace a "
                                 "last copy")
         members = self.pool.members
+        # A member back from a restart answers probes before it rejoins the path, with room.
         ages = {m: self._age_of(m, block.nbytes) for m in members.members
-                if m != self.me and m not in left and members.alive(m)}
+                if m != self.me and m not in left
+                and (members.alive(m) or members.reachable(m))}
         older = sorted((m for m, a in ages.items() if a > age), key=lambda m: -ages[m])
         if not older:
-            self.counts["dropped_oldest"] += 1
+            down = self._down()
+            if count == 0 and down:
+                # Not known to be the oldest anywhere: a member that is down (restarting
+                # empty, or frozen) may hold older blocks or have room. The block's only
+                # copy stays, and the put that needed the room is refused (507).
+                self.counts["kept_last"] += 1
+                self.born[key] = born
+                await self.register([key])
+                raise TierFullError(f"block {key.hex()} stays: its last copy, and {down[0]} "
+                                    "is down (it may hold older blocks)")
+            # With another copy confirmed on a live member the block is not lost; without,
+            # every other member is up and evicts younger blocks: the oldest anywhere.
+            self.counts["dropped_oldest" if count == 0 else "dropped_copy"] += 1
             return
         frame = encode_frame(block, key=key)
         for member in older[:_FORWARD_TRIES]:
@@ -407,6 +421,12 @@ class LocalHolder:
         self.born[key] = born
         await self.register([key])
         raise TierFullError(f"block {key.hex()} stays: no older member took its last copy")
+
+    def _down(self) -> list[str]:
+        """The other members out of the path that do not answer probes either."""
+        members = self.pool.members
+        return [m for m in members.members if m != self.me and not members.alive(m)
+                and not members.reachable(m)]
 
     # ------------------------------------------------------------------ spares first
     async def make_room(self, nbytes: int) -> None:
@@ -425,7 +445,12 @@ class LocalHolder:
                 return
             block = max(1, self._last.used // max(1, len(self.born)))  # about one block
             want = max(_RECLAIM_MIN, -(-self._short(nbytes) // block))
-            dropped = await self._drop_spares(self._reclaim_candidates(), want)
+            # While a member is down, a copy with another live one goes first too: the
+            # contract holds with R - 1 copies while one member is down (the pass after its
+            # return restores the R-th), and the eviction would otherwise find a block's
+            # only copy, which stays, and refuse the put (507).
+            need = max(1, self.pool.replicas - 1) if self._down() else self.pool.replicas
+            dropped = await self._drop_spares(self._reclaim_candidates(), want, need)
             if not dropped:
                 self._no_spares_until = time.monotonic() + _RECLAIM_IDLE
 
@@ -443,26 +468,25 @@ class LocalHolder:
             picked[key] = None
         return list(picked)
 
-    async def _drop_spares(self, keys: list[bytes], want: int) -> list[bytes]:
-        """Drop up to ``want`` of ``keys`` that are spare copies here, oldest first: each
-        listed with at least ``replicas`` other holders that answer they hold it, then
+    async def _drop_spares(self, keys: list[bytes], want: int, need: int) -> list[bytes]:
+        """Drop up to ``want`` of ``keys`` whose copies here are spare, oldest first: each
+        listed with at least ``need`` other holders that answer they hold it, then
         taken off its entries in one step of every directory owner (kept, and registered
         again, where an owner answered fewer holders left: another member dropped its copy
         meanwhile). A key written here meanwhile is kept."""
         if not keys:
             return []
-        replicas = self.pool.replicas
         holders = await self.pool.directory_holders(keys)
         listed = {k: {m for m in found if m != self.me}
                   for k, found in zip(keys, holders, strict=True)}
-        listed = {k: others for k, others in listed.items() if len(others) >= replicas}
+        listed = {k: others for k, others in listed.items() if len(others) >= need}
         confirmed = await self._held_by(listed)
-        spares = [k for k in keys if len(confirmed.get(k, ())) >= replicas][:want]
+        spares = [k for k in keys if len(confirmed.get(k, ())) >= need][:want]
         if not spares:
             return []
         with self.server.watch_writes() as written:
             left = await self.unregister(spares)
-            drop = [k for k, (count, _) in zip(spares, left, strict=True) if count >= replicas]
+            drop = [k for k, (count, _) in zip(spares, left, strict=True) if count >= need]
             dropped = await self.server.drop_copies(drop, written)
         gone = set(dropped)
         kept = [k for k in spares if k not in gone]
@@ -531,10 +555,19 @@ class LocalHolder:
 
     async def _restore_copies(self, keys: list[bytes], holders: list[list[str]],
                               done: dict[str, int]) -> None:
+        """Copy each key of ``keys`` with fewer than ``replicas`` live holders to the members
+        that lack it (this member does it when it is the key's first live holder in sort
+        order). A restored copy is a needed one, not a spare: it is sent as a forward with
+        its age (it may displace other blocks, whose last copies are forwarded on), to
+        the members with room or the oldest blocks first, the next one when one refuses;
+        as a spare copy it was refused in a nearly full pool, and the block stayed on one
+        member until that member was killed."""
         members = self.pool.members
         want = min(self.pool.replicas, len(members.members))
         holders = await self._present(keys, holders)
-        plan: dict[str, list[bytes]] = defaultdict(list)
+        now = time.monotonic()
+        # key -> (members not tried yet, copies still missing)
+        todo: dict[bytes, tuple[list[str], int]] = {}
         for key, found in zip(keys, holders, strict=True):
             live = [m for m in dict.fromkeys([*found, self.me]) if members.alive(m)
                     or m == self.me]
@@ -542,21 +575,36 @@ class LocalHolder:
                 continue  # enough copies, or another holder restores this one
             done["under_replicated"] += 1
             targets = [m for m in members.order(key) if m not in live and members.alive(m)]
-            for member in targets[:want - len(live)]:
-                plan[member].append(key)
-        for member, ks in plan.items():
-            blocks = await self.server.segment.get_many(ks)
-            frames = [(k, encode_frame(b, key=k)) for k, b in zip(ks, blocks, strict=True)
-                      if b is not None]
-            try:
-                await members.client(member).put_many(frames, fill=True)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                done["failed"] += 1
-                log.debug("copy restore to %s failed: %s", member, exc)
-                continue
-            done["pushed"] += len(frames)
+            todo[key] = (targets, want - len(live))
+        blocks = dict(zip(todo, await self.server.segment.get_many(list(todo)), strict=True))
+        while todo:
+            plan: dict[str, list[bytes]] = defaultdict(list)
+            for key, (targets, _) in list(todo.items()):
+                block = blocks[key]
+                if block is None or not targets:
+                    del todo[key]
+                    continue
+                best = max(targets, key=lambda m: self._age_of(m, block.nbytes))
+                targets.remove(best)
+                plan[best].append(key)
+            for member, ks in plan.items():
+                frames = [(k, encode_frame(blocks[k], key=k)) for k in ks]  # type: ignore[arg-type]
+                age = min(max(0.0, now - self.born.get(k, now)) for k in ks)
+                try:
+                    await members.client(member).forward(frames, age)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the next target, else the next pass
+                    done["failed"] += 1
+                    log.debug("copy restore to %s failed: %s", member, exc)
+                    continue
+                done["pushed"] += len(frames)
+                for key in ks:
+                    targets, missing = todo[key]
+                    if missing <= 1:
+                        del todo[key]
+                    else:
+                        todo[key] = (targets, missing - 1)
 
     async def _present(self, keys: list[bytes], holders: list[list[str]]) -> list[list[str]]:
         """``holders`` less the members that answer that they lack the key (restarted
@@ -594,6 +642,8 @@ class LocalHolder:
 
     def stats(self) -> dict[str, Any]:
         """Counters: ``registered``, ``forwarded``, ``dropped_spare``, ``dropped_oldest``,
+        ``dropped_copy`` (a copy dropped, no member to take it, another live copy left),
+        ``kept_last`` (a last copy kept while a member is down, its put refused),
         ``forward_failed``, ``directory_failed``, ``stale_holders`` (directory entries found
         naming a member that lacks the block), ``spare_refused`` (spare copies refused
         rather than drop a last copy), ``spares_reclaimed`` (spare copies dropped to make
