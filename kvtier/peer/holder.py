@@ -392,18 +392,21 @@ class LocalHolder:
                 and (members.alive(m) or members.reachable(m))}
         older = sorted((m for m, a in ages.items() if a > age), key=lambda m: -ages[m])
         if not older:
-            down = self._down()
-            if count == 0 and down:
-                # Not known to be the oldest anywhere: a member that is down (restarting
-                # empty, or frozen) may hold older blocks or have room. The block's only
-                # copy stays, and the put that needed the room is refused (507).
+            # A member that is down (restarting empty, or frozen) counts as of its last
+            # health document: with room or older blocks than this one (or unknown), this
+            # is not the oldest block anywhere. Its only copy then stays, and the put that
+            # needed the room is refused (507): a restart otherwise cost the blocks it
+            # would have taken.
+            waiting = [m for m in self._down()
+                       if not 0 <= self._age_of(m, block.nbytes) <= age]
+            if count == 0 and waiting:
                 self.counts["kept_last"] += 1
                 self.born[key] = born
                 await self.register([key])
-                raise TierFullError(f"block {key.hex()} stays: its last copy, and {down[0]} "
-                                    "is down (it may hold older blocks)")
-            # With another copy confirmed on a live member the block is not lost; without,
-            # every other member is up and evicts younger blocks: the oldest anywhere.
+                raise TierFullError(f"block {key.hex()} stays: its last copy, and "
+                                    f"{waiting[0]}, which is down, may take it")
+            # With another copy confirmed on a live member the block is not lost (one
+            # member down leaves R - 1); else it is the oldest anywhere.
             self.counts["dropped_oldest" if count == 0 else "dropped_copy"] += 1
             return
         frame = encode_frame(block, key=key)
