@@ -74,7 +74,7 @@ def test_no_acked_block_is_lost_to_an_eviction_storm_while_a_member_is_down(
                 except KVTierError:
                     continue  # refused (the room held last copies): not acknowledged
                 acked.append(key)
-        lost = _unreadable(members[:2], a, acked, blocks)
+        lost = _unreadable(members, a, acked, blocks)
         assert lost == [], (f"{len(lost)} of {len(acked)} acked blocks unreadable with one "
                             f"member down (dropped as the oldest: A "
                             f"{_metric(a, 'dropped_oldest'):.0f}, B "

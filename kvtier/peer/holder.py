@@ -121,6 +121,7 @@ class LocalHolder:
         self._last: Tier = server.segment  # type: ignore[assignment]  # set by attach
         self._spare_hints: dict[bytes, None] = {}  # stored as spare copies, oldest first
         self._reclaim = asyncio.Lock()
+        self._evicting: set[bytes] = set()  # keys whose eviction here is deciding
         self._no_spares_until = 0.0
 
     def attach(self) -> None:
@@ -367,6 +368,22 @@ class LocalHolder:
         """The segment's last tier evicts ``key``: drop a spare copy, forward a last copy
         to an older member, or drop the oldest copy anywhere. Raises
         :class:`TierFullError` (the victim stays) when every older member failed."""
+        self._evicting.add(key)
+        try:
+            await self._evicted(key, block)
+        finally:
+            self._evicting.discard(key)
+
+    def refuse_forwards(self, keys: Sequence[bytes]) -> None:
+        """Refuse a forward of ``keys`` (:class:`TierFullError`, ``507``) while one of them
+        is being evicted here: the copy still here would make the forward's fill a no-op
+        that answers "stored", and the sender would drop its copy as this one leaves (two
+        members evicting one block at once, each the other's forward target, lost it)."""
+        busy = next((k for k in keys if k in self._evicting), None)
+        if busy is not None:
+            raise TierFullError(f"block {busy.hex()} is being evicted here")
+
+    async def _evicted(self, key: bytes, block: Block) -> None:
         now = time.monotonic()
         born = self.born.pop(key, now)
         self._spare_hints.pop(key, None)
@@ -448,12 +465,8 @@ class LocalHolder:
                 return
             block = max(1, self._last.used // max(1, len(self.born)))  # about one block
             want = max(_RECLAIM_MIN, -(-self._short(nbytes) // block))
-            # While a member is down, a copy with another live one goes first too: the
-            # contract holds with R - 1 copies while one member is down (the pass after its
-            # return restores the R-th), and the eviction would otherwise find a block's
-            # only copy, which stays, and refuse the put (507).
-            need = max(1, self.pool.replicas - 1) if self._down() else self.pool.replicas
-            dropped = await self._drop_spares(self._reclaim_candidates(), want, need)
+            dropped = await self._drop_spares(self._reclaim_candidates(), want,
+                                              self.pool.replicas)
             if not dropped:
                 self._no_spares_until = time.monotonic() + _RECLAIM_IDLE
 
