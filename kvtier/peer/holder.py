@@ -15,7 +15,9 @@ directory, and forwards a block's last copy by global age when its segment evict
   holders left. With at least ``replicas`` left the copy goes. Otherwise it is a last copy:
   it is sent to the member whose oldest blocks are oldest, among those whose oldest blocks
   are older than it (a member with free room counts as oldest of all), and dropped only
-  when it is the oldest anywhere. Members learn each other's age from ``/v1/health``
+  when it is the oldest anywhere (a member that is down counts as of its last health
+  document: with room or older blocks it may take the copy, which then stays, refusing
+  the put that needed the room). Members learn each other's age from ``/v1/health``
   (``evict_age``: the age of the block it last evicted, plus the time since; ``null``
   while it has evicted nothing) on every health probe. A forwarded block keeps its age
   (``?age=`` on the forward), so the wave of victims it sets off only ever moves to older
@@ -465,8 +467,7 @@ class LocalHolder:
                 return
             block = max(1, self._last.used // max(1, len(self.born)))  # about one block
             want = max(_RECLAIM_MIN, -(-self._short(nbytes) // block))
-            dropped = await self._drop_spares(self._reclaim_candidates(), want,
-                                              self.pool.replicas)
+            dropped = await self._drop_spares(self._reclaim_candidates(), want)
             if not dropped:
                 self._no_spares_until = time.monotonic() + _RECLAIM_IDLE
 
@@ -484,25 +485,26 @@ class LocalHolder:
             picked[key] = None
         return list(picked)
 
-    async def _drop_spares(self, keys: list[bytes], want: int, need: int) -> list[bytes]:
-        """Drop up to ``want`` of ``keys`` whose copies here are spare, oldest first: each
-        listed with at least ``need`` other holders that answer they hold it, then
+    async def _drop_spares(self, keys: list[bytes], want: int) -> list[bytes]:
+        """Drop up to ``want`` of ``keys`` that are spare copies here, oldest first: each
+        listed with at least ``replicas`` other holders that answer they hold it, then
         taken off its entries in one step of every directory owner (kept, and registered
         again, where an owner answered fewer holders left: another member dropped its copy
         meanwhile). A key written here meanwhile is kept."""
         if not keys:
             return []
+        replicas = self.pool.replicas
         holders = await self.pool.directory_holders(keys)
         listed = {k: {m for m in found if m != self.me}
                   for k, found in zip(keys, holders, strict=True)}
-        listed = {k: others for k, others in listed.items() if len(others) >= need}
+        listed = {k: others for k, others in listed.items() if len(others) >= replicas}
         confirmed = await self._held_by(listed)
-        spares = [k for k in keys if len(confirmed.get(k, ())) >= need][:want]
+        spares = [k for k in keys if len(confirmed.get(k, ())) >= replicas][:want]
         if not spares:
             return []
         with self.server.watch_writes() as written:
             left = await self.unregister(spares)
-            drop = [k for k, (count, _) in zip(spares, left, strict=True) if count >= need]
+            drop = [k for k, (count, _) in zip(spares, left, strict=True) if count >= replicas]
             dropped = await self.server.drop_copies(drop, written)
         gone = set(dropped)
         kept = [k for k in spares if k not in gone]
