@@ -575,15 +575,13 @@ class LocalHolder:
                               done: dict[str, int]) -> None:
         """Copy each key of ``keys`` with fewer than ``replicas`` live holders to the members
         that lack it (this member does it when it is the key's first live holder in sort
-        order). A restored copy is a needed one, not a spare: it is sent as a forward with
-        its age (it may displace other blocks, whose last copies are forwarded on), to
-        the members with room or the oldest blocks first, the next one when one refuses;
-        as a spare copy it was refused in a nearly full pool, and the block stayed on one
-        member until that member was killed."""
+        order), to the members with room or the oldest blocks first, the next one when one
+        refuses (a spare copy, :func:`spare_copies`: a full member whose victim is a last
+        copy refuses it). Sent as a forward that displaces other blocks, the copies churned
+        a pool fuller than its budget: more last copies went as the oldest."""
         members = self.pool.members
         want = min(self.pool.replicas, len(members.members))
         holders = await self._present(keys, holders)
-        now = time.monotonic()
         # key -> (members not tried yet, copies still missing)
         todo: dict[bytes, tuple[list[str], int]] = {}
         for key, found in zip(keys, holders, strict=True):
@@ -607,9 +605,8 @@ class LocalHolder:
                 plan[best].append(key)
             for member, ks in plan.items():
                 frames = [(k, encode_frame(blocks[k], key=k)) for k in ks]  # type: ignore[arg-type]
-                age = min(max(0.0, now - self.born.get(k, now)) for k in ks)
                 try:
-                    await members.client(member).forward(frames, age)
+                    await members.client(member).put_many(frames, fill=True)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # the next target, else the next pass
