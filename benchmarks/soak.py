@@ -32,9 +32,10 @@ its put was acknowledged, each within `--repair-grace` seconds of the previous (
 anti-entropy pass could have re-replicated in between); one all of whose owners' DRAM tiers
 were evicting at the end (`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys)
 counts as lost to the budget (under `--placement local`, where copies are not on the ring
-owners and a last copy is dropped only as the oldest block anywhere: only when the pool as a
-whole was full, every server's DRAM evicting and the acked keys' copies more than the pool's
-DRAM blocks); every other unreadable key is a loss replication should have prevented. A
+owners and a last copy is dropped only as the oldest block anywhere: only when a server
+dropped blocks as the oldest and the key is older than the youngest pool-blocks / replicas
+values acknowledged, which fit the pool with all their copies); every other unreadable key
+is a loss replication should have prevented. A
 second table shows each server's DRAM evictions and blocks and its anti-entropy counters
 (from ``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be
 0. Server RSS is shown at start and end, and at the end also less the bytes its DRAM tier
@@ -485,6 +486,26 @@ def _excused(acked_at: float, kills: list[tuple[float, int]], replicas: int,
     return replicas <= 1 and bool(after)
 
 
+def _oldest_dropped(unreadable: list[bytes], tally: Tally, args: argparse.Namespace
+                    ) -> list[bytes]:
+    """Under ``--placement local``, the ``unreadable`` keys lost to the pool's budget: a
+    copy is not on the key's ring owners but wherever it was computed or forwarded, and a
+    last copy may be dropped only as the oldest block anywhere. So a key counts when some
+    server dropped blocks as the oldest (``dropped_oldest``) and the key is older than the
+    youngest ``pool blocks / replicas`` values acknowledged (puts and overwrites): those fit
+    the pool with every copy even were everything older dropped, so none of them is the
+    oldest anywhere, and losing one is a replication failure whatever the pool's fill."""
+    dropped = sum(f.get("dropped_oldest", 0.0) for _, _, _, f in tally.figures)
+    if not dropped:
+        return []
+    fit = args.servers * _size(args.dram_capacity) // args.block_bytes // args.replicas
+    stored = sorted([*tally.acked.values(), *tally.overwritten.values()])
+    if len(stored) <= fit:
+        return []
+    cutoff = stored[-fit]
+    return [k for k in unreadable if tally.acked[k] < cutoff]
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -624,15 +645,8 @@ async def _soak(args: argparse.Namespace, workdir: Path, disk: Path | None
                                         args.repair_grace)]
         # Every owner evicting: the loss is the DRAM budget's (the pool holds fewer blocks
         # than the acknowledged keys' copies), correct behaviour, not a replication failure.
-        # Under placement=local a block's copies are not on its ring owners: they live
-        # wherever they were computed or forwarded, and an evicted last copy is dropped only
-        # as the oldest block anywhere, so the loss is the budget's only when the pool as a
-        # whole was full: every server evicting, and more copies acked than its DRAM holds.
         if args.placement == "local":
-            pool_blocks = args.servers * _size(args.dram_capacity) // args.block_bytes
-            full = len(keys) * args.replicas > pool_blocks and all(
-                s.member in evicting for s in servers)
-            budget = list(not_excused) if full else []
+            budget = _oldest_dropped(not_excused, tally, args)
         else:
             budget = [k for k in not_excused
                       if all(m in evicting for m in ring.owners(k, args.replicas))]
@@ -689,8 +703,8 @@ def table(r: dict[str, object]) -> str:
         ("  of which a second fresh client read (held; the first read-back's requests "
          "failed: read failures)", f"{r['late']} ({r['read_failures']})"),
         ("  of which every holder was killed (replication could not help)", f"{excused}"),
-        ("  of which every owner's DRAM was evicting (local: the whole pool full), lost to "
-         "the budget",
+        ("  of which every owner's DRAM was evicting (local: dropped as the oldest, older than "
+         "the youngest pool-blocks / replicas values), lost to the budget",
          f"{r['budget']}"),
         ("  of which replication should have prevented (lost)",
          f"{unreadable - int(r['late']) - excused - int(r['budget'])}"),  # type: ignore[call-overload]

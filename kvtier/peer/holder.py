@@ -15,7 +15,9 @@ directory, and forwards a block's last copy by global age when its segment evict
   holders left. With at least ``replicas`` left the copy goes. Otherwise it is a last copy:
   it is sent to the member whose oldest blocks are oldest, among those whose oldest blocks
   are older than it (a member with free room counts as oldest of all), and dropped only
-  when it is the oldest anywhere. Members learn each other's age from ``/v1/health``
+  when it is the oldest anywhere (a member that is down counts as of its last health
+  document: with room or older blocks it may take the copy, which then stays, refusing
+  the put that needed the room). Members learn each other's age from ``/v1/health``
   (``evict_age``: the age of the block it last evicted, plus the time since; ``null``
   while it has evicted nothing) on every health probe. A forwarded block keeps its age
   (``?age=`` on the forward), so the wave of victims it sets off only ever moves to older
@@ -121,6 +123,7 @@ class LocalHolder:
         self._last: Tier = server.segment  # type: ignore[assignment]  # set by attach
         self._spare_hints: dict[bytes, None] = {}  # stored as spare copies, oldest first
         self._reclaim = asyncio.Lock()
+        self._evicting: set[bytes] = set()  # keys whose eviction here is deciding
         self._no_spares_until = 0.0
 
     def attach(self) -> None:
@@ -367,6 +370,22 @@ class LocalHolder:
         """The segment's last tier evicts ``key``: drop a spare copy, forward a last copy
         to an older member, or drop the oldest copy anywhere. Raises
         :class:`TierFullError` (the victim stays) when every older member failed."""
+        self._evicting.add(key)
+        try:
+            await self._evicted(key, block)
+        finally:
+            self._evicting.discard(key)
+
+    def refuse_forwards(self, keys: Sequence[bytes]) -> None:
+        """Refuse a forward of ``keys`` (:class:`TierFullError`, ``507``) while one of them
+        is being evicted here: the copy still here would make the forward's fill a no-op
+        that answers "stored", and the sender would drop its copy as this one leaves (two
+        members evicting one block at once, each the other's forward target, lost it)."""
+        busy = next((k for k in keys if k in self._evicting), None)
+        if busy is not None:
+            raise TierFullError(f"block {busy.hex()} is being evicted here")
+
+    async def _evicted(self, key: bytes, block: Block) -> None:
         now = time.monotonic()
         born = self.born.pop(key, now)
         self._spare_hints.pop(key, None)
@@ -386,11 +405,28 @@ class LocalHolder:
             raise TierFullError(f"block {key.hex()} stays: a spare copy does not displace a "
                                 "last copy")
         members = self.pool.members
+        # A member back from a restart answers probes before it rejoins the path, with room.
         ages = {m: self._age_of(m, block.nbytes) for m in members.members
-                if m != self.me and m not in left and members.alive(m)}
+                if m != self.me and m not in left
+                and (members.alive(m) or members.reachable(m))}
         older = sorted((m for m, a in ages.items() if a > age), key=lambda m: -ages[m])
         if not older:
-            self.counts["dropped_oldest"] += 1
+            # A member that is down (restarting empty, or frozen) counts as of its last
+            # health document: with room or older blocks than this one (or unknown), this
+            # is not the oldest block anywhere. Its only copy then stays, and the put that
+            # needed the room is refused (507): a restart otherwise cost the blocks it
+            # would have taken.
+            waiting = [m for m in self._down()
+                       if not 0 <= self._age_of(m, block.nbytes) <= age]
+            if count == 0 and waiting:
+                self.counts["kept_last"] += 1
+                self.born[key] = born
+                await self.register([key])
+                raise TierFullError(f"block {key.hex()} stays: its last copy, and "
+                                    f"{waiting[0]}, which is down, may take it")
+            # With another copy confirmed on a live member the block is not lost (one
+            # member down leaves R - 1); else it is the oldest anywhere.
+            self.counts["dropped_oldest" if count == 0 else "dropped_copy"] += 1
             return
         frame = encode_frame(block, key=key)
         for member in older[:_FORWARD_TRIES]:
@@ -407,6 +443,12 @@ class LocalHolder:
         self.born[key] = born
         await self.register([key])
         raise TierFullError(f"block {key.hex()} stays: no older member took its last copy")
+
+    def _down(self) -> list[str]:
+        """The other members out of the path that do not answer probes either."""
+        members = self.pool.members
+        return [m for m in members.members if m != self.me and not members.alive(m)
+                and not members.reachable(m)]
 
     # ------------------------------------------------------------------ spares first
     async def make_room(self, nbytes: int) -> None:
@@ -531,10 +573,17 @@ class LocalHolder:
 
     async def _restore_copies(self, keys: list[bytes], holders: list[list[str]],
                               done: dict[str, int]) -> None:
+        """Copy each key of ``keys`` with fewer than ``replicas`` live holders to the members
+        that lack it (this member does it when it is the key's first live holder in sort
+        order), to the members with room or the oldest blocks first, the next one when one
+        refuses (a spare copy, :func:`spare_copies`: a full member whose victim is a last
+        copy refuses it). Sent as a forward that displaces other blocks, the copies churned
+        a pool fuller than its budget: more last copies went as the oldest."""
         members = self.pool.members
         want = min(self.pool.replicas, len(members.members))
         holders = await self._present(keys, holders)
-        plan: dict[str, list[bytes]] = defaultdict(list)
+        # key -> (members not tried yet, copies still missing)
+        todo: dict[bytes, tuple[list[str], int]] = {}
         for key, found in zip(keys, holders, strict=True):
             live = [m for m in dict.fromkeys([*found, self.me]) if members.alive(m)
                     or m == self.me]
@@ -542,21 +591,35 @@ class LocalHolder:
                 continue  # enough copies, or another holder restores this one
             done["under_replicated"] += 1
             targets = [m for m in members.order(key) if m not in live and members.alive(m)]
-            for member in targets[:want - len(live)]:
-                plan[member].append(key)
-        for member, ks in plan.items():
-            blocks = await self.server.segment.get_many(ks)
-            frames = [(k, encode_frame(b, key=k)) for k, b in zip(ks, blocks, strict=True)
-                      if b is not None]
-            try:
-                await members.client(member).put_many(frames, fill=True)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                done["failed"] += 1
-                log.debug("copy restore to %s failed: %s", member, exc)
-                continue
-            done["pushed"] += len(frames)
+            todo[key] = (targets, want - len(live))
+        blocks = dict(zip(todo, await self.server.segment.get_many(list(todo)), strict=True))
+        while todo:
+            plan: dict[str, list[bytes]] = defaultdict(list)
+            for key, (targets, _) in list(todo.items()):
+                block = blocks[key]
+                if block is None or not targets:
+                    del todo[key]
+                    continue
+                best = max(targets, key=lambda m: self._age_of(m, block.nbytes))
+                targets.remove(best)
+                plan[best].append(key)
+            for member, ks in plan.items():
+                frames = [(k, encode_frame(blocks[k], key=k)) for k in ks]  # type: ignore[arg-type]
+                try:
+                    await members.client(member).put_many(frames, fill=True)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the next target, else the next pass
+                    done["failed"] += 1
+                    log.debug("copy restore to %s failed: %s", member, exc)
+                    continue
+                done["pushed"] += len(frames)
+                for key in ks:
+                    targets, missing = todo[key]
+                    if missing <= 1:
+                        del todo[key]
+                    else:
+                        todo[key] = (targets, missing - 1)
 
     async def _present(self, keys: list[bytes], holders: list[list[str]]) -> list[list[str]]:
         """``holders`` less the members that answer that they lack the key (restarted
@@ -594,6 +657,8 @@ class LocalHolder:
 
     def stats(self) -> dict[str, Any]:
         """Counters: ``registered``, ``forwarded``, ``dropped_spare``, ``dropped_oldest``,
+        ``dropped_copy`` (a copy dropped, no member to take it, another live copy left),
+        ``kept_last`` (a last copy kept while a member is down, its put refused),
         ``forward_failed``, ``directory_failed``, ``stale_holders`` (directory entries found
         naming a member that lacks the block), ``spare_refused`` (spare copies refused
         rather than drop a last copy), ``spares_reclaimed`` (spare copies dropped to make

@@ -732,6 +732,8 @@ class PeerServer:
                     raise proto.ProtocolError(f"body: block {key.hex()} has an empty frame")
                 decoded.append((key, await self.decode(key, frame)))
             del body, entries
+            if self.holder is not None and age is not None:
+                self.holder.refuse_forwards([k for k, _ in decoded])
             # A write lands only where it is newer than what is held here.
             landed = await self.admit([(k, None if stamps is None else stamps[i])
                                        for i, (k, _) in enumerate(decoded)], _fills(request))
