@@ -23,7 +23,8 @@ from kvtier.store import open_store
 from kvtier.testing.conformance import key_of, sample_block
 from kvtier.testing.fakes import FailingTier, LatencyTier
 from kvtier.tiers.dram import DRAMTier
-from tests.helpers.peer_helpers import TOKEN, peer_servers
+from tests.helpers.load import Scale
+from tests.helpers.peer_helpers import TOKEN, Pool, peer_servers
 
 
 @pytest.fixture
@@ -172,3 +173,35 @@ async def test_cancelled_ack_one_put_copies_complete_and_flush_waits() -> None:
         await tier.flush()
         for s in servers:  # the inner DRAM, without the latency wrapper's delay
             assert await s.segment.inner.contains(key_of(1))  # type: ignore[attr-defined]
+
+
+# ------------------------------- ack=all with one of two owners down (docs/peer-pool.md)
+async def test_ack_all_with_an_owner_down_returns_one_copy_and_a_hint_then_both() -> None:
+    """What the docs promise for ``ack=all``, ``replicas=2`` with one owner down: every put
+    returns holding one copy plus a hint (not both replicas: the docs said so before), and
+    once the owner is back the hints make the second copy, with no put of the caller's."""
+    pool = Pool()
+    a, b = await pool.start(), await pool.start()
+    n = 40
+    keys = [key_of(i) for i in range(n)]
+    try:
+        async with PeerTier.from_url(_url([a, b], replicas=2, ack="all",
+                                          health_interval=0.05)) as tier:
+            port_b = int(b.rpartition(":")[2])
+            await pool.stop(b)
+            for i, key in enumerate(keys):
+                await tier.put(key, sample_block(i))  # acked: raises on fewer copies
+            stats = tier.stats()
+            # Counted as under-replicated when they returned: one copy of two, and a hint.
+            assert stats["hints"] == n and stats["puts_under_replicated"] == n
+            assert sum(await pool.servers[a].segment.contains_many(keys)) == n  # one each
+            await pool.start(port_b)  # b back (empty): the hints go to it
+            scale = Scale()
+            for _ in range(int(scale(30) / 0.05)):
+                if tier.stats()["hints"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert tier.stats()["hints"] == 0 and tier.stats()["hints_handed_over"] >= n
+            assert sum(await pool.servers[b].segment.contains_many(keys)) == n  # the second
+    finally:
+        await pool.close()
