@@ -35,7 +35,7 @@ from kvtier.errors import TierError
 from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata, plan_keys
-from kvtier.integrations.vllm_saves import SaveTracking
+from kvtier.integrations.vllm_saves import SHUTDOWN_GRACE_S, SaveTracking
 from kvtier.shm.sync_client import SyncLocalClient
 from kvtier.tiers.dram_arena import fault_in, slot_bytes
 from kvtier.tiers.local import local_key, parse_local_url
@@ -335,9 +335,14 @@ class LocalWorkerSide(SaveTracking):
         return [j for j, slot in enumerate(slots) if not isinstance(slot, dict)]
 
     def close(self) -> None:
-        self.pages_settled()
-        self._saver.shutdown()
-        self._releaser.shutdown()  # the leases' releases go out first
+        """Wait (bounded: :data:`~kvtier.integrations.vllm_saves.SHUTDOWN_GRACE_S`) for the
+        saves in flight, logging those that did not end, then stop the threads without
+        waiting for them: a read lease ends with this process anyway (the daemon watches
+        it), and vLLM kills the process soon after its shutdown."""
+        self._wait_for_saves(SHUTDOWN_GRACE_S)
+        self._copies.clear()
+        self._saver.shutdown(wait=False)
+        self._releaser.shutdown(wait=False)
         self.client.close()
 
 

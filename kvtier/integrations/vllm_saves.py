@@ -19,9 +19,15 @@ from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_events import KVTierWorkerMetadata
 from kvtier.integrations.vllm_plan import BlockPlan, KVTierMetadata
 
-__all__ = ["SaveTracking"]
+__all__ = ["SHUTDOWN_GRACE_S", "SaveTracking"]
 
 log = logging.getLogger("kvtier.integrations.vllm")
+
+#: Seconds a worker side's ``close`` (the connector's ``shutdown``) waits for its saves in
+#: flight. Well under vLLM 0.32's own bound: its front end SIGKILLs the engine's processes
+#: 5 s after asking the engine core to stop (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` is
+#: 5 s too), and the worker's teardown after the connector's still has to run.
+SHUTDOWN_GRACE_S = 2.0
 
 
 class SaveTracking(abc.ABC):
@@ -91,6 +97,20 @@ class SaveTracking(abc.ABC):
             saving = self._saving.get(key)
             if saving is not None:
                 concurrent.futures.wait([saving], timeout=timeout)
+
+    def _wait_for_saves(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for every save in flight to end; log those that did
+        not (their blocks may be missing for the next engine: vLLM kills the process)."""
+        futures = {f for saves in self._req_saves.values() for f in saves}
+        _, left = concurrent.futures.wait(futures, timeout=grace)
+        if not left:
+            return
+        requests = sorted(r for r, saves in self._req_saves.items()
+                          if any(f in left for f in saves))
+        blocks = sum(f in left for f in self._saving.values())
+        log.warning("kvtier: shutting down with %d save(s) of %d block(s) unfinished after "
+                    "%.1f s (requests %s); what they had not committed is lost",
+                    len(left), blocks, grace, ", ".join(requests))
 
     def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
                save_id: int, blocks: int) -> None:
