@@ -260,10 +260,10 @@ def test_a_clean_stop_leaves_nothing_under_dev_shm(tmp_path: Path) -> None:
         assert not any(SHM_DIR.glob(f"kvtier-{name}.*"))
 
 
-async def test_a_save_larger_than_the_arenas_spare_room_goes_on_in_rounds(
+async def test_a_save_larger_than_the_arenas_spare_room_is_one_prepare(
         tmp_path: Path) -> None:
-    """A full daemon (64 MiB of DRAM, 16 MiB of spare arena) takes a 48 MiB save: each
-    round's commit evicts (here LRU: the older blocks) for room for the next."""
+    """A full daemon (64 MiB of DRAM, 16 MiB of spare arena) takes a 48 MiB save in one
+    prepare: it evicts (here LRU: the older blocks) ahead of the commit for the room."""
     with running_daemon(tmp_path, None, "64MiB", "--policy", "lru") as proc:
         async with await kvtier.open_store([f"local://{proc.shm_name}?timeout=10"]) as store:
             await store.put_many([(key_of(100 + i), sample_block(i, nbytes=BLOCK))
@@ -276,6 +276,7 @@ async def test_a_save_larger_than_the_arenas_spare_room_goes_on_in_rounds(
                 assert out.tobytes() == block.tobytes()
             tier = store.tiers[0]
             assert isinstance(tier, LocalTier) and tier.used <= 64 << 20
+            assert (await tier.daemon_stats())["prepare_refused"] == 0
 
 
 @pytest.mark.parametrize("policy", ["arc", "s3fifo"])

@@ -275,29 +275,32 @@ class LocalWorkerSide(SaveTracking):
     def _save(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
               copied: concurrent.futures.Future[None],
               written: concurrent.futures.Future[None]) -> None:
-        """On the save thread: prepare, copy out of the pages into the slots, commit; in
-        rounds when the daemon lends slots for part of the blocks only (its arena's spare
-        room is smaller than the save: each commit lets it evict for the next round, and
-        ``copied`` then waits for the rounds' commits too)."""
+        """On the save thread: prepare, copy out of the pages into the slots, commit.
+        ``copied`` ends once the last block is out of the pages, before the commit. The
+        daemon's prepare evicts ahead for room, so a save is one round; only when its arena
+        cannot hold it all (a save larger than its capacity, slots held by reads) does a
+        commit come first and the next round take the rest."""
         try:
             try:
                 todo = list(range(len(keys)))
                 while todo:
                     left = self._save_round(layers, [block_ids[i] for i in todo],
-                                            [keys[i] for i in todo])
+                                            [keys[i] for i in todo], copied)
                     if len(left) == len(todo):
                         raise TierError("no free slot in the daemon's arena")
                     todo = [todo[j] for j in left]
             finally:
-                copied.set_result(None)  # the pages are free for vLLM either way
+                if not copied.done():
+                    copied.set_result(None)  # the pages are free for vLLM either way
         except BaseException as exc:
             written.set_exception(exc)
             return
         written.set_result(None)
 
-    def _save_round(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes]
-                    ) -> list[int]:
-        """Save what the daemon lends slots for; the indices of the blocks it did not."""
+    def _save_round(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
+                    copied: concurrent.futures.Future[None]) -> list[int]:
+        """Save what the daemon lends slots for; the indices of the blocks it did not.
+        Ends ``copied`` before the commit when it lent them all (the last round)."""
         spec = {"dtype": "|u1", "shape": [layers.block_bytes]}
         answer = self.client.call("/v1/prepare", {
             "blocks": [{"key": k.hex(), **spec} for k in keys]})
@@ -325,6 +328,8 @@ class LocalWorkerSide(SaveTracking):
                 out = bounce[:len(part)]
                 layers.gather_many([block_ids[j] for j in part], out=out)
                 rows[where[start:start + chunk]] = out  # the one copy of a save
+            if len(granted) == len(keys):
+                copied.set_result(None)  # vLLM may write the pages: the commit needs none
             answer = self.client.call("/v1/commit", {"leases": ids})
             if answer.get("error") or not all(c is True for c in answer.get("committed", [])):
                 raise TierError(f"commit refused: {answer.get('error') or 'slots expired'}")
