@@ -306,6 +306,10 @@ class SchedulerPlanner:
         self.events = events
         self.block_size = keys.block_size
         self._index: OrderedDict[bytes, None] = OrderedDict()
+        # vLLM block hash -> rank-0 key of blocks put in the index: a step that completes
+        # blocks vLLM hashed already tells from these whether they are stored, without keying
+        # the whole prompt (0.3-0.9 ms for 4,096 tokens, on a request vLLM's cache serves).
+        self._by_hash: OrderedDict[Any, bytes] = OrderedDict()
         self._requests: dict[str, _Request] = {}
         self._pending_loads: dict[str, BlockPlan] = {}
         self._load_hashes: dict[str, list[bytes]] = {}  # vLLM block hashes of planned loads
@@ -330,6 +334,29 @@ class SchedulerPlanner:
             self._index.move_to_end(key)
         while len(self._index) > self.settings.index_blocks:
             self._index.popitem(last=False)
+
+    def _note_hashes(self, request: Any, first: int, keys: Sequence[bytes]) -> None:
+        """Map vLLM's hashes of blocks ``first..`` of ``request`` to their ``keys``."""
+        if self.settings.index_blocks == 0:
+            return
+        hashes = list(getattr(request, "block_hashes", None) or ())[first:first + len(keys)]
+        for block_hash, key in zip(hashes, keys, strict=False):
+            self._by_hash[block_hash] = key
+            self._by_hash.move_to_end(block_hash)
+        while len(self._by_hash) > self.settings.index_blocks:
+            self._by_hash.popitem(last=False)
+
+    def _stored_by_hash(self, request: Any, first: int, full: int) -> bool:
+        """Whether blocks ``first..full`` of ``request`` are in the index, known by vLLM's
+        block hashes alone (``False`` when any is not known that way)."""
+        hashes = getattr(request, "block_hashes", None) or ()
+        if len(hashes) < full:
+            return False
+        for block_hash in hashes[first:full]:
+            key = self._by_hash.get(block_hash)
+            if key is None or key not in self._index:
+                return False
+        return True
 
     def _lookup(self, keys: list[bytes], salt: str, tokens: Sequence[int]) -> tuple[int, bool]:
         local = 0
@@ -428,6 +455,7 @@ class SchedulerPlanner:
         # The load promotes these blocks into the workers' top tier: the next lookup of this
         # prefix (after vLLM evicted it) is an index hit, with no I/O on this thread.
         self._remember(keys[first:hit])
+        self._note_hashes(request, first, keys[first:hit])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=list(self._pending_loads.values()))
@@ -470,6 +498,9 @@ class SchedulerPlanner:
                    len(state.block_ids) * self.block_size) // self.block_size
         if full <= state.saved:
             return
+        if self._stored_by_hash(state.request, state.saved, full):
+            state.saved = full  # saved or loaded before (vLLM's cache served the rest)
+            return
         tokens, salt = request_hash_tokens(state.request)
         if self.settings.key_scheme == "page-sha256" and getattr(state.request, "mm_features",
                                                                   None):
@@ -481,6 +512,7 @@ class SchedulerPlanner:
         # again would cost a copy and a write, and hold the request's blocks until it ends.
         while first < full and keys[first] in self._index:
             first += 1
+        self._note_hashes(state.request, state.saved, keys[state.saved:first])
         state.saved = full
         if first == full:
             return
@@ -491,6 +523,7 @@ class SchedulerPlanner:
                                     keys=keys[first:full] if len(self.keys.shards) == 1
                                     else None))
         self._remember(keys[first:])
+        self._note_hashes(state.request, first, keys[first:full])
         state.planned_saves = True
 
     def load_errors(self, block_ids: Sequence[int]) -> None:
