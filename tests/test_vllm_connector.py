@@ -429,6 +429,27 @@ def test_blocks_stored_before_are_known_by_vllms_block_hashes_without_keying(
         engine.close()
 
 
+def test_a_kv_consumer_loads_what_others_saved_and_saves_nothing(
+        shared: dict[str, object]) -> None:
+    """``kv_role: kv_consumer``: loads only (bench_engine's baseline for the cost of a
+    writer's save). Failed before with 'assert (True, None) == (False, None)': the
+    consumer planned a save of its new block and held the request's blocks for it."""
+    a = FakeEngine(shared)
+    a.prefill(Request("a-1", PROMPT[:20]), [0, 1, 2, 3, 4])
+    assert a.finish(Request("a-1", PROMPT[:20])) == {"a-1"}
+    a.close()
+    b = FakeEngine(shared, kv_role="kv_consumer")
+    try:
+        req = Request("b-1", [*PROMPT[:16], 5, 6, 7, 8, 9])
+        ext, _, errors = b.prefill(req, [10, 11, 12, 13, 14, 15])
+        assert ext == 4 * BLOCK and errors == set()
+        assert [b.block_bytes(i) for i in (10, 11, 12, 13)] == \
+            [expected_block(req.prompt_token_ids, n) for n in range(4)]
+        assert b.scheduler.request_finished(req, [10, 11, 12, 13, 14, 15]) == (False, None)
+    finally:
+        b.close()
+
+
 def test_paged_layers_batched_gather_and_scatter() -> None:
     """Many blocks at once give the bytes the one-block calls give, in the order asked."""
     kv = {"a": np.arange(6 * 3 * 2, dtype=np.float32).reshape(6, 3, 2),

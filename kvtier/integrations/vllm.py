@@ -488,7 +488,10 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
                 lookups = LocalLookups(sched[0])
             elif sched:
                 lookups = BlockingStore(sched, **options)
-            self._planner = SchedulerPlanner(self._settings, keys, lookups, events)
+            # kv_consumer: this engine only loads what others stored (vLLM leaves it to us).
+            role_name = str(getattr(transfer, "kv_role", None) or "kv_both")
+            self._planner = SchedulerPlanner(self._settings, keys, lookups, events,
+                                             saves=role_name != "kv_consumer")
 
     # ---------------------------------------------------------------- worker side
     def _worker_side(self) -> WorkerSide | LocalWorkerSide:

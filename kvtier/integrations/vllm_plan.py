@@ -293,13 +293,15 @@ class SchedulerPlanner:
     engine has other requests: their steps go on during the load. With none, the load is
     synchronous: the engine would only spin empty steps, whose Python work competes with the
     load for the GIL (a 16 MiB peer load took 42 ms asynchronously and 29 ms synchronously in
-    the benchmark). Called from the scheduler thread only.
+    the benchmark). With ``saves`` false (vLLM's ``kv_role: kv_consumer``) it plans loads
+    only. Called from the scheduler thread only.
     """
 
     def __init__(self, settings: ConnectorSettings, keys: KeyMaker,
                  store: LookupStore | None, events: ConnectorEvents | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, saves: bool = True) -> None:
         self.settings = settings
+        self.saves = saves
         self.clock = clock
         self.keys = keys
         self.store = store
@@ -496,7 +498,7 @@ class SchedulerPlanner:
         # building the request's hash tokens (0.1-0.2 ms for 2,048 tokens, every step).
         full = min(computed, len(state.request.all_token_ids),
                    len(state.block_ids) * self.block_size) // self.block_size
-        if full <= state.saved:
+        if full <= state.saved or not self.saves:
             return
         if self._stored_by_hash(state.request, state.saved, full):
             state.saved = full  # saved or loaded before (vLLM's cache served the rest)
