@@ -23,7 +23,6 @@ from tests.helpers.vllm_fakes import (
     Request,
     Role,
     cached_step,
-    empty_step,
     expected_block,
     kv_cache_config,
     new_step,
@@ -223,9 +222,12 @@ def test_preempted_request_resumes_from_its_own_saved_blocks() -> None:
         engine.run_step(cached_step(req, None, 22, 1))
         engine.finish_step(req, [0, 1, 2, 3, 4, 5], 5, 24)
         originals = [engine.block_bytes(b) for b in range(6)]
-        # Preempted: vLLM frees its blocks, a later step's forward pass overwrites them (after
-        # that step's start_load_kv), and later vLLM reschedules the request.
-        engine.run_step(empty_step())
+        # Preempted: vLLM frees its blocks, a later step gives them to another request and its
+        # forward pass overwrites them (after that step's start_load_kv), and later vLLM
+        # reschedules the request.
+        other = Request("o-1", [9] * 24)
+        engine.run_step(new_step(other, [0, 1, 2, 3, 4, 5], 0, 24))
+        engine.worker.clear_connector_metadata()
         for name in engine.kv:
             engine.kv[name][...] = 0
         ext, load_async = engine.scheduler.get_num_new_matched_tokens(req, 0)

@@ -244,3 +244,35 @@ def test_a_load_whose_leases_ended_before_its_copies_is_a_load_error(tmp_path: P
             assert errors == {20, 2, 21, 1, 22}
         finally:
             engine.close()
+
+
+def test_a_step_waits_only_for_save_copies_of_blocks_it_may_write(tmp_path: Path) -> None:
+    """A save whose copy cannot end (the daemon is stopped before lending its slots) holds
+    up no step that writes other blocks; a step given one of its blocks waits for it (here
+    until the save fails at its 2 s timeout). (Before, every step waited for every copy: the
+    first step's check failed with 'assert True is False'.)"""
+    with running_daemon(tmp_path) as proc:
+        engine = FakeEngine(_extra(proc))
+        try:
+            warm = Request("a-0", [5] * (BLOCK + 1))
+            engine.prefill(warm, [30, 31])
+            assert engine.finish(warm) == {"a-0"}  # the index is mapped, the threads run
+            proc.signal(signal.SIGSTOP)
+            try:
+                engine.prefill(Request("a-1", PROMPT), [0, 1, 2, 3, 4, 5])  # its save hangs
+                worker = engine.worker._worker
+                assert isinstance(worker, LocalWorkerSide)
+                (copied, blocks), = worker._page_copies
+                assert blocks == {0, 1, 2, 3, 4}
+                other = Request("b-1", PROMPT[:9])
+                engine.run_step(new_step(other, [10, 11, 12], 0, 9))
+                assert copied.done() is False  # the step's blocks are others
+                engine.worker.clear_connector_metadata()
+                again = Request("c-1", PROMPT[:9])
+                engine.run_step(new_step(again, [13, 2, 14], 0, 9))  # block 2, taken back
+                assert copied.done() is True
+                engine.worker.clear_connector_metadata()
+            finally:
+                proc.signal(signal.SIGCONT)
+        finally:
+            engine.close()

@@ -9,8 +9,9 @@ moves bytes once between the daemon's shared arena and vLLM's pages:
   load error, which vLLM recomputes, and so is every block of a load that failed in any
   way (the daemon, its answer, memory, the pages): no exception reaches vLLM;
 - a save asks for slots (prepare), copies the blocks out of the pages into them, and commits;
-  the next step's :meth:`LocalWorkerSide.start_loads` waits for the copies (vLLM may write
-  those pages in its forward pass), never for the commit.
+  a later step's :meth:`LocalWorkerSide.start_loads` waits for the copies of blocks that
+  step gives out (vLLM may write those pages in its forward pass; see
+  :meth:`~kvtier.integrations.vllm_saves.SaveTracking.pages_settled`), never for the commit.
 
 One copy per byte, through a bounce buffer of :data:`BOUNCE_BYTES` that stays in the CPU
 cache (one for loads, one for saves, both made at register and reused): a block of every
@@ -121,7 +122,6 @@ class LocalWorkerSide(SaveTracking):
             1, thread_name_prefix="kvtier-local-save", initializer=self._pin_save_thread)
         self._releaser = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-local-release", initializer=self._pin_save_thread)
-        self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
         self._loaded: set[str] = set()  # asynchronous loads done, not yet reported
         # Bounce buffers of the loads (worker thread) and of the saves (save thread), made
         # at register.
@@ -176,14 +176,8 @@ class LocalWorkerSide(SaveTracking):
         return offset // _ALIGN
 
     # ------------------------------------------------------------------ loads
-    def pages_settled(self) -> None:
-        """Wait until no save copies out of the engine's pages (vLLM may write them next)."""
-        if self._copies:
-            concurrent.futures.wait(self._copies)
-            self._copies.clear()
-
     def start_loads(self, meta: KVTierMetadata) -> None:
-        self.pages_settled()
+        self.pages_settled(meta)
         for plan in meta.loads:
             try:
                 keys = self._keys(plan)
@@ -269,7 +263,7 @@ class LocalWorkerSide(SaveTracking):
         copied: concurrent.futures.Future[None] = concurrent.futures.Future()
         written: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._saver.submit(self._save, layers, plan.block_ids, keys, copied, written)
-        self._copies.append(copied)
+        self._page_copies.append((copied, frozenset(plan.block_ids)))
         return written
 
     def _save(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
@@ -345,7 +339,7 @@ class LocalWorkerSide(SaveTracking):
         waiting for them: a read lease ends with this process anyway (the daemon watches
         it), and vLLM kills the process soon after its shutdown."""
         self._wait_for_saves(SHUTDOWN_GRACE_S)
-        self._copies.clear()
+        self._page_copies.clear()
         self._saver.shutdown(wait=False)
         self._releaser.shutdown(wait=False)
         self.client.close()

@@ -220,6 +220,10 @@ class KVTierMetadata:
 
     loads: list[BlockPlan] = field(default_factory=list)
     saves: list[BlockPlan] = field(default_factory=list)
+    #: Blocks vLLM may write from this step on: those it gave requests this step (new and
+    #: resumed requests' block tables, blocks added to running ones) and those loads fill.
+    #: ``None``: not known (a worker then waits for every save copying out of the pages).
+    fresh_blocks: list[int] | None = None
 
 
 @dataclass
@@ -460,8 +464,11 @@ class SchedulerPlanner:
         self._note_hashes(request, first, keys[first:hit])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=list(self._pending_loads.values()))
+        fresh: list[int] = []
+        meta = KVTierMetadata(loads=list(self._pending_loads.values()), fresh_blocks=fresh)
         self._pending_loads.clear()
+        for plan in meta.loads:
+            fresh += plan.block_ids
         self._inflight = {b: entry for b, entry in self._inflight.items()
                           if entry[0] in self._async_loading}
         for plan in meta.loads:
@@ -474,6 +481,7 @@ class SchedulerPlanner:
                 self._async_loading.add(plan.req_id)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            fresh += new.block_ids[0]
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
@@ -482,10 +490,12 @@ class SchedulerPlanner:
             self._plan_save(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                fresh += new_ids[0]
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # preempted and back: a new block table
                 state.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:

@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import threading
 from functools import partial
+from typing import Any
 
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_events import KVTierWorkerMetadata
@@ -50,6 +51,8 @@ class SaveTracking(abc.ABC):
         self._report_lock = threading.Lock()
         self._report = KVTierWorkerMetadata()
         self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
+        # Saves still copying out of vLLM's pages, each with the blocks it reads.
+        self._page_copies: list[tuple[concurrent.futures.Future[Any], frozenset[int]]] = []
 
     def _layers(self) -> PagedLayers:
         if self.layers is None:
@@ -65,6 +68,29 @@ class SaveTracking(abc.ABC):
                     ) -> concurrent.futures.Future[None]:
         """Start saving the blocks of ``plan`` under ``keys``: a future that ends when they
         are readable by other processes (or the save failed)."""
+
+    def pages_settled(self, meta: KVTierMetadata | None = None) -> None:
+        """Wait for the saves copying out of pages vLLM may write from this step on: with
+        ``meta`` those reading one of its ``fresh_blocks``, else (or when it does not say)
+        all of them.
+
+        Why only those: a save reads full blocks of a request that holds them (running, or
+        finished with its free delayed until the save ends). vLLM writes a running request's
+        KV only past its computed tokens, into its partly filled last block or into blocks
+        it gives out in the step, never into a full block; a block it takes back (a
+        preempted request's) is written only once it is given out again, in a later step's
+        ``fresh_blocks``. So a copy of other blocks can go on under the forward pass (a
+        256 MiB save's copy was waited for by the next decode step).
+        """
+        copies = self._page_copies
+        if not copies:
+            return
+        fresh = None if meta is None or meta.fresh_blocks is None else set(meta.fresh_blocks)
+        wait = [(f, blocks) for f, blocks in copies if not f.done() and
+                (fresh is None or not fresh.isdisjoint(blocks))]
+        if wait:
+            concurrent.futures.wait([f for f, _ in wait])
+        self._page_copies = [(f, b) for f, b in copies if not f.done()]
 
     def save(self, meta: KVTierMetadata) -> None:
         """Start the saves ``meta`` plans; they run in the background."""
