@@ -16,7 +16,9 @@ Configurations (``--configs``):
 - ``local``: ``KVTierConnector`` on ``local://NAME``, the host daemon (``kvtier serve --shm
   NAME``, started and stopped by the benchmark); ``local2``: the same with the writer and the
   reader both live at once on that daemon (the second engine's first request is a hit of the
-  first engine's save, with no network).
+  first engine's save, with no network); ``localc``: the writer alone on that daemon with
+  ``kv_role: kv_consumer`` (it loads, it saves nothing), the baseline of the writer table:
+  what the ``local`` writer's save costs its prefill (one-prompt only).
 
 ``--kv-size large`` builds the 64 KiB-per-token model (16 layers, 8 KV heads x 64, fp32;
 4,096-token prompts = 256 MiB of KV); ``--background-load N`` runs N CPU-bound processes
@@ -87,8 +89,8 @@ CONFIGS = {"none": "no connector", "example": "vLLM ExampleConnector",
            "lmcache": "LMCache server mode", "lmdb": "kvtier dram+lmdb://",
            "file": "kvtier dram+file://", "peers": "kvtier dram+peers://",
            "redis": "kvtier redis://", "local": "kvtier local://",
-           "local2": "kvtier local:// x2 eng"}
-KVTIER = ("lmdb", "file", "peers", "redis", "local", "local2")
+           "local2": "kvtier local:// x2 eng", "localc": "kvtier local:// loads"}
+KVTIER = ("lmdb", "file", "peers", "redis", "local", "local2", "localc")
 #: ``--kv-size``: the model's shape, and its prompt length and context unless given.
 #: ``large`` is 64 KiB of fp32 KV per token (16 layers x 8 KV heads x 64, as an 8B model in
 #: bf16): a 4,096-token prompt is 256 MiB of KV.
@@ -139,9 +141,10 @@ class Setup:
                  "file": [dram, f"file://{run_dir / 'file'}"],
                  "peers": [dram, self.services.get("peers", "")],
                  "redis": [self.services.get("redis", "")],
-                 "local": local, "local2": local}[config]
+                 "local": local, "local2": local, "localc": local}[config]
         return {"kind": "kvtier", "tiers": tiers,
-                "extra": {"model": "bench-engine-llama", **self.kvtier_extra}}
+                "extra": {"model": "bench-engine-llama", **self.kvtier_extra},
+                "kv_role": "kv_consumer" if config == "localc" else "kv_both"}
 
     def engine(self, config: str, run_dir: Path, name: str) -> Engine:
         spec = {"model_dir": str(self.work / "model"), "model": self.model,
@@ -216,6 +219,8 @@ def one_prompt(setup: Setup, config: str, repeat: int, prompt_tokens: int,
             rows.append(row("one-prompt", repeat, config, "writer",
                             writer.request("writer", prompt, OUTPUT_TOKENS),
                             startup_s=writer.startup_s))
+    if config == "localc":  # it stored nothing for a reader
+        return rows
     with setup.engine(config, run_dir, "reader") as reader:
         reader.request("warmup", tokens(4000 + repeat, prompt_tokens), 1)
         time.sleep(SETTLE_S)
@@ -348,6 +353,8 @@ def one_prompt_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str
         if not mine:
             continue
         hits = [r for r in mine if r["request"] == "hit"]
+        if not hits:  # localc: a writer only (writer_table)
+            continue
         cached = sorted({f"{r['cached_tokens']}/{r['prompt_tokens']}" for r in hits})
 
         def p50(request: str, mine: list[dict[str, Any]] = mine) -> float:
@@ -367,6 +374,22 @@ def one_prompt_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str
             f"{_fmt(connector_ms(rows, config, 'miss'), '.1f'):>7} "
             f"{'yes' if same else 'NO':>8} "
             f"{statistics.median(r['wall_s'] for r in hits):>7.0f}")
+    return lines
+
+
+def writer_table(rows: list[dict[str, Any]], configs: list[str]) -> list[str]:
+    """Per configuration: the writer's TTFT (its prefill, with its save where it saves), and
+    the same-repeat ratio to the ``localc`` writer (the same connector, loads only)."""
+    rows = [r for r in rows if r["workload"] == "one-prompt" and r["request"] == "writer"]
+    header = f"{'configuration':<22} {'writer p50 s':>12} {'hook ms':>7} {'x consumer':>10}"
+    lines = [header, "-" * len(header)]
+    for config in configs:
+        ttft = [r["ttft_s"] for r in rows if r["config"] == config]
+        if not ttft:
+            continue
+        lines.append(f"{CONFIGS[config]:<22} {statistics.median(ttft):>12.3f} "
+                     f"{_fmt(connector_ms(rows, config, 'writer'), '.1f'):>7} "
+                     f"{_fmt(ratio_median(rows, config, 'localc', 'writer'), '.2f', 'x'):>10}")
     return lines
 
 
@@ -486,7 +509,7 @@ def services(setup: Setup, configs: list[str]) -> Iterator[None]:
         if "peers" in configs:
             setup.services["peers"] = stack.enter_context(
                 kvtier_server(setup.vllm_python, setup.work))
-        if "local" in configs or "local2" in configs:
+        if {"local", "local2", "localc"} & set(configs):
             setup.services["local"] = stack.enter_context(
                 kvtier_daemon(setup.vllm_python, setup.work, setup.dram.split("=", 1)[1]))
         if "lmcache" in configs:
@@ -544,6 +567,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str], 
             order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
             for config in order:
                 for workload in workloads:
+                    if config == "localc" and workload != "one-prompt":
+                        continue  # a consumer stores nothing for the other engine's turns
                     load = os.getloadavg()[0]
                     started = time.perf_counter()
                     if workload == "one-prompt":
@@ -588,6 +613,11 @@ def report(rows: list[dict[str, Any]], configs: list[str], notes: list[str]) -> 
               "same repeat; hook ms = time the engine's threads spent inside the connector's "
               "hooks during the request; x = TTFT ratio (lower is better), same repeat")
         print("\n".join(one_prompt_table(rows, configs)))
+        if "localc" in configs:
+            print("\nwriter = the first process's prefill of the prompt (with its save); "
+                  "x consumer = writer TTFT / the kv_consumer writer's (loads only), same "
+                  "repeat")
+            print("\n".join(writer_table(rows, configs)))
     if any(r["workload"] == "multi-turn" for r in rows):
         turns = len({r["request"] for r in rows if r["workload"] == "multi-turn"})
         print(f"\n## bench_engine multi-turn: {turns} trace turns alternating between two "

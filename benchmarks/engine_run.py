@@ -56,8 +56,10 @@ def build_model(path: Path, shape: dict[str, int]) -> None:
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
-def kvtier_transfer_config(tiers: list[str], extra: dict[str, Any] | None = None) -> Any:
-    """vLLM's ``KVTransferConfig`` loading ``KVTierConnector`` over ``tiers``.
+def kvtier_transfer_config(tiers: list[str], extra: dict[str, Any] | None = None,
+                           kv_role: str = "kv_both") -> Any:
+    """vLLM's ``KVTransferConfig`` loading ``KVTierConnector`` over ``tiers`` (``kv_role``
+    ``kv_consumer``: loads only).
 
     The lookup bound is generous: shared CI machines are slow, and the default (0.1 s) would
     turn a slow ``file://`` listing into a miss.
@@ -68,7 +70,7 @@ def kvtier_transfer_config(tiers: list[str], extra: dict[str, Any] | None = None
               **(extra or {})}
     return KVTransferConfig(kv_connector="KVTierConnector",
                             kv_connector_module_path="kvtier.integrations.vllm",
-                            kv_role="kv_both", kv_connector_extra_config=config)
+                            kv_role=kv_role, kv_connector_extra_config=config)
 
 
 def transfer_config(connector: dict[str, Any] | None) -> Any:
@@ -79,7 +81,8 @@ def transfer_config(connector: dict[str, Any] | None) -> Any:
         return None
     kind = connector["kind"]
     if kind == "kvtier":
-        return kvtier_transfer_config(connector["tiers"], connector.get("extra"))
+        return kvtier_transfer_config(connector["tiers"], connector.get("extra"),
+                                      connector.get("kv_role", "kv_both"))
     if kind == "example":
         return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                 kv_connector_extra_config={

@@ -191,7 +191,17 @@ def test_vllm_environment_is_the_default_unless_a_flag_asks(
 
 def test_local_configs_use_the_daemon(tmp_path: Path) -> None:
     setup = bench_engine.Setup("python", None, tmp_path, {"local": "kv-bench"}, 4096)
-    for config in ("local", "local2"):
+    for config in ("local", "local2", "localc"):
         spec = setup.connector(config, tmp_path)
         assert spec is not None and spec["tiers"] == ["local://kv-bench?timeout=5"]
-    assert len(bench_engine.CONFIGS["local2"]) <= 22  # the table's column
+        assert spec["kv_role"] == ("kv_consumer" if config == "localc" else "kv_both")
+    assert all(len(bench_engine.CONFIGS[c]) <= 22 for c in ("local2", "localc"))  # the column
+
+
+def test_writer_table_compares_each_writer_with_the_consumer_writer() -> None:
+    rows = [{"workload": "one-prompt", "request": "writer", "config": config, "repeat": rep,
+             "ttft_s": ttft, "connector_ms": 1.0}
+            for config, values in (("local", (1.1, 1.3)), ("localc", (1.0, 1.0)))
+            for rep, ttft in enumerate(values)]
+    lines = bench_engine.writer_table(rows, ["local", "localc"])
+    assert lines[2].split()[-1] == "1.20x" and lines[3].split()[-1] == "1.00x"

@@ -141,25 +141,27 @@ def test_loads_and_saves_in_several_bounce_chunks(daemon: Daemon,
         a.close()
 
 
-def test_a_save_larger_than_the_arenas_spare_room_is_committed_in_rounds(
-        tmp_path: Path) -> None:
-    """A full daemon with room for 12 blocks and spare room for 13 takes an 18-block save in
-    two rounds (each commit lets it evict for the next)."""
+def test_a_save_larger_than_the_arenas_spare_room_is_one_prepare(tmp_path: Path) -> None:
+    """A full daemon with room for 12 blocks and no spare room in its arena (one 4 KiB
+    page: 12 slots) takes an 8-block save in one prepare, which evicts ahead of the commit,
+    and another engine loads all of it. (Before, the prepare lent only spare room: none
+    here, and the save failed with 'no free slot in the daemon's arena'; with some, a save
+    went in rounds of two calls each.)"""
     import asyncio
 
     from kvtier.tiers.local import LocalTier
 
     block_bytes = 320  # the fake engine's block across its two layers
-    with running_daemon(tmp_path, None, f"{12 * block_bytes}&shm_staging={4 * block_bytes}",
-                        "--policy", "lru") as proc:
+    with running_daemon(tmp_path, None, f"{12 * block_bytes}&shm_staging=1") as proc:
         engine = FakeEngine(_extra(proc))
+        reader = FakeEngine(_extra(proc))
         try:
             assert engine.worker._worker._layers().block_bytes == block_bytes
             first = [(11 * i + 5) % 997 + 1 for i in range(12 * BLOCK + 1)]
             engine.prefill(Request("a-1", first), list(range(13)))
             assert engine.finish(Request("a-1", first)) == {"a-1"}
-            second = [(17 * i + 3) % 991 + 1 for i in range(18 * BLOCK + 1)]
-            engine.prefill(Request("a-2", second), list(range(13, 32)))
+            second = [(17 * i + 3) % 991 + 1 for i in range(8 * BLOCK + 1)]
+            engine.prefill(Request("a-2", second), list(range(13, 22)))
             assert engine.finish(Request("a-2", second)) == {"a-2"}
 
             async def daemon_stats() -> dict[str, int]:
@@ -170,8 +172,15 @@ def test_a_save_larger_than_the_arenas_spare_room_is_committed_in_rounds(
                     await tier.aclose()
 
             stats = asyncio.run(daemon_stats())
-            assert stats["committed"] == 12 + 18 and stats["prepare_refused"] > 0
+            assert stats["arena_bytes"] == 4096
+            assert stats["committed"] == 12 + 8 and stats["prepare_refused"] == 0
+            ids = list(range(9))
+            ext, _, errors = reader.prefill(Request("b-2", second), ids)
+            assert ext == 8 * BLOCK and errors == set()
+            for index in range(8):
+                assert reader.block_bytes(ids[index]) == expected_block(second, index)
         finally:
+            reader.close()
             engine.close()
 
 
@@ -234,5 +243,37 @@ def test_a_load_whose_leases_ended_before_its_copies_is_a_load_error(tmp_path: P
             ext, load_async, errors = engine.prefill(req, [20, 2, 21, 1, 22, 0])
             assert ext == 5 * BLOCK and not load_async
             assert errors == {20, 2, 21, 1, 22}
+        finally:
+            engine.close()
+
+
+def test_a_step_waits_only_for_save_copies_of_blocks_it_may_write(tmp_path: Path) -> None:
+    """A save whose copy cannot end (the daemon is stopped before lending its slots) holds
+    up no step that writes other blocks; a step given one of its blocks waits for it (here
+    until the save fails at its 2 s timeout). (Before, every step waited for every copy: the
+    first step's check failed with 'assert True is False'.)"""
+    with running_daemon(tmp_path) as proc:
+        engine = FakeEngine(_extra(proc))
+        try:
+            warm = Request("a-0", [5] * (BLOCK + 1))
+            engine.prefill(warm, [30, 31])
+            assert engine.finish(warm) == {"a-0"}  # the index is mapped, the threads run
+            proc.signal(signal.SIGSTOP)
+            try:
+                engine.prefill(Request("a-1", PROMPT), [0, 1, 2, 3, 4, 5])  # its save hangs
+                worker = engine.worker._worker
+                assert isinstance(worker, LocalWorkerSide)
+                (copied, blocks), = worker._page_copies
+                assert blocks == {0, 1, 2, 3, 4}
+                other = Request("b-1", PROMPT[:9])
+                engine.run_step(new_step(other, [10, 11, 12], 0, 9))
+                assert copied.done() is False  # the step's blocks are others
+                engine.worker.clear_connector_metadata()
+                again = Request("c-1", PROMPT[:9])
+                engine.run_step(new_step(again, [13, 2, 14], 0, 9))  # block 2, taken back
+                assert copied.done() is True
+                engine.worker.clear_connector_metadata()
+            finally:
+                proc.signal(signal.SIGCONT)
         finally:
             engine.close()

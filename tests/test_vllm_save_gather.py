@@ -59,10 +59,12 @@ def test_wait_for_save_returns_before_its_gather_and_the_next_step_waits_for_it(
         assert not saved.is_alive(), "wait_for_save waited for the gather"
         assert layers.gathering.wait(5)
 
-        # The next step must not start its forward pass (which may overwrite freed pages)
-        # while the gather still copies them.
+        # A step giving out one of those blocks again (the request preempted, its block
+        # given to another) must not start its forward pass, which writes that page, while
+        # the gather still copies it.
         a.worker.clear_connector_metadata()
-        next_step = _run(lambda: a.run_step(fakes.empty_step()))
+        other = Request("b-0", PROMPT[:9])
+        next_step = _run(lambda: a.run_step(fakes.new_step(other, [20, 2, 21], 0, 9)))
         next_step.join(0.3)
         assert next_step.is_alive(), "start_load_kv did not wait for the gather"
         layers.gate.set()

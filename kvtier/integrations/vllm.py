@@ -279,7 +279,6 @@ class WorkerSide(SaveTracking):
         self.cpus: set[int] = set()  # where the connector's threads run (empty: inherited)
         self._gatherer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-save-gather", initializer=self._pin_gather_thread)
-        self._gathers: list[concurrent.futures.Future[None]] = []  # copying out of the pages
         self._async_loads: list[_Load] = []
         self._failed_async: set[str] = set()  # asynchronous loads that failed to start
 
@@ -310,15 +309,8 @@ class WorkerSide(SaveTracking):
         if self.cpus:
             pin_current_thread(self.cpus)
 
-    def pages_settled(self) -> None:
-        """Wait until no save is copying out of the engine's pages (vLLM may write them next).
-        A gather is a memory copy on this host: it ends on its own, without I/O."""
-        if self._gathers:
-            concurrent.futures.wait(self._gathers)
-            self._gathers.clear()
-
     def start_loads(self, meta: KVTierMetadata) -> None:
-        self.pages_settled()
+        self.pages_settled(meta)  # a gather is a memory copy on this host: it ends on its own
         layers = self._layers()
         for plan in meta.loads:
             try:
@@ -378,8 +370,9 @@ class WorkerSide(SaveTracking):
         rows = layers.empty(len(keys)) if self.save_staging is None else \
             self.save_staging.take(len(keys), layers.empty)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._gathers.append(self._gatherer.submit(
-            self._gather_and_put, layers, plan.block_ids, keys, rows, future))
+        gather = self._gatherer.submit(self._gather_and_put, layers, plan.block_ids, keys,
+                                       rows, future)
+        self._page_copies.append((gather, frozenset(plan.block_ids)))
         if self.save_staging is not None:
             self.save_staging.hold(rows, future)
         return future
@@ -488,7 +481,10 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
                 lookups = LocalLookups(sched[0])
             elif sched:
                 lookups = BlockingStore(sched, **options)
-            self._planner = SchedulerPlanner(self._settings, keys, lookups, events)
+            # kv_consumer: this engine only loads what others stored (vLLM leaves it to us).
+            role_name = str(getattr(transfer, "kv_role", None) or "kv_both")
+            self._planner = SchedulerPlanner(self._settings, keys, lookups, events,
+                                             saves=role_name != "kv_consumer")
 
     # ---------------------------------------------------------------- worker side
     def _worker_side(self) -> WorkerSide | LocalWorkerSide:
@@ -549,7 +545,7 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         plan = self._planner_side().build_connector_meta(scheduler_output)
-        return _VLLMMetadata(loads=plan.loads, saves=plan.saves)
+        return _VLLMMetadata(loads=plan.loads, saves=plan.saves, fresh_blocks=plan.fresh_blocks)
 
     def update_connector_output(self, connector_output: Any) -> None:
         planner = self._planner_side()

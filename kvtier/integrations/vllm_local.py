@@ -9,8 +9,9 @@ moves bytes once between the daemon's shared arena and vLLM's pages:
   load error, which vLLM recomputes, and so is every block of a load that failed in any
   way (the daemon, its answer, memory, the pages): no exception reaches vLLM;
 - a save asks for slots (prepare), copies the blocks out of the pages into them, and commits;
-  the next step's :meth:`LocalWorkerSide.start_loads` waits for the copies (vLLM may write
-  those pages in its forward pass), never for the commit.
+  a later step's :meth:`LocalWorkerSide.start_loads` waits for the copies of blocks that
+  step gives out (vLLM may write those pages in its forward pass; see
+  :meth:`~kvtier.integrations.vllm_saves.SaveTracking.pages_settled`), never for the commit.
 
 One copy per byte, through a bounce buffer of :data:`BOUNCE_BYTES` that stays in the CPU
 cache (one for loads, one for saves, both made at register and reused): a block of every
@@ -35,7 +36,7 @@ from kvtier.errors import TierError
 from kvtier.integrations.cpu_affinity import pin_current_thread, worker_spare_cpus
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_plan import BlockPlan, KeyMaker, KVTierMetadata, plan_keys
-from kvtier.integrations.vllm_saves import SaveTracking
+from kvtier.integrations.vllm_saves import SHUTDOWN_GRACE_S, SaveTracking
 from kvtier.shm.sync_client import SyncLocalClient
 from kvtier.tiers.dram_arena import fault_in, slot_bytes
 from kvtier.tiers.local import local_key, parse_local_url
@@ -121,7 +122,6 @@ class LocalWorkerSide(SaveTracking):
             1, thread_name_prefix="kvtier-local-save", initializer=self._pin_save_thread)
         self._releaser = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-local-release", initializer=self._pin_save_thread)
-        self._copies: list[concurrent.futures.Future[None]] = []  # out of the pages
         self._loaded: set[str] = set()  # asynchronous loads done, not yet reported
         # Bounce buffers of the loads (worker thread) and of the saves (save thread), made
         # at register.
@@ -176,14 +176,8 @@ class LocalWorkerSide(SaveTracking):
         return offset // _ALIGN
 
     # ------------------------------------------------------------------ loads
-    def pages_settled(self) -> None:
-        """Wait until no save copies out of the engine's pages (vLLM may write them next)."""
-        if self._copies:
-            concurrent.futures.wait(self._copies)
-            self._copies.clear()
-
     def start_loads(self, meta: KVTierMetadata) -> None:
-        self.pages_settled()
+        self.pages_settled(meta)
         for plan in meta.loads:
             try:
                 keys = self._keys(plan)
@@ -269,35 +263,38 @@ class LocalWorkerSide(SaveTracking):
         copied: concurrent.futures.Future[None] = concurrent.futures.Future()
         written: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._saver.submit(self._save, layers, plan.block_ids, keys, copied, written)
-        self._copies.append(copied)
+        self._page_copies.append((copied, frozenset(plan.block_ids)))
         return written
 
     def _save(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
               copied: concurrent.futures.Future[None],
               written: concurrent.futures.Future[None]) -> None:
-        """On the save thread: prepare, copy out of the pages into the slots, commit; in
-        rounds when the daemon lends slots for part of the blocks only (its arena's spare
-        room is smaller than the save: each commit lets it evict for the next round, and
-        ``copied`` then waits for the rounds' commits too)."""
+        """On the save thread: prepare, copy out of the pages into the slots, commit.
+        ``copied`` ends once the last block is out of the pages, before the commit. The
+        daemon's prepare evicts ahead for room, so a save is one round; only when its arena
+        cannot hold it all (a save larger than its capacity, slots held by reads) does a
+        commit come first and the next round take the rest."""
         try:
             try:
                 todo = list(range(len(keys)))
                 while todo:
                     left = self._save_round(layers, [block_ids[i] for i in todo],
-                                            [keys[i] for i in todo])
+                                            [keys[i] for i in todo], copied)
                     if len(left) == len(todo):
                         raise TierError("no free slot in the daemon's arena")
                     todo = [todo[j] for j in left]
             finally:
-                copied.set_result(None)  # the pages are free for vLLM either way
+                if not copied.done():
+                    copied.set_result(None)  # the pages are free for vLLM either way
         except BaseException as exc:
             written.set_exception(exc)
             return
         written.set_result(None)
 
-    def _save_round(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes]
-                    ) -> list[int]:
-        """Save what the daemon lends slots for; the indices of the blocks it did not."""
+    def _save_round(self, layers: PagedLayers, block_ids: list[int], keys: list[bytes],
+                    copied: concurrent.futures.Future[None]) -> list[int]:
+        """Save what the daemon lends slots for; the indices of the blocks it did not.
+        Ends ``copied`` before the commit when it lent them all (the last round)."""
         spec = {"dtype": "|u1", "shape": [layers.block_bytes]}
         answer = self.client.call("/v1/prepare", {
             "blocks": [{"key": k.hex(), **spec} for k in keys]})
@@ -325,6 +322,8 @@ class LocalWorkerSide(SaveTracking):
                 out = bounce[:len(part)]
                 layers.gather_many([block_ids[j] for j in part], out=out)
                 rows[where[start:start + chunk]] = out  # the one copy of a save
+            if len(granted) == len(keys):
+                copied.set_result(None)  # vLLM may write the pages: the commit needs none
             answer = self.client.call("/v1/commit", {"leases": ids})
             if answer.get("error") or not all(c is True for c in answer.get("committed", [])):
                 raise TierError(f"commit refused: {answer.get('error') or 'slots expired'}")
@@ -335,9 +334,14 @@ class LocalWorkerSide(SaveTracking):
         return [j for j, slot in enumerate(slots) if not isinstance(slot, dict)]
 
     def close(self) -> None:
-        self.pages_settled()
-        self._saver.shutdown()
-        self._releaser.shutdown()  # the leases' releases go out first
+        """Wait (bounded: :data:`~kvtier.integrations.vllm_saves.SHUTDOWN_GRACE_S`) for the
+        saves in flight, logging those that did not end, then stop the threads without
+        waiting for them: a read lease ends with this process anyway (the daemon watches
+        it), and vLLM kills the process soon after its shutdown."""
+        self._wait_for_saves(SHUTDOWN_GRACE_S)
+        self._page_copies.clear()
+        self._saver.shutdown(wait=False)
+        self._releaser.shutdown(wait=False)
         self.client.close()
 
 

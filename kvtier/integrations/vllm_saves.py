@@ -14,14 +14,21 @@ import concurrent.futures
 import logging
 import threading
 from functools import partial
+from typing import Any
 
 from kvtier.integrations.paged import PagedLayers
 from kvtier.integrations.vllm_events import KVTierWorkerMetadata
 from kvtier.integrations.vllm_plan import BlockPlan, KVTierMetadata
 
-__all__ = ["SaveTracking"]
+__all__ = ["SHUTDOWN_GRACE_S", "SaveTracking"]
 
 log = logging.getLogger("kvtier.integrations.vllm")
+
+#: Seconds a worker side's ``close`` (the connector's ``shutdown``) waits for its saves in
+#: flight. Well under vLLM 0.32's own bound: its front end SIGKILLs the engine's processes
+#: 5 s after asking the engine core to stop (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` is
+#: 5 s too), and the worker's teardown after the connector's still has to run.
+SHUTDOWN_GRACE_S = 2.0
 
 
 class SaveTracking(abc.ABC):
@@ -44,6 +51,8 @@ class SaveTracking(abc.ABC):
         self._report_lock = threading.Lock()
         self._report = KVTierWorkerMetadata()
         self._ended: set[concurrent.futures.Future[None]] = set()  # saves _saved has seen
+        # Saves still copying out of vLLM's pages, each with the blocks it reads.
+        self._page_copies: list[tuple[concurrent.futures.Future[Any], frozenset[int]]] = []
 
     def _layers(self) -> PagedLayers:
         if self.layers is None:
@@ -59,6 +68,29 @@ class SaveTracking(abc.ABC):
                     ) -> concurrent.futures.Future[None]:
         """Start saving the blocks of ``plan`` under ``keys``: a future that ends when they
         are readable by other processes (or the save failed)."""
+
+    def pages_settled(self, meta: KVTierMetadata | None = None) -> None:
+        """Wait for the saves copying out of pages vLLM may write from this step on: with
+        ``meta`` those reading one of its ``fresh_blocks``, else (or when it does not say)
+        all of them.
+
+        Why only those: a save reads full blocks of a request that holds them (running, or
+        finished with its free delayed until the save ends). vLLM writes a running request's
+        KV only past its computed tokens, into its partly filled last block or into blocks
+        it gives out in the step, never into a full block; a block it takes back (a
+        preempted request's) is written only once it is given out again, in a later step's
+        ``fresh_blocks``. So a copy of other blocks can go on under the forward pass (a
+        256 MiB save's copy was waited for by the next decode step).
+        """
+        copies = self._page_copies
+        if not copies:
+            return
+        fresh = None if meta is None or meta.fresh_blocks is None else set(meta.fresh_blocks)
+        wait = [(f, blocks) for f, blocks in copies if not f.done() and
+                (fresh is None or not fresh.isdisjoint(blocks))]
+        if wait:
+            concurrent.futures.wait([f for f, _ in wait])
+        self._page_copies = [(f, b) for f, b in copies if not f.done()]
 
     def save(self, meta: KVTierMetadata) -> None:
         """Start the saves ``meta`` plans; they run in the background."""
@@ -91,6 +123,20 @@ class SaveTracking(abc.ABC):
             saving = self._saving.get(key)
             if saving is not None:
                 concurrent.futures.wait([saving], timeout=timeout)
+
+    def _wait_for_saves(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for every save in flight to end; log those that did
+        not (their blocks may be missing for the next engine: vLLM kills the process)."""
+        futures = {f for saves in self._req_saves.values() for f in saves}
+        _, left = concurrent.futures.wait(futures, timeout=grace)
+        if not left:
+            return
+        requests = sorted(r for r, saves in self._req_saves.items()
+                          if any(f in left for f in saves))
+        blocks = sum(f in left for f in self._saving.values())
+        log.warning("kvtier: shutting down with %d save(s) of %d block(s) unfinished after "
+                    "%.1f s (requests %s); what they had not committed is lost",
+                    len(left), blocks, grace, ", ".join(requests))
 
     def _saved(self, future: concurrent.futures.Future[None], *, keys: list[bytes],
                save_id: int, blocks: int) -> None:

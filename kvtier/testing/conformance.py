@@ -334,6 +334,19 @@ class TierConformance(abc.ABC):
         await tier.put(key_of(10), sample_block(10))
         assert await tier.contains_many(chain) == [True, True, True, False]
 
+    async def test_a_batch_into_a_full_tier_keeps_the_whole_batch(self) -> None:
+        # Whatever the policy protects (here blocks read again, as a store's put_many then
+        # touch_chain makes every stored block), a batch that fits the budget never evicts
+        # its own blocks: the victims come from what was there before.
+        self._need_budget()
+        tier = await self.tier(self.capacity_for(8))
+        for start in (0, 8, 16):
+            batch = [key_of(i) for i in range(start, start + 6)]
+            await tier.put_many([(k, sample_block(start + j)) for j, k in enumerate(batch)])
+            await tier.touch_chain(batch)
+            assert await tier.contains_many(batch) == [True] * 6, f"batch at {start}"
+            assert tier.used <= self.capacity_for(8)
+
     async def test_pinned_blocks_not_evicted(self) -> None:
         self._need_budget()
         tier = await self.tier(self.capacity_for(3))

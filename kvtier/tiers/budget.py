@@ -164,6 +164,30 @@ class BudgetedTier(Tier):
                 "pinned_bytes": self._policy.pinned_bytes, "leaving": leaving,
                 "policy": self.policy_name}
 
+    async def _put_many(self, items: Sequence[tuple[bytes, Block]]) -> None:
+        """Put in order, each piece of the batch that fits the budget pinned while it goes
+        in: block by block, a policy that protects blocks read again (s3fifo, arc) evicts
+        the batch's own earlier blocks into a full tier (of a 64-block save into the host
+        daemon's full arc tier, one block stayed)."""
+        capacity = self._policy.capacity
+        pieces: list[list[tuple[bytes, Block]]] = [[]]
+        nbytes = 0
+        for key, block in items:
+            if pieces[-1] and capacity is not None and nbytes + block.nbytes > capacity:
+                pieces.append([])
+                nbytes = 0
+            pieces[-1].append((key, block))
+            nbytes += block.nbytes
+        for piece in pieces:
+            keys = [k for k, _ in piece]
+            for key in keys:
+                self._policy.pin(key)
+            try:
+                for key, block in piece:
+                    await self._put(key, block)
+            finally:
+                self._unpin_all(keys)
+
     # ------------------------------------------------------------ storage hooks
     async def _commit(self, items: Sequence[tuple[bytes, Block]],
                       dropped: list[bytes]) -> list[int] | None:

@@ -337,6 +337,14 @@ class DRAMTier(BudgetedTier):
         """The arena holding this tier's blocks (``None``: heap memory)."""
         return self._arena
 
+    async def evict_ahead(self, nbytes: int) -> bool:
+        """Evict about ``nbytes`` of the least recently used unpinned blocks now, ahead of
+        the put they make room for: the host daemon lends a save's arena slots before its
+        commit, whose put would evict as much anyway (victims are demoted to the tiers
+        below as for any eviction). Returns whether anything was evicted."""
+        self._check_open()
+        return await self._evict_more(nbytes)
+
     def register_host_memory(self, backend: object) -> None:
         """Register the tier's arena once with a device ``backend`` as pinned host memory,
         so copies between device memory and stored blocks are one DMA with no staging

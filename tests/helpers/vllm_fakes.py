@@ -30,9 +30,10 @@ class Role(enum.Enum):
     WORKER = 1
 
 
-def vllm_config(extra: dict[str, Any], *, tp_size: int = 1, kv_events: bool = True) -> Any:
+def vllm_config(extra: dict[str, Any], *, tp_size: int = 1, kv_events: bool = True,
+                kv_role: str = "kv_both") -> Any:
     return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_role=kv_role),
         model_config=SimpleNamespace(model="/models/tiny", served_model_name="tiny",
                                      dtype="float16", max_model_len=32 * BLOCK),
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
@@ -133,8 +134,9 @@ def expected_block(tokens: list[int], block_index: int) -> bytes:
 class FakeEngine:
     """A scheduler-side and a worker-side connector over numpy paged buffers."""
 
-    def __init__(self, extra: dict[str, Any], *, kv_events: bool = True) -> None:
-        cfg = vllm_config(extra, kv_events=kv_events)
+    def __init__(self, extra: dict[str, Any], *, kv_events: bool = True,
+                 kv_role: str = "kv_both") -> None:
+        cfg = vllm_config(extra, kv_events=kv_events, kv_role=kv_role)
         self.scheduler = KVTierConnector(cfg, Role.SCHEDULER, kv_cache_config())
         self.worker = KVTierConnector(cfg, Role.WORKER, kv_cache_config())
         # One layer with the block dimension first, one with K/V split ahead of it.
