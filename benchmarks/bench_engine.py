@@ -136,7 +136,10 @@ class Setup:
         if config == "lmcache":
             return {"kind": "lmcache", "port": self.services["lmcache"]}
         dram = self.dram
-        local = [f"local://{self.services.get('local', '')}?timeout=5"]
+        # One daemon serves every local configuration and a repeat's prompt is the same for
+        # all of them (their outputs are compared with the no-connector run's): a namespace
+        # per configuration keeps one's save from being another's hit.
+        local = [f"local://{self.services.get('local', '')}?timeout=5&namespace={config}"]
         tiers = {"lmdb": [dram, f"lmdb://{run_dir / ('lmdb-' + name)}?capacity=2GiB"],
                  "file": [dram, f"file://{run_dir / 'file'}"],
                  "peers": [dram, self.services.get("peers", "")],

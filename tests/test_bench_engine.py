@@ -193,7 +193,11 @@ def test_local_configs_use_the_daemon(tmp_path: Path) -> None:
     setup = bench_engine.Setup("python", None, tmp_path, {"local": "kv-bench"}, 4096)
     for config in ("local", "local2", "localc"):
         spec = setup.connector(config, tmp_path)
-        assert spec is not None and spec["tiers"] == ["local://kv-bench?timeout=5"]
+        # Each its own namespace: a repeat's prompt is the same for every configuration,
+        # and one configuration's save on the shared daemon must not be the next one's hit
+        # (the kv_consumer writer loaded the prompt local:// had saved: 4095 tokens cached).
+        assert spec is not None
+        assert spec["tiers"] == [f"local://kv-bench?timeout=5&namespace={config}"]
         assert spec["kv_role"] == ("kv_consumer" if config == "localc" else "kv_both")
     assert all(len(bench_engine.CONFIGS[c]) <= 22 for c in ("local2", "localc"))  # the column
 
