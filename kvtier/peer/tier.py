@@ -857,13 +857,16 @@ class PeerTier(Tier):
                                                      lambda b: b is not None)
         self._report_unanswered(keys, blocks, missed)
         unsettled: list[tuple[bytes, Block, str | None]] = []
+        holes: list[tuple[bytes, Block, list[str]]] = []
         for key, block, not_here, holder in zip(keys, blocks, missed, holders, strict=True):
             if block is None:
                 continue
             if not_here:
-                self._read_repair(key, block, not_here)
+                holes.append((key, block, not_here))
             elif self.members.unsettled(key, self.replicas, self.change_window):
                 unsettled.append((key, block, holder))
+        if holes:
+            self._read_repair(holes)
         if unsettled:
             self._verify_owners(unsettled)
         return cast(list[Block | None], blocks)
@@ -916,39 +919,61 @@ class PeerTier(Tier):
                         if not here:
                             lacking[i].append(member)
             self.counts["owners_verified"] += len(todo)
-            for i, members in lacking.items():
-                await self._repair_copies(todo[i][0], todo[i][1], members)
+            await self._repair_batches([(todo[i][0], todo[i][1], members)
+                                        for i, members in lacking.items()])
         finally:
             self._repair_held -= held
 
-    def _read_repair(self, key: bytes, block: Block, not_here: list[str]) -> None:
-        """Write a block found away from its first live owners back to those that lacked it,
-        in the background, within ``repair_bytes`` (past it the repair is dropped, counted;
-        the next read or the anti-entropy pass repairs the block)."""
-        owners = self.members.live_owners(key, self.replicas)
-        targets = [m for m in not_here if m in owners]
-        if not targets:
-            return
-        if self._repair_held + block.nbytes > self.repair_bytes:
-            self.counts["read_repairs_dropped"] += 1
-            return
-        self._repair_held += block.nbytes
-        task = asyncio.create_task(self._repair(key, block, targets))
-        self._repairs.add(task)
-        task.add_done_callback(self._repairs.discard)
+    def _read_repair(self, found: list[tuple[bytes, Block, list[str]]]) -> None:
+        """Write the blocks a read found away from their first live owners back to those
+        that lacked them (``(key, block, members that answered "not here")``), in the
+        background, within ``repair_bytes`` (past it a repair is dropped, counted; the next
+        read or the anti-entropy pass repairs the block)."""
+        todo: list[tuple[bytes, Block, list[str]]] = []
+        held = 0
+        for key, block, not_here in found:
+            owners = self.members.live_owners(key, self.replicas)
+            targets = [m for m in not_here if m in owners]
+            if not targets:
+                continue
+            if self._repair_held + held + block.nbytes > self.repair_bytes:
+                self.counts["read_repairs_dropped"] += 1
+                continue
+            held += block.nbytes
+            todo.append((key, block, targets))
+        if todo:
+            self.start_repair(self._repair(todo, held), held)
 
-    async def _repair(self, key: bytes, block: Block, targets: list[str]) -> None:
+    async def _repair(self, todo: list[tuple[bytes, Block, list[str]]], held: int) -> None:
         try:
-            await self._repair_copies(key, block, targets)
+            await self._repair_batches(todo)
         finally:
-            self._repair_held -= block.nbytes
+            self._repair_held -= held
 
-    async def _repair_copies(self, key: bytes, block: Block, targets: list[str]) -> None:
-        frame = await self._encode(key, block)
-        for target in targets:
-            if await self._put_to(target, "repair", key, block, frame, fill=True) \
-                    is not FAILED:
-                self.counts["read_repairs"] += 1
+    async def _repair_batches(self, todo: list[tuple[bytes, Block, list[str]]]) -> None:
+        """Copy each ``(key, block, targets)`` to its targets with ``?fill=1``: one batch
+        put per member, all members at once. Not one request per key: a read that finds
+        a member back empty has hundreds of holes on it, and that burst queues past the
+        client's connections, so under load most copies time out unsent and are lost."""
+        frames = [await self._encode(key, block) for key, block, _ in todo]
+        per_member: dict[str, list[int]] = defaultdict(list)
+        for i, (_, _, targets) in enumerate(todo):
+            for member in targets:
+                per_member[member].append(i)
+
+        async def copy(member: str, idx: list[int]) -> None:
+            if self._is_local(member):
+                for i in idx:
+                    if await self._put_to(member, "repair", todo[i][0], todo[i][1],
+                                          frames[i], fill=True) is not FAILED:
+                        self.counts["read_repairs"] += 1
+                return
+            items = [(todo[i][0], frames[i]) for i in idx]
+            put = partial(self.members.client(member).put_many, items, fill=True)
+            if await self._call(member, "repair", put, len(items)) is not FAILED:
+                self.counts["read_repairs"] += len(items)
+
+        await asyncio.gather(*(copy(m, idx) for m, idx in per_member.items()))
 
     async def _exists(self, member: str, keys: list[bytes]) -> list[bool]:
         if self._is_local(member):
