@@ -154,6 +154,9 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport's methods without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
+        if self._server.stopping:  # made before the server began to stop, connected after
+            transport.close()
+            return
         self._server.dataplane_connections.add(self)
         loop = asyncio.get_running_loop()
         self._idle_since = loop.time()

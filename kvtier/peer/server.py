@@ -225,6 +225,8 @@ class PeerServer:
         self._ssl = ssl_context
         self._close_segment = close_segment
         self._runner: web.AppRunner | None = None
+        #: Set once :meth:`stop` began: connections made from then on are refused.
+        self.stopping = False
         self._listener: asyncio.Server | None = None
         self._started = time.monotonic()
         self.requests: Counter[tuple[str, str, int]] = Counter()
@@ -284,6 +286,7 @@ class PeerServer:
         """Bind and start serving; returns the bound ``(host, port)``."""
         if self._runner is not None:
             raise RuntimeError("PeerServer already started")
+        self.stopping = False
         soft, _ = raise_open_files_limit()
         self.connection_limit = connection_limit(self.max_connections, soft)
         if self.body_reserve and not self._bodies.reserved_bytes:
@@ -325,7 +328,7 @@ class PeerServer:
 
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self._runner.server if self._runner is not None else None
-        if server is None or self._open_connections() >= self.connection_limit:
+        if server is None or self.stopping or self._open_connections() >= self.connection_limit:
             self.connections_refused += 1
             return RefuseProtocol()
         if self.data_plane:
@@ -382,10 +385,17 @@ class PeerServer:
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, then close the segment if owned."""
+        # From here on a connection the listener accepted before it closed (its protocol
+        # made, or connected, only now) is refused: left open it would serve from the closed
+        # segment, and a client's pooled connection would keep reaching this stopped server
+        # after a new one took the port.
+        self.stopping = True
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
-        await asyncio.gather(*(conn.shutdown(10.0) for conn in list(self.dataplane_connections)))
+        while self.dataplane_connections:
+            await asyncio.gather(*(conn.shutdown(10.0)
+                                   for conn in list(self.dataplane_connections)))
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
