@@ -104,3 +104,27 @@ def test_a_failed_gather_fails_its_save_only(tmp_path: Path,
         assert "save of 5 blocks failed" in caplog.text and "block_id 99" in caplog.text
     finally:
         engine.close()
+
+
+def test_gathering_blocks_of_several_layers_into_a_bounce_buffer_allocates_nothing() -> None:
+    """A save copies a chunk of blocks out of every layer into rows of a bounce buffer made
+    at register; each layer's columns of it are not contiguous, and np.take buffered such an
+    ``out`` (a save under memory pressure failed with MemoryError((4, 524288), uint8)). The
+    gather writes in place, and its bytes are the layers' blocks."""
+    import tracemalloc
+
+    import numpy as np
+
+    layers = {f"layers.{i}.attn": np.random.default_rng(i).integers(
+        0, 255, (2, 8, 16 << 10), dtype=np.uint8) for i in range(4)}  # K/V, 8 blocks each
+    paged = PagedLayers(layers, 8)
+    bounce = paged.empty(4)
+    tracemalloc.start()
+    try:
+        paged.gather_many([7, 2, 5, 0], out=bounce)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < bounce.nbytes // 8, f"the gather allocated {peak} bytes"
+    for row, block in zip(bounce, [7, 2, 5, 0], strict=True):
+        assert row.tobytes() == paged.gather(block).tobytes()

@@ -193,8 +193,18 @@ def _to_device(data: npt.NDArray[np.uint8], plane: Any) -> Any:
 
 def _take(plane: Any, ids: npt.NDArray[np.intp], out: npt.NDArray[np.uint8]) -> None:
     if _is_host(plane):
-        # ids are checked: "clip" never clips, and unlike "raise" it writes ``out`` in place.
-        np.take(plane, ids, axis=0, out=out, mode="clip")
+        if out.flags.c_contiguous:
+            # ids are checked: "clip" never clips, and unlike "raise" it writes ``out`` in
+            # place.
+            np.take(plane, ids, axis=0, out=out, mode="clip")
+            return
+        # A plane's columns of a block-major buffer (every plane but a lone one): np.take
+        # buffers an ``out`` that is not contiguous, allocating its size per call (a save
+        # under memory pressure failed with MemoryError((4, 524288), uint8)); a copy per
+        # block allocates nothing, and measured 185-200 ms against np.take's 265-290 for a
+        # 256 MiB save over 32 planes.
+        for row, block in zip(out, ids, strict=True):
+            np.copyto(row, plane[block])
         return
     import torch
 
