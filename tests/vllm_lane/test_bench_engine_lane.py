@@ -41,13 +41,15 @@ def test_smallest_bench_engine_rows(tmp_path: Path) -> None:
     assert set(rows) == {"writer", "hit", "local", "miss"}
     assert {r["config"] for r in rows.values()} == {"file"}
     # The 256-token prompt is 8 full blocks: all load, claimed but for the last token (vLLM
-    # must compute one). After vLLM's own prefix cache (7 blocks) the 8th loads from kvtier.
+    # must compute one). After vLLM's own prefix cache (7 blocks) less than a block is left
+    # to claim (31 tokens), so the connector asks the pool nothing (vllm#42623) and vLLM
+    # computes them.
     claimed = PROMPT - 1
     assert PROMPT % BLOCK == 0
     assert rows["writer"]["cached_tokens"] == 0
     assert rows["hit"]["cached_tokens"] == claimed
     assert rows["hit"]["prefilled_tokens"] == 1
-    assert rows["local"]["cached_tokens"] == claimed
+    assert rows["local"]["cached_tokens"] == PROMPT - BLOCK
     assert rows["miss"]["cached_tokens"] == 0
     for request in ("hit", "local"):
         assert rows[request]["identical"] is True
