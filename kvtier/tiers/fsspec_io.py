@@ -216,15 +216,7 @@ class LocalBackend:
 
     @staticmethod
     def _delete(path: str, removed: Published) -> bool:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            found = False
-        else:
-            found = True
-        if removed is not None:
-            removed()
-        return found
+        return _remove(os.unlink, path, removed)
 
     async def exists(self, path: str) -> bool:
         return await in_thread(os.path.exists, path, what="file exists", wait_started=False)
@@ -274,15 +266,7 @@ class SyncFsBackend:
         return await in_thread(self._delete, path, removed, what="fsspec delete")
 
     def _delete(self, path: str, removed: Published) -> bool:
-        try:
-            self.fs.rm_file(path)
-        except FileNotFoundError:
-            found = False
-        else:
-            found = True
-        if removed is not None:
-            removed()
-        return found
+        return _remove(self.fs.rm_file, path, removed)
 
     async def exists(self, path: str) -> bool:
         return bool(await asyncio.to_thread(self.fs.exists, path))
@@ -342,3 +326,17 @@ async def close_async_fs(fs: Any) -> None:
         result = session.close()
         if asyncio.iscoroutine(result):
             await result
+
+
+def _remove(remove: Callable[[str], object], path: str, removed: Published) -> bool:
+    """``remove(path)`` in a worker thread: whether the object existed; ``removed`` is
+    called once it is gone (or was found absent)."""
+    try:
+        remove(path)
+    except FileNotFoundError:
+        found = False
+    else:
+        found = True
+    if removed is not None:
+        removed()
+    return found
