@@ -33,8 +33,9 @@ anti-entropy pass could have re-replicated in between); one all of whose owners'
 were evicting at the end (`--dram-capacity`, 2GiB, outgrown: LRU drops the oldest keys)
 counts as lost to the budget (under `--placement local`, where copies are not on the ring
 owners and a last copy is dropped only as the oldest block anywhere: only when a server
-dropped blocks as the oldest and the key is older than the youngest pool-blocks / replicas
-values acknowledged, which fit the pool with all their copies); every other unreadable key
+dropped blocks as the oldest and the key's last access, its ack or its last read, whichever
+is later, is older than the youngest pool-blocks / replicas values' last accesses, which fit
+the pool with all their copies: age as the holder defines it); every other unreadable key
 is a loss replication should have prevented. A
 second table shows each server's DRAM evictions and blocks and its anti-entropy counters
 (from ``/metrics``) just before each kill and at the end. Wrong bytes and exceptions must be
@@ -223,6 +224,7 @@ class Tally:
     puts: int = 0
     gets: int = 0
     acked: dict[bytes, float] = field(default_factory=dict)  # key -> ack time
+    read: dict[bytes, float] = field(default_factory=dict)  # key -> its last get that hit
     chains: list[list[bytes]] = field(default_factory=list)  # acknowledged, with --chain > 1
     put_errors: int = 0
     get_errors: int = 0
@@ -313,6 +315,8 @@ async def _workers(stores: Sequence[object], tally: Tally, args: argparse.Namesp
                         del reading[key]
                 tally.get_lat.append(time.perf_counter() - t0)
                 tally.gets += 1
+                if got is not None:
+                    tally.read[key] = time.monotonic()
                 change = tally.changing.get(key)
                 if got is None:
                     if change is not False:  # a delete that raced this get: not a miss
@@ -494,16 +498,23 @@ def _oldest_dropped(unreadable: list[bytes], tally: Tally, args: argparse.Namesp
     server dropped blocks as the oldest (``dropped_oldest``) and the key is older than the
     youngest ``pool blocks / replicas`` values acknowledged (puts and overwrites): those fit
     the pool with every copy even were everything older dropped, so none of them is the
-    oldest anywhere, and losing one is a replication failure whatever the pool's fill."""
+    oldest anywhere, and losing one is a replication failure whatever the pool's fill.
+    Age is the holder's (:mod:`kvtier.peer.holder`): the time since a value's last access,
+    its ack or the last get of it that hit, whichever is later."""
     dropped = sum(f.get("dropped_oldest", 0.0) for _, _, _, f in tally.figures)
     if not dropped:
         return []
     fit = args.servers * _size(args.dram_capacity) // args.block_bytes // args.replicas
-    stored = sorted([*tally.acked.values(), *tally.overwritten.values()])
+
+    def last_access(key: bytes, acked: float) -> float:
+        return max(acked, tally.read.get(key, acked))
+
+    stored = sorted([*(last_access(k, t) for k, t in tally.acked.items()),
+                     *(last_access(k, t) for k, t in tally.overwritten.items())])
     if len(stored) <= fit:
         return []
     cutoff = stored[-fit]
-    return [k for k in unreadable if tally.acked[k] < cutoff]
+    return [k for k in unreadable if last_access(k, tally.acked[k]) < cutoff]
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -18,8 +18,8 @@ directory, and forwards a block's last copy by global age when its segment evict
   when it is the oldest anywhere (a member that is down counts as of its last health
   document: with room or older blocks it may take the copy, which then stays, refusing
   the put that needed the room). Members learn each other's age from ``/v1/health``
-  (``evict_age``: the age of the block it last evicted, plus the time since; ``null``
-  while it has evicted nothing) on every health probe. A forwarded block keeps its age
+  (``evict_age``: the age of the block its segment evicts next; ``null`` while it has
+  evicted nothing) on every health probe. A forwarded block keeps its age
   (``?age=`` on the forward), so the wave of victims it sets off only ever moves to older
   members. When no older member takes it (all failed), the victim stays and the put that
   needed the room fails (``507``), so a copy is never lost to a failed forward.
@@ -43,8 +43,11 @@ directory, and forwards a block's last copy by global age when its segment evict
   forwards; with several directory owners the smallest count answered decides (an owner
   that did not answer within half the pool's ``timeout`` counts as none left).
 
-A block's age here is the time since it was stored on this member (a forwarded block
-arrives with its age); reads refresh the segment's own eviction order, not the age.
+A block's age here is the time since its last access on this member: its store or its
+last read, whichever is later (the Global Memory Service's age). A forwarded block arrives
+with its age. ``evict_age`` is the age of the block the segment evicts next (its least
+recently used block under the default ``lru`` policy), so the age a member reports and the
+order its segment evicts in agree.
 """
 
 from __future__ import annotations
@@ -139,12 +142,31 @@ class LocalHolder:
 
     # ------------------------------------------------------------------ ages
     def evict_age(self) -> float | None:
-        """Seconds: how old the blocks this member evicts are now (``None``: it has
-        evicted nothing yet)."""
+        """Seconds: the age of the block this member's segment evicts next (``None``: it has
+        evicted nothing yet). ``born`` is kept in the segment's recency order (a store or
+        a read moves a key last), so its first key is the least recently used block, the
+        next victim of the default ``lru`` policy: the age reported is the age of what a
+        forward to this member displaces, not of a victim evicted long ago (a member whose
+        last victim was young kept looking young while older blocks sat in it)."""
         if self._victim is None:
             return None
-        age, when = self._victim
-        return age + (time.monotonic() - when)
+        now = time.monotonic()
+        first = next(iter(self.born), None)
+        if first is None:
+            age, when = self._victim
+            return age + (now - when)
+        return now - self.born[first]
+
+    def touched(self, keys: Sequence[bytes]) -> None:
+        """Keys read here: their age begins again (a block's age is the time since its last
+        access, as in the Global Memory Service), and they move last in ``born``'s order,
+        as in the segment's recency order."""
+        now = time.monotonic()
+        born = self.born
+        for key in keys:
+            if key in born:
+                del born[key]
+                born[key] = now
 
     def _age_of(self, member: str, nbytes: int) -> float:
         """``member``'s oldest blocks' age from its last health document (infinite when it

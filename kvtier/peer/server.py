@@ -603,6 +603,8 @@ class PeerServer:
         block = await self.segment.get(key)
         if block is None:
             raise web.HTTPNotFound(text="no such block")
+        if self.holder is not None:  # placement=local: a read begins its age again
+            self.holder.touched((key,))
         frame = self.frames.encode(key, block)  # bound to its key: the client verifies it
         return await self._send(request, frame.buffers)
 
@@ -720,6 +722,8 @@ class PeerServer:
         answer = await batch_get_answer(self.segment.get_many, self.frames, keys, self.limits,
                                         self.budget)
         self.batch_truncated += answer.truncated
+        if self.holder is not None:  # placement=local: a read begins its age again
+            self.holder.touched(keys)
         return answer
 
     async def _batch_put(self, request: web.Request) -> web.StreamResponse:
