@@ -357,6 +357,8 @@ class DataPlaneProtocol(asyncio.BufferedProtocol):
         if block is None:
             await self._answer(404, [b"no such block"], TEXT, head_only=head_only)
             return 404
+        if server.holder is not None:  # placement=local: a read begins its age again
+            server.holder.touched((request.key,))
         frame = server.frames.encode(request.key, block)  # bound to its key
         del block
         server.bytes_out += await self._answer(200, frame.buffers, proto.CONTENT_TYPE,

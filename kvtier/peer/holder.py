@@ -370,9 +370,14 @@ class LocalHolder:
                      spare: bool = False) -> None:
         """Keys stored on this member (``age``: a forwarded block's age; ``spare``: spare
         copies, see :func:`spare_copies`): registered before the store is acknowledged."""
+        # A batch's first blocks may be evicted by its last ones before this runs: those
+        # are left out of ``born``, whose first key must be a block the segment holds.
+        held = await self.server.segment.contains_many(keys)
         now = time.monotonic()
-        for key in keys:  # stored again: young again, and last in the insertion order
+        for key, here in zip(keys, held, strict=True):  # young again, and last in order
             self.born.pop(key, None)
+            if not here:
+                continue
             self.born[key] = now - (age or 0.0)
             self._spare_hints.pop(key, None)
             if spare:
