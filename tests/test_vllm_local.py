@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.integrations.vllm_local import LocalLookups, LocalWorkerSide
-from tests.helpers.shm_helpers import Daemon, running_daemon
+from tests.helpers.shm_helpers import Daemon, running_daemon, wait_for
 from tests.helpers.vllm_fakes import BLOCK, Blocks, FakeEngine, Request, expected_block, new_step
 
 PROMPT = [(13 * i + 7) % 997 + 1 for i in range(22)]  # 5 full blocks of 4, plus 2 tokens
@@ -277,3 +277,31 @@ def test_a_step_waits_only_for_save_copies_of_blocks_it_may_write(tmp_path: Path
                 proc.signal(signal.SIGCONT)
         finally:
             engine.close()
+
+
+def test_a_save_frees_the_pages_before_its_commit(daemon: Daemon) -> None:
+    """The save thread ends its page copy (vLLM may write the pages again) before the
+    commit's round trip to the daemon, not after it: at each commit the test records
+    whether the save's copy had ended. (With the two swapped in ``_save_round``, this
+    failed with 'assert [False] == [True]'.)"""
+    engine = FakeEngine(_extra(daemon))
+    try:
+        worker = engine.worker._worker
+        assert isinstance(worker, LocalWorkerSide)
+        call = worker.client.call
+        at_commit: list[bool] = []
+
+        def recording(path: str, body: object = None, **kw: object) -> object:
+            if path == "/v1/commit" and not (isinstance(body, dict) and body.get("abort")):
+                # _start_save tracks the copy just after handing the save to its thread.
+                assert wait_for(lambda: worker._page_copies, 10)
+                at_commit.append(all(f.done() for f, _ in worker._page_copies))
+            return call(path, body, **kw)  # type: ignore[arg-type]
+
+        worker.client.call = recording  # type: ignore[method-assign]
+        prompt = [(11 * i) % 997 + 1 for i in range(8 * BLOCK + 1)]
+        engine.prefill(Request("w", prompt), list(range(9)))
+        assert engine.finish(Request("w", prompt)) == {"w"}
+        assert at_commit == [True]
+    finally:
+        engine.close()

@@ -47,7 +47,7 @@ from kvtier.integrations.vllm_plan import (
     SchedulerPlanner,
     plan_keys,
 )
-from kvtier.integrations.vllm_saves import SaveTracking
+from kvtier.integrations.vllm_saves import SHUTDOWN_GRACE_S, SaveTracking
 from kvtier.keys import KeyNamespace
 from kvtier.store import TieredStore
 from kvtier.tiers.dram_arena import fault_in
@@ -55,6 +55,12 @@ from kvtier.tiers.dram_arena import fault_in
 __all__ = ["KVTierConnector", "KVTierMetadata", "WorkerSide", "vllm_available"]
 
 log = logging.getLogger("kvtier.integrations.vllm")
+
+#: ``close_timeout`` of the connector's stores: at shutdown, after the saves' grace
+#: (:data:`~kvtier.integrations.vllm_saves.SHUTDOWN_GRACE_S`), a store waits this long for
+#: what is still in flight, then this long for its flush, so the whole shutdown stays under
+#: vLLM's 5 s before it kills the process.
+STORE_CLOSE_S = 1.0
 
 
 class _LocalBase:
@@ -391,12 +397,17 @@ class WorkerSide(SaveTracking):
         written.add_done_callback(partial(_pass_outcome, future))
 
     def close(self) -> None:
-        self.pages_settled()
-        self._gatherer.shutdown()
+        """Wait (bounded: :data:`~kvtier.integrations.vllm_saves.SHUTDOWN_GRACE_S`) for the
+        saves in flight, logging those that did not end, then close the store within its
+        :data:`STORE_CLOSE_S` bounds: a tier that hangs must not hold vLLM's teardown until
+        it kills the process."""
+        self._wait_for_saves(SHUTDOWN_GRACE_S)
+        self._page_copies.clear()
+        self._gatherer.shutdown(wait=False)
         for load in self._async_loads:
             load.future.cancel()
         self._async_loads.clear()
-        self.store.close()
+        _close_store(self.store)
 
 
 class KVTierConnector(*_BASES):  # type: ignore[misc]
@@ -442,7 +453,8 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
                         block_size, pp_size)
         # Write-through: a block saved into this worker's private DRAM must also reach the
         # shared tiers below, where other engines (and this engine's scheduler) can see it.
-        options = {"write_policy": "write_through", **self._settings.store_options}
+        options = {"write_policy": "write_through", "close_timeout": STORE_CLOSE_S,
+                   **self._settings.store_options}
         self._planner: SchedulerPlanner | None = None
         self._worker: WorkerSide | LocalWorkerSide | None = None
         if self._is_worker and is_local_only(self._settings.tiers):
@@ -531,7 +543,11 @@ class KVTierConnector(*_BASES):  # type: ignore[misc]
         if self._worker is not None:
             self._worker.close()
         if self._planner is not None and self._planner.store is not None:
-            self._planner.store.close()
+            store = self._planner.store
+            if isinstance(store, BlockingStore):
+                _close_store(store)
+            else:
+                store.close()
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
@@ -593,6 +609,15 @@ async def _pin_store_thread(store: TieredStore, *, cpus: set[int]) -> None:
 
 async def _get_into(store: TieredStore, *, keys: list[bytes], outs: list[Any]) -> list[bool]:
     return await store.get_many_into(keys, outs)
+
+
+def _close_store(store: BlockingStore) -> None:
+    """Close ``store`` within its ``close_timeout`` bounds; a store that did not flush by
+    then is logged, not raised (vLLM's teardown goes on)."""
+    try:
+        store.close()
+    except TimeoutError as exc:
+        log.warning("kvtier: %s; what it had not written is lost", exc)
 
 
 def _pass_outcome(into: concurrent.futures.Future[None],
